@@ -1,0 +1,32 @@
+# Two commands for a fresh machine:  make demo   and   make test
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The test and demo targets run on the CPU (a CUDA plugin without a GPU only adds noise);
+# set JAX_PLATFORMS yourself to override.
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed-base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-base pyproject.toml
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed-base
+
+demo: $(VENV)/.installed-base
+	$(VENV)/bin/moajax derive --list
+	$(VENV)/bin/moajax derive all
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,5 @@
+import sys
+
+from moajax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,535 @@
+"""The Denotational Normal Form: pull arrays whose index function reads only inputs.
+
+A DNF output is a shape plus an index function ⟨p⟩ ↦ e(p), where e is a scalar expression
+over index variables: reads ⟨ix…⟩ψ A of *input* arrays, literals, index values, scalar ops,
+and reductions op_{v<n} e(v) that bind a variable. No intermediate array exists in the IR:
+ψ-reduction (``moajax.psi``) has inlined every one of them.
+
+Expressions are immutable and hash-consed: structurally equal expressions are the same
+Python object, so equality is identity and memoisation is a dict lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Callable, Iterator, Mapping
+
+import numpy as np
+
+from moajax import ops as _ops
+from moajax.ix import Ix, Var
+
+# ----------------------------------------------------------------------------- expression nodes
+
+_TABLE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _lit_key(value):
+    return (type(value).__name__, repr(value))
+
+
+class Expr:
+    """A scalar expression over index variables (immutable, hash-consed)."""
+
+    __slots__ = ("dtype", "free", "children", "__weakref__")
+
+    @classmethod
+    def _get(cls, key, init: Callable[["Expr"], None]) -> "Expr":
+        key = (cls,) + key
+        obj = _TABLE.get(key)
+        if obj is None:
+            obj = object.__new__(cls)
+            init(obj)
+            _TABLE[key] = obj
+        return obj
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {show(self)}>"
+
+    def __reduce__(self):  # pragma: no cover - expressions are not pickled
+        raise TypeError("DNF expressions are not picklable")
+
+
+class Read(Expr):
+    """⟨ix…⟩ψ A: one element of the input array A."""
+
+    __slots__ = ("array", "index")
+
+    def __new__(cls, array: str, index, dtype):
+        index = tuple(Ix.of(i) for i in index)
+        dtype = np.dtype(dtype)
+
+        def init(o):
+            o.array, o.index, o.dtype, o.children = array, index, dtype, ()
+            o.free = frozenset().union(*(i.free_vars() for i in index)) if index else frozenset()
+
+        return cls._get((array, index, dtype), init)
+
+
+class Lit(Expr):
+    """A scalar constant."""
+
+    __slots__ = ("value",)
+
+    def __new__(cls, value, dtype):
+        dtype = np.dtype(dtype)
+
+        def init(o):
+            o.value, o.dtype, o.children, o.free = value, dtype, (), frozenset()
+
+        return cls._get((_lit_key(value), dtype), init)
+
+
+class IndexValue(Expr):
+    """The value of an index expression (⟨i⟩ψ ιn = i)."""
+
+    __slots__ = ("ix",)
+
+    def __new__(cls, ix, dtype=np.int32):
+        ix = Ix.of(ix)
+        dtype = np.dtype(dtype)
+
+        def init(o):
+            o.ix, o.dtype, o.children, o.free = ix, dtype, (), ix.free_vars()
+
+        return cls._get((ix, dtype), init)
+
+
+class Call(Expr):
+    """f(e₁, …) for a scalar op f of ``moajax.ops``."""
+
+    __slots__ = ("op",)
+
+    def __new__(cls, op: str, args):
+        args = tuple(args)
+        sop = _ops.OPS[op]
+        if len(args) != sop.arity:
+            raise ValueError(f"{op} takes {sop.arity} arguments, got {len(args)}")
+
+        def init(o):
+            o.op, o.children = op, args
+            o.dtype = _ops.result_dtype(sop, [a.dtype for a in args])
+            o.free = frozenset().union(*(a.free for a in args))
+
+        return cls._get((op, args), init)
+
+    @property
+    def args(self):
+        return self.children
+
+
+class Convert(Expr):
+    """e converted to ``dtype``."""
+
+    __slots__ = ()
+
+    def __new__(cls, arg: Expr, dtype):
+        dtype = np.dtype(dtype)
+        if arg.dtype == dtype:
+            return arg
+
+        def init(o):
+            o.dtype, o.children, o.free = dtype, (arg,), arg.free
+
+        return cls._get((arg, dtype), init)
+
+    @property
+    def arg(self):
+        return self.children[0]
+
+
+class Red(Expr):
+    """op_{v<n} e(v): the monoid reduction of e over the bound variable v (n = v.extent)."""
+
+    __slots__ = ("monoid", "var")
+
+    def __new__(cls, monoid: str, var: Var, body: Expr):
+        mono = _ops.monoid(monoid).name
+
+        def init(o):
+            o.monoid, o.var, o.children = mono, var, (body,)
+            o.dtype = body.dtype
+            o.free = body.free - {var}
+
+        return cls._get((mono, var, body), init)
+
+    @property
+    def body(self):
+        return self.children[0]
+
+
+class Tag(Expr):
+    """A label on a subexpression (from ``moa.name``): transparent, kept for ONFs and printing."""
+
+    __slots__ = ("label",)
+
+    def __new__(cls, label: str, body: Expr):
+        def init(o):
+            o.label, o.children, o.dtype, o.free = label, (body,), body.dtype, body.free
+
+        return cls._get((label, body), init)
+
+    @property
+    def body(self):
+        return self.children[0]
+
+
+class Ref(Expr):
+    """⟨ix…⟩ of an ONF stage's result (never in a DNF: ONF programs introduce it)."""
+
+    __slots__ = ("stage", "index")
+
+    def __new__(cls, stage: str, index, dtype):
+        index = tuple(Ix.of(i) for i in index)
+        dtype = np.dtype(dtype)
+
+        def init(o):
+            o.stage, o.index, o.dtype, o.children = stage, index, dtype, ()
+            o.free = frozenset().union(*(i.free_vars() for i in index)) if index else frozenset()
+
+        return cls._get((stage, index, dtype), init)
+
+
+# ----------------------------------------------------------------------------- traversal
+
+
+def walk(e: Expr) -> Iterator[Expr]:
+    """Every distinct subexpression, children before parents."""
+    seen: set[int] = set()
+    stack = [(e, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            yield node
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for c in reversed(node.children):
+            if id(c) not in seen:
+                stack.append((c, False))
+
+
+def rebuild(e: Expr, children) -> Expr:
+    """The node e with new children (same op, same attributes)."""
+    children = tuple(children)
+    if all(a is b for a, b in zip(children, e.children)):
+        return e
+    if isinstance(e, Call):
+        return Call(e.op, children)
+    if isinstance(e, Convert):
+        return Convert(children[0], e.dtype)
+    if isinstance(e, Red):
+        return Red(e.monoid, e.var, children[0])
+    if isinstance(e, Tag):
+        return Tag(e.label, children[0])
+    raise TypeError(f"{type(e).__name__} has no children")
+
+
+def transform(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
+    """Bottom-up rewrite: fn(node-with-rewritten-children) returns a replacement or None."""
+    memo: dict[int, Expr] = {}
+
+    def go(x):
+        r = memo.get(id(x))
+        if r is not None:
+            return r
+        y = rebuild(x, [go(c) for c in x.children]) if x.children else x
+        z = fn(y)
+        out = y if z is None else z
+        memo[id(x)] = out
+        return out
+
+    return go(e)
+
+
+def substitute(e: Expr, mapping: Mapping[Var, Ix]) -> Expr:
+    """e with free variables replaced by index expressions (bound variables are respected)."""
+    mapping = {k: Ix.of(v) for k, v in mapping.items()}
+    memo: dict = {}
+
+    def go(x, m):
+        live = {k: v for k, v in m.items() if k in x.free}
+        if not live:
+            return x
+        key = (id(x), tuple(sorted(live.items(), key=lambda kv: (kv[0].name, kv[0].extent))))
+        r = memo.get(key)
+        if r is not None:
+            return r
+        if isinstance(x, Read):
+            out = Read(x.array, [i.substitute(live) for i in x.index], x.dtype)
+        elif isinstance(x, Ref):
+            out = Ref(x.stage, [i.substitute(live) for i in x.index], x.dtype)
+        elif isinstance(x, IndexValue):
+            out = IndexValue(x.ix.substitute(live), x.dtype)
+        elif isinstance(x, Red):
+            inner = {k: v for k, v in live.items() if k != x.var}
+            if any(x.var in v.free_vars() for v in inner.values()):
+                raise ValueError(f"substitution would capture the bound variable {x.var}")
+            out = Red(x.monoid, x.var, go(x.body, inner))
+        else:
+            out = rebuild(x, [go(c, live) for c in x.children])
+        memo[key] = out
+        return out
+
+    return go(e, mapping)
+
+
+def reads(e: Expr) -> list[Read]:
+    """The distinct input reads of e."""
+    return [x for x in walk(e) if isinstance(x, Read)]
+
+
+def reductions(e: Expr) -> list[Red]:
+    return [x for x in walk(e) if isinstance(x, Red)]
+
+
+def bound_vars(e: Expr) -> set[Var]:
+    return {x.var for x in walk(e) if isinstance(x, Red)}
+
+
+def canonical(e: Expr) -> Expr:
+    """e with its bound variables renamed by nesting depth (α-normal form).
+
+    Two expressions that differ only in the names of their bound variables have the same
+    canonical form; ONF rewrites use it to recognise repeated work.
+    """
+    memo: dict = {}  # id → (node, result): the node is kept alive so its id is never reused
+
+    def go(x, depth):
+        key = (id(x), depth)
+        r = memo.get(key)
+        if r is not None and r[0] is x:
+            return r[1]
+        if isinstance(x, Red):
+            v = Var(f"β{depth}", x.var.extent)
+            body = substitute(x.body, {x.var: Ix.of(v)}) if v != x.var else x.body
+            out = Red(x.monoid, v, go(body, depth + 1))
+        elif x.children:
+            out = rebuild(x, [go(c, depth) for c in x.children])
+        else:
+            out = x
+        memo[key] = (x, out)
+        return out
+
+    return go(e, 0)
+
+
+# ----------------------------------------------------------------------------- the DNF value
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """An input array of the kernel: name, ρ, dims, dtype."""
+
+    name: str
+    shape: tuple
+    dims: tuple
+    dtype: np.dtype
+
+    def __str__(self):
+        return f"{self.name} ρ⟨{' '.join(map(str, self.shape))}⟩ {self.dtype.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """A pull array: ρ = ``shape`` and ⟨vars⟩ ↦ ``body``."""
+
+    name: str
+    shape: tuple
+    dims: tuple
+    vars: tuple  # one Var per axis
+    body: Expr
+
+    @property
+    def dtype(self):
+        return self.body.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class DNF:
+    """A kernel in Denotational Normal Form: inputs and pull-array outputs."""
+
+    name: str
+    inputs: tuple
+    outputs: tuple
+
+    def input(self, name: str) -> InputSpec:
+        for i in self.inputs:
+            if i.name == name:
+                return i
+        raise KeyError(name)
+
+    @property
+    def output(self) -> Output:
+        if len(self.outputs) != 1:
+            raise ValueError(f"{self.name} has {len(self.outputs)} outputs; use .outputs")
+        return self.outputs[0]
+
+    def reads(self) -> list[Read]:
+        out, seen = [], set()
+        for o in self.outputs:
+            for r in reads(o.body):
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    out.append(r)
+        return out
+
+    def arrays_read(self) -> set[str]:
+        return {r.array for r in self.reads()}
+
+    def pretty(self) -> str:
+        lines = [f"DNF {self.name}"]
+        lines.append("  inputs:  " + ", ".join(str(i) for i in self.inputs))
+        ctx = ShowContext()
+        for o in self.outputs:
+            idx = " ".join(v.name for v in o.vars)
+            lines.append(f"  output:  {o.name} ρ⟨{' '.join(map(str, o.shape))}⟩ {o.dtype.name}")
+            lines.append(f"    ⟨{idx}⟩ψ {o.name} = {show(o.body, ctx)}")
+        if ctx.defs:
+            lines.append("  where")
+            for text in ctx.defs:
+                lines.append(f"    {text}")
+        return "\n".join(lines)
+
+    __str__ = pretty
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _fmt_lit(v) -> str:
+    if isinstance(v, float):
+        if v == float("inf"):
+            return "∞"
+        if v == float("-inf"):
+            return "−∞"
+        return repr(v)
+    return str(v)
+
+
+def _fmt_index(index) -> str:
+    parts = [str(i) for i in index]
+    return "⟨" + " ".join(p if " " not in p else f"({p})" for p in parts) + "⟩"
+
+
+def _appearance_order(e: Expr) -> list[Var]:
+    """The free variables of e in the order a reader meets them (first read first)."""
+    order: list[Var] = []
+
+    def visit(x):
+        if isinstance(x, (Read, Ref)):
+            for i in x.index:
+                for a, _ in i.terms:
+                    vs = [a] if isinstance(a, Var) else sorted(a.arg.free_vars())
+                    for v in vs:
+                        if v in e.free and v not in order:
+                            order.append(v)
+        elif isinstance(x, IndexValue):
+            for v in sorted(x.ix.free_vars()):
+                if v in e.free and v not in order:
+                    order.append(v)
+        for c in x.children:
+            visit(c)
+
+    visit(e)
+    return order
+
+
+_BINDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _binder_names(e: Expr) -> frozenset:
+    hit = _BINDERS.get(e)
+    if hit is None:
+        hit = _BINDERS[e] = frozenset(x.var.name for x in walk(e) if isinstance(x, Red))
+    return hit
+
+
+class ShowContext:
+    """Shared state while printing several expressions: one definition per tagged subterm."""
+
+    def __init__(self):
+        self.names: dict = {}  # (label, α-canonical body) -> printed label
+        self.defs: list[str] = []
+
+
+def show(e: Expr, ctx: ShowContext | None = None) -> str:
+    """MoA-style text of e. Tagged subexpressions print as ``label(vars)``; their definitions
+    (one per α-equivalence class) are collected in ``ctx.defs``."""
+    ctx = ctx or ShowContext()
+    memo: dict = {}  # (id, scope) → (node, text); the node is kept alive so its id stays unique
+
+    def tag_name(x: Tag) -> tuple[str, list[Var]]:
+        params = _appearance_order(x.body)
+        canon = canonical(substitute(x.body, {v: Ix.of(Var(f"π{i}", v.extent)) for i, v in enumerate(params)}))
+        key = (x.label, canon)
+        label = ctx.names.get(key)
+        if label is None:
+            n = sum(1 for k in ctx.names if k[0] == x.label)
+            label = x.label if n == 0 else f"{x.label}{n + 1}"
+            ctx.names[key] = label
+            args = ", ".join(v.name for v in params)
+            ctx.defs.append(f"{label}({args}) = {go(x.body)}")
+        return label, params
+
+    def go(x: Expr, scope: frozenset = frozenset()) -> str:
+        # a reduction whose variable shadows an enclosing one prints primed (display only)
+        key = (id(x), scope if _binder_names(x) else frozenset())
+        r = memo.get(key)
+        if r is not None and r[0] is x:
+            return r[1]
+        if isinstance(x, Read):
+            s = f"{_fmt_index(x.index)}ψ{x.array}"
+        elif isinstance(x, Ref):
+            s = f"{x.stage}[{', '.join(str(i) for i in x.index)}]"
+        elif isinstance(x, Lit):
+            s = _fmt_lit(x.value)
+        elif isinstance(x, IndexValue):
+            s = str(x.ix) if x.ix.as_var() is not None or x.ix.is_const else f"({x.ix})"
+        elif isinstance(x, Call):
+            op = _ops.OPS[x.op]
+            a = [go(c, scope) for c in x.children]
+            if op.name == "where":
+                s = f"({a[0]} ? {a[1]} : {a[2]})"
+            elif op.infix:
+                s = f"({a[0]} {op.symbol} {a[1]})"
+            elif op.name == "neg":
+                s = f"−{a[0]}"
+            else:
+                s = f"{op.symbol}({a[0]})"
+        elif isinstance(x, Convert):
+            s = f"{x.dtype.name}({go(x.arg, scope)})"
+        elif isinstance(x, Red):
+            sym = _ops.MONOIDS[x.monoid].symbol
+            if x.var.name in scope:
+                shown = x.var.name + "′"
+                while shown in scope:
+                    shown += "′"
+                body_expr = substitute(x.body, {x.var: Ix.of(Var(shown, x.var.extent))})
+                v = Var(shown, x.var.extent)
+            else:
+                body_expr, v = x.body, x.var
+            body = go(body_expr, scope | {v.name})
+            if not (body.startswith("(") and body.endswith(")")):
+                body = f"({body})"
+            s = f"{sym}_{{{v.name}<{v.extent}}}{body}"
+        elif isinstance(x, Tag):
+            label, params = tag_name(x)
+            s = f"{label}({', '.join(v.name for v in params)})"
+        else:  # pragma: no cover
+            raise TypeError(type(x))
+        memo[key] = (x, s)
+        return s
+
+    return go(e)
+
+
+def show_with_defs(e: Expr) -> str:
+    ctx = ShowContext()
+    head = show(e, ctx)
+    if not ctx.defs:
+        return head
+    return head + "\n  where " + "\n        ".join(ctx.defs)

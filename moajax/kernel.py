@@ -1,0 +1,171 @@
+"""``@moajax.kernel``: a Python function written in ``moajax.moa`` becomes a kernel.
+
+    @kernel(example=dict(t=8, s=12, h=4, e=6))
+    def attention(query: "t h", key: "s h", value: "s e", *, scale=None):
+        ...
+
+Each positional parameter's annotation names its dimensions; keyword-only parameters are
+static (hashable) options. The kernel is traced once per (shapes, dtypes, options) into an
+array expression, ψ-reduced to a DNF (cached), and calling it runs the DNF → JAX reference.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+from typing import Callable
+
+import numpy as np
+
+from moajax import moa
+from moajax import psi as _psi
+from moajax import reference as _reference
+
+REGISTRY: dict[str, "Kernel"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    name: str
+    dims: tuple
+
+
+def _spec_of(x):
+    """(shape, dtype) of an array, a jax.ShapeDtypeStruct or a bare shape tuple (float32)."""
+    if isinstance(x, tuple) and all(isinstance(s, (int, np.integer)) for s in x):
+        return tuple(int(s) for s in x), np.dtype(np.float32)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return tuple(int(s) for s in x.shape), moa._dtype(x.dtype)
+    raise TypeError(f"expected an array, a jax.ShapeDtypeStruct or a shape tuple, got {type(x).__name__}")
+
+
+class Kernel:
+    """A kernel defined in the algebra. ``dnf()``, ``derivation()``, ``expression()``, call."""
+
+    def __init__(self, fn: Callable, example: dict | None = None, name: str | None = None,
+                 outputs: tuple | None = None):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.example = dict(example or {})
+        self.output_names = outputs
+        sig = inspect.signature(fn)
+        self.params: list[Param] = []
+        self.options: dict = {}
+        for p in sig.parameters.values():
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                ann = p.annotation
+                if isinstance(ann, str) and len(ann) >= 2 and ann[0] == ann[-1] and ann[0] in "'\"":
+                    ann = ast.literal_eval(ann)  # from __future__ import annotations quotes it
+                if not isinstance(ann, str):
+                    raise TypeError(
+                        f"kernel {self.name}: parameter {p.name!r} needs a dims annotation such as \"t h\""
+                    )
+                self.params.append(Param(p.name, tuple(ann.split())))
+            elif p.kind == p.KEYWORD_ONLY:
+                self.options[p.name] = p.default
+            else:
+                raise TypeError(f"kernel {self.name}: *args/**kwargs are not supported")
+        functools.update_wrapper(self, fn)
+        self._cache: dict = {}
+
+    # ---- tracing
+    def define(self, *arrays: moa.Array, **options) -> moa.Array:
+        """Apply the definition to algebra arrays (to compose kernels inside other kernels)."""
+        return self.fn(*arrays, **options)
+
+    def _check_options(self, options):
+        unknown = set(options) - set(self.options)
+        if unknown:
+            raise TypeError(f"{self.name}: unknown option(s) {sorted(unknown)}; options are {sorted(self.options)}")
+        for k, v in options.items():
+            try:
+                hash(v)
+            except TypeError:
+                raise TypeError(f"{self.name}: option {k!r} must be hashable (a static value), got {type(v).__name__}")
+
+    def _key(self, specs, options):
+        self._check_options(options)
+        if len(specs) != len(self.params):
+            raise TypeError(f"{self.name}: expected {len(self.params)} arrays ({', '.join(p.name for p in self.params)}), got {len(specs)}")
+        shapes = []
+        sizes: dict = {}
+        for p, x in zip(self.params, specs):
+            shape, dtype = _spec_of(x)
+            if len(shape) != len(p.dims):
+                raise ValueError(
+                    f"{self.name}: argument {p.name!r} must have rank {len(p.dims)} ({' '.join(p.dims)}), got shape {shape}"
+                )
+            for d, s in zip(p.dims, shape):
+                prev = sizes.setdefault(d, (s, p.name))
+                if prev[0] != s:
+                    raise ValueError(
+                        f"{self.name}: dimension {d!r} is {prev[0]} in argument {prev[1]!r} but {s} in argument {p.name!r}"
+                    )
+            shapes.append((shape, dtype))
+        return tuple(shapes), tuple(sorted(options.items()))
+
+    def _build(self, specs, options):
+        key = self._key(specs, options)
+        hit = self._cache.get(key)
+        if hit is None:
+            inputs = tuple(
+                moa.array(p.name, shape, p.dims, dtype) for p, (shape, dtype) in zip(self.params, key[0])
+            )
+            expr = self.fn(*inputs, **options)
+            outs = expr if isinstance(expr, tuple) else (expr,)
+            for o in outs:
+                if not isinstance(o, moa.Array):
+                    raise TypeError(f"{self.name}: the definition must return moa arrays, got {type(o).__name__}")
+            names = self.output_names or (("out",) if len(outs) == 1 else tuple(f"out{i}" for i in range(len(outs))))
+            dnf, der = _psi.reduce_to_dnf(self.name, inputs, outs, names)
+            hit = (inputs, expr, dnf, der, _reference.to_jax(dnf))
+            self._cache[key] = hit
+        return hit
+
+    def expression(self, *specs, **options) -> moa.Array:
+        """The un-reduced array expression for these argument shapes."""
+        return self._build(specs or self.example_specs(), options)[1]
+
+    def dnf(self, *specs, **options):
+        """The DNF for these argument shapes (``example_specs()`` when none are given)."""
+        return self._build(specs or self.example_specs(), options)[2]
+
+    def derivation(self, *specs, **options):
+        """The ψ-reduction, rule by rule."""
+        return self._build(specs or self.example_specs(), options)[3]
+
+    def reference(self, *specs, **options) -> Callable:
+        """The DNF → JAX function for these shapes."""
+        return self._build(specs or self.example_specs(), options)[4]
+
+    def example_specs(self, dtype=np.float32):
+        """Argument specs from the ``example`` dimension sizes (for the CLI and docs)."""
+        missing = {d for p in self.params for d in p.dims} - set(self.example)
+        if missing:
+            raise ValueError(f"{self.name}: no example size for dimension(s) {sorted(missing)}")
+        import jax
+
+        return tuple(jax.ShapeDtypeStruct(tuple(self.example[d] for d in p.dims), dtype) for p in self.params)
+
+    def __call__(self, *arrays, **options):
+        """Run the kernel through the DNF → JAX reference path."""
+        return self._build(arrays, options)[4](*arrays)
+
+    def __repr__(self):
+        sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)
+        return f"<moajax kernel {self.name}({sig})>"
+
+
+def kernel(fn: Callable | None = None, *, example: dict | None = None, name: str | None = None,
+           outputs: tuple | None = None, register: bool = True):
+    """Decorator: define a kernel from a function written with ``moajax.moa`` operations."""
+
+    def wrap(f):
+        k = Kernel(f, example=example, name=name, outputs=outputs)
+        if register:
+            REGISTRY[k.name] = k
+        return k
+
+    return wrap(fn) if fn is not None else wrap

@@ -1,0 +1,376 @@
+"""ψ-reduction: push ψ through every operation until only input arrays are indexed.
+
+Each rule below rewrites ⟨p⟩ψ (op …) one step, into ψ of the operands at new indices:
+
+    ψ-transpose    ⟨p⟩ψ ⍉σA        → ⟨q⟩ψ A,  q[σⱼ] = pⱼ
+    ψ-take         ⟨i p…⟩ψ k△A      → ⟨i p…⟩ψ A  (k ≥ 0),  ⟨i + s₀−|k|, p…⟩ψ A  (k < 0)
+    ψ-drop         ⟨i p…⟩ψ k▽A      → ⟨i + k, p…⟩ψ A  (k ≥ 0),  ⟨i p…⟩ψ A  (k < 0)
+    ψ-reverse      ⟨i p…⟩ψ ΦA       → ⟨s₀−1−i, p…⟩ψ A
+    ψ-rotate       ⟨i p…⟩ψ kΘA      → ⟨(i+k) mod s₀, p…⟩ψ A
+    ψ-reshape      ⟨p⟩ψ ρ'ρ̂ A      → ⟨γ⁻¹(γ(p; ρ'); ρA)⟩ψ A
+    ψ-catenate     ⟨i p…⟩ψ A⧺B      → i < a₀ ? ⟨i p…⟩ψA : ⟨i−a₀, p…⟩ψB
+    ψ-psi          ⟨p⟩ψ (c ψ A)     → ⟨c ⧺ p⟩ψ A
+    ψ-iota         ⟨i⟩ψ ιn          → i
+    ψ-map          ⟨p⟩ψ f(A, B)     → f(⟨p⟩ψA, ⟨p⟩ψB)     (a scalar operand takes ⟨⟩)
+    ψ-cast         ⟨p⟩ψ cast(A)     → cast(⟨p⟩ψA)
+    ψ-outer        ⟨p q⟩ψ A op.× B  → ⟨p⟩ψA op ⟨q⟩ψB
+    ψ-reduce       ⟨p⟩ψ op/A        → op_{l<a₀} ⟨l p⟩ψ A
+    ψ-inner        ⟨p q⟩ψ A op₁.op₂ B → op₁_{l} (⟨p l⟩ψA op₂ ⟨l q⟩ψB)
+    ψ-omega        ⟨f c⟩ψ Ω f(A…)   → ⟨c⟩ψ f(□…) with each cell □ᵢ bound to ⟨f⟩ψ Aᵢ
+    ψ-cell         ⟨c⟩ψ □ᵢ          → ⟨f ⧺ c⟩ψ Aᵢ
+    ψ-name         ⟨p⟩ψ name(ℓ, A)  → ℓ: ⟨p⟩ψA   (a transparent label)
+
+The driver records which rule fired on which subterm (``Derivation``); the result is a
+``moajax.dnf.DNF`` in which no intermediate array survives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax import moa
+from moajax.ix import Ix, Var
+from moajax.printing import moa_str
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One rule application: ``before`` (⟨p⟩ψ subterm) rewritten to ``after``."""
+
+    rule: str
+    before: str
+    after: str
+    depth: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Derivation:
+    """The ψ-reduction of a kernel, step by step."""
+
+    name: str
+    steps: tuple
+
+    def rules_used(self) -> set[str]:
+        return {s.rule for s in self.steps}
+
+    def pretty(self, max_steps: int | None = None) -> str:
+        lines = [f"derivation of {self.name}: {len(self.steps)} rule applications"]
+        for n, s in enumerate(self.steps[:max_steps] if max_steps else self.steps, 1):
+            pad = "  " * min(s.depth, 12)
+            lines.append(f"{n:4d} {pad}[{s.rule}] {s.before}  ⇒  {s.after}")
+        if max_steps and len(self.steps) > max_steps:
+            lines.append(f"     … {len(self.steps) - max_steps} more")
+        return "\n".join(lines)
+
+    __str__ = pretty
+
+
+def _ix_str(p) -> str:
+    parts = [str(i) for i in p]
+    return "⟨" + " ".join(x if " " not in x else f"({x})" for x in parts) + "⟩"
+
+
+def _psi_str(p, node) -> str:
+    return f"{_ix_str(p)}ψ {moa_str(node, limit=90)}"
+
+
+def gamma_offset(p, shape, gamma: str) -> Ix:
+    """γ(p; ρ): the offset of index p in a ``gamma`` ("C" row-major, "F" column-major) layout."""
+    axes = range(len(shape)) if gamma == "C" else reversed(range(len(shape)))
+    off = Ix.of(0)
+    for a in axes:
+        off = off * shape[a] + p[a]
+    return off
+
+
+def gamma_index(off: Ix, shape, gamma: str) -> tuple:
+    """γ⁻¹(off; ρ): the index whose ``gamma`` offset is ``off``."""
+    out = [None] * len(shape)
+    stride = 1
+    axes = reversed(range(len(shape))) if gamma == "C" else range(len(shape))
+    for a in axes:
+        out[a] = off.floordiv(stride).mod(shape[a]) if shape[a] != 1 else Ix.of(0)
+        stride *= shape[a]
+    return tuple(out)
+
+
+class Reducer:
+    """ψ-reduces one expression DAG; memoises on (node, index, cell bindings)."""
+
+    def __init__(self, record: bool = True):
+        self.steps: list[Step] = []
+        self.record = record
+        self.memo: dict = {}
+        self._cells: dict = {}
+        self.rules: dict[type, Callable] = {
+            moa.Input: self.r_input,
+            moa.Literal: self.r_literal,
+            moa.Iota: self.r_iota,
+            moa.Cell: self.r_cell,
+            moa.Psi: self.r_psi,
+            moa.Take: self.r_take,
+            moa.Drop: self.r_drop,
+            moa.Reverse: self.r_reverse,
+            moa.Rotate: self.r_rotate,
+            moa.Transpose: self.r_transpose,
+            moa.Reshape: self.r_reshape,
+            moa.Cast: self.r_cast,
+            moa.Reduce: self.r_reduce,
+            moa.Name: self.r_name,
+            moa.Catenate: self.r_catenate,
+            moa.Map: self.r_map,
+            moa.Outer: self.r_outer,
+            moa.Inner: self.r_inner,
+            moa.Omega: self.r_omega,
+        }
+        self.depth = 0
+
+    # ---- driver
+    def psi(self, p: tuple, node: moa.Array, env: dict) -> D.Expr:
+        p = tuple(Ix.of(i) for i in p)
+        if len(p) != node.rank:
+            raise AssertionError(f"ψ needs a full index: {len(p)} for rank {node.rank}")
+        key = (node.uid, p, self._env_key(node, env))
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit
+        rule = self.rules[type(node)]
+        self.depth += 1
+        try:
+            out = rule(p, node, env)
+        finally:
+            self.depth -= 1
+        self.memo[key] = out
+        return out
+
+    def _env_key(self, node, env):
+        cells = self.free_cells(node)
+        return tuple(sorted((c.uid, env[c][0].uid, env[c][1]) for c in cells if c in env))
+
+    def free_cells(self, node) -> frozenset:
+        """The Ω cells a subterm refers to (only those bindings can change its reduction)."""
+        cache = self._cells
+        hit = cache.get(node.uid)
+        if hit is not None:
+            return hit
+        if isinstance(node, moa.Cell):
+            out = frozenset([node])
+        elif isinstance(node, moa.Omega):
+            out = self.free_cells(node.body) - set(node.cells)
+            for a in node.args:
+                out |= self.free_cells(a)
+        else:
+            out = frozenset()
+            for c in node.children:
+                out |= self.free_cells(c)
+        cache[node.uid] = out
+        return out
+
+    def log(self, rule: str, p, node, after: str):
+        if self.record:
+            self.steps.append(Step(rule, _psi_str(p, node), after, self.depth))
+
+    def fresh(self, base: str, extent: int, p, env) -> Var:
+        """A bound variable named after its dimension, distinct from every name in scope."""
+        taken = {v.name for i in p for v in i.free_vars()}
+        for _, pre in env.values():
+            taken |= {v.name for i in pre for v in i.free_vars()}
+        base = base or "l"
+        name, n = base, 0
+        while name in taken:
+            n += 1
+            name = f"{base}{n}"
+        return Var(name, extent)
+
+    # ---- rules
+    def r_input(self, p, node, env):
+        self.log("ψ-input", p, node, f"{_ix_str(p)}ψ{node.name}")
+        return D.Read(node.name, p, node.dtype)
+
+    def r_literal(self, p, node, env):
+        return D.Lit(node.value, node.dtype)
+
+    def r_iota(self, p, node, env):
+        self.log("ψ-iota", p, node, str(p[0]))
+        return D.IndexValue(p[0], node.dtype)
+
+    def r_cell(self, p, node, env):
+        arg, pre = env[node]
+        q = pre + p
+        self.log("ψ-cell", p, node, _psi_str(q, arg))
+        return self.psi(q, arg, env)
+
+    def r_psi(self, p, node, env):
+        q = tuple(Ix.of(c) for c in node.index) + p
+        self.log("ψ-psi", p, node, _psi_str(q, node.arg))
+        return self.psi(q, node.arg, env)
+
+    def r_take(self, p, node, env):
+        k, s0 = node.count, node.arg.shape[0]
+        q = p if k >= 0 else (p[0] + (s0 - abs(k)),) + p[1:]
+        self.log("ψ-take", p, node, _psi_str(q, node.arg))
+        return self.psi(q, node.arg, env)
+
+    def r_drop(self, p, node, env):
+        k = node.count
+        q = ((p[0] + k,) + p[1:]) if k >= 0 else p
+        self.log("ψ-drop", p, node, _psi_str(q, node.arg))
+        return self.psi(q, node.arg, env)
+
+    def r_reverse(self, p, node, env):
+        s0 = node.arg.shape[0]
+        q = ((s0 - 1) - p[0],) + p[1:]
+        self.log("ψ-reverse", p, node, _psi_str(q, node.arg))
+        return self.psi(q, node.arg, env)
+
+    def r_rotate(self, p, node, env):
+        s0 = node.arg.shape[0]
+        k = node.shift % s0 if s0 else 0
+        q = ((p[0] + k).mod(s0),) + p[1:]
+        self.log("ψ-rotate", p, node, _psi_str(q, node.arg))
+        return self.psi(q, node.arg, env)
+
+    def r_transpose(self, p, node, env):
+        q = [None] * len(p)
+        for j, s in enumerate(node.perm):
+            q[s] = p[j]
+        q = tuple(q)
+        self.log("ψ-transpose", p, node, _psi_str(q, node.arg))
+        return self.psi(q, node.arg, env)
+
+    def r_reshape(self, p, node, env):
+        off = gamma_offset(p, node.shape, node.gamma)
+        q = gamma_index(off, node.arg.shape, node.gamma)
+        self.log("ψ-reshape", p, node, _psi_str(q, node.arg))
+        return self.psi(q, node.arg, env)
+
+    def r_cast(self, p, node, env):
+        self.log("ψ-cast", p, node, f"{node.dtype.name}({_psi_str(p, node.arg)})")
+        return D.Convert(self.psi(p, node.arg, env), node.dtype)
+
+    def r_name(self, p, node, env):
+        self.log("ψ-name", p, node, f"{node.label}: {_psi_str(p, node.arg)}")
+        return D.Tag(node.label, self.psi(p, node.arg, env))
+
+    def r_reduce(self, p, node, env):
+        n = node.arg.shape[0]
+        v = self.fresh(node.arg.dims[0], n, p, env)
+        sym = node.monoid.symbol
+        self.log("ψ-reduce", p, node, f"{sym}_{{{v.name}<{n}}} {_psi_str((Ix.of(v),) + p, node.arg)}")
+        if n == 0:
+            return D.Lit(node.monoid.identity(node.dtype).item(), node.dtype)
+        body = self.psi((Ix.of(v),) + p, node.arg, env)
+        return D.Red(node.monoid.name, v, body)
+
+    def r_inner(self, p, node, env):
+        ra = node.a.rank
+        n = node.a.shape[-1]
+        v = self.fresh(node.a.dims[-1], n, p, env)
+        pa = p[: ra - 1] + (Ix.of(v),)
+        pb = (Ix.of(v),) + p[ra - 1:]
+        self.log(
+            "ψ-inner", p, node,
+            f"{node.monoid.symbol}_{{{v.name}<{n}}} ({_psi_str(pa, node.a)}) {node.op.symbol} ({_psi_str(pb, node.b)})",
+        )
+        if n == 0:
+            return D.Lit(node.monoid.identity(node.dtype).item(), node.dtype)
+        body = D.Call(node.op.name, (self.psi(pa, node.a, env), self.psi(pb, node.b, env)))
+        return D.Red(node.monoid.name, v, body)
+
+    def r_catenate(self, p, node, env):
+        na = node.a.shape[0]
+        qb = (p[0] - na,) + p[1:]
+        lo, hi = p[0].bounds()
+        self.log("ψ-catenate", p, node, f"{p[0]} < {na} ? {_psi_str(p, node.a)} : {_psi_str(qb, node.b)}")
+        if hi < na:
+            return self.psi(p, node.a, env)
+        if lo >= na:
+            return self.psi(qb, node.b, env)
+        cond = D.Call("lt", (D.IndexValue(p[0], np.int32), D.Lit(int(na), np.int32)))
+        return D.Call("where", (cond, self.psi(p, node.a, env), self.psi(qb, node.b, env)))
+
+    def r_map(self, p, node, env):
+        parts = [_psi_str(p if a.rank else (), a) for a in node.args]
+        self.log("ψ-map", p, node, f"{node.op.symbol}({', '.join(parts)})")
+        args = tuple(self.psi(p if a.rank else (), a, env) for a in node.args)
+        return D.Call(node.op.name, args)
+
+    def r_outer(self, p, node, env):
+        ra = node.a.rank
+        pa, pb = p[:ra], p[ra:]
+        self.log("ψ-outer", p, node, f"({_psi_str(pa, node.a)}) {node.op.symbol} ({_psi_str(pb, node.b)})")
+        return D.Call(node.op.name, (self.psi(pa, node.a, env), self.psi(pb, node.b, env)))
+
+    def r_omega(self, p, node, env):
+        nf = len(node.shape) - node.body.rank
+        pf, pc = p[:nf], p[nf:]
+        env2 = dict(env)
+        for cell, arg, fr in zip(node.cells, node.args, node.frame):
+            env2[cell] = (arg, pf if fr else ())
+        binds = ", ".join(
+            f"□{c.position}={_psi_str(pf if fr else (), a)}" for c, a, fr in zip(node.cells, node.args, node.frame)
+        )
+        self.log("ψ-omega", p, node, f"{_psi_str(pc, node.body)} with {binds}")
+        return self.psi(pc, node.body, env2)
+
+
+def output_vars(dims, shape) -> tuple:
+    """One index variable per output axis, named after its dimension (made distinct)."""
+    out, taken = [], set()
+    for d, s in zip(dims, shape):
+        name, n = d, 0
+        while name in taken:
+            n += 1
+            name = f"{d}{n}"
+        taken.add(name)
+        out.append(Var(name, int(s)))
+    return tuple(out)
+
+
+def reduce_to_dnf(name: str, inputs, outputs, output_names=None, record: bool = True):
+    """ψ-reduce the expressions ``outputs`` over ``inputs`` (moa.Input nodes) to a DNF.
+
+    Returns (DNF, Derivation).
+    """
+    if isinstance(outputs, moa.Array):
+        outputs = (outputs,)
+    outputs = tuple(moa.as_array(o) for o in outputs)
+    if output_names is None:
+        output_names = ("out",) if len(outputs) == 1 else tuple(f"out{i}" for i in range(len(outputs)))
+    red = Reducer(record=record)
+    outs = []
+    for oname, expr in zip(output_names, outputs):
+        vars_ = output_vars(expr.dims, expr.shape)
+        body = red.psi(tuple(Ix.of(v) for v in vars_), expr, {})
+        outs.append(D.Output(oname, expr.shape, expr.dims, vars_, body))
+    specs = tuple(D.InputSpec(i.name, i.shape, i.dims, i.dtype) for i in inputs)
+    known = {s.name for s in specs}
+    for o in outs:
+        for r in D.reads(o.body):
+            if r.array not in known:
+                raise ValueError(f"{name}: the expression reads {r.array!r}, which is not a declared input")
+    return D.DNF(name, specs, tuple(outs)), Derivation(name, tuple(red.steps))
+
+
+def psi_reduce(expr: "moa.Array", name: str = "expr", record: bool = True):
+    """ψ-reduce a single expression; its inputs are found by walking the DAG."""
+    inputs = {}
+    stack, seen = [expr], set()
+    while stack:
+        x = stack.pop()
+        if x.uid in seen:
+            continue
+        seen.add(x.uid)
+        if isinstance(x, moa.Input):
+            prev = inputs.setdefault(x.name, x)
+            if prev is not x and (prev.shape, prev.dtype) != (x.shape, x.dtype):
+                raise ValueError(f"{name}: two different inputs are both named {x.name!r}")
+        if isinstance(x, moa.Omega):
+            stack.append(x.body)
+        stack.extend(x.children)
+    return reduce_to_dnf(name, tuple(inputs[k] for k in sorted(inputs)), expr, record=record)
+

@@ -1,0 +1,30 @@
+"""The command line: moajax derive --list / moajax derive KERNEL."""
+
+import subprocess
+import sys
+
+from moajax.cli import main
+
+
+def test_derive_list(capsys):
+    assert main(["derive", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
+        assert name in out
+
+
+def test_derive_kernel_prints_dnf_and_derivation(capsys):
+    assert main(["derive", "attention"]) == 0
+    out = capsys.readouterr().out
+    assert "DNF attention" in out and "⟨s h⟩ψkey" in out
+    assert "[ψ-inner]" in out and "[ψ-transpose]" in out
+
+
+def test_derive_unknown_kernel(capsys):
+    assert main(["derive", "nope"]) == 2
+    assert "unknown kernel 'nope'" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    r = subprocess.run([sys.executable, "-m", "moajax", "derive", "--list"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "rmsnorm" in r.stdout
