@@ -30,7 +30,9 @@ class Named:
 
 
 def align(parts: list[Named]):
-    """Broadcast named arrays against each other: (datas, union of vars in first-seen order)."""
+    """Broadcast named arrays against each other: (datas, union of vars in first-seen order).
+
+    Axis sizes come from the data (a tile of a variable is as long as its range)."""
     import jax.numpy as jnp
 
     order: list[Var] = []
@@ -43,8 +45,16 @@ def align(parts: list[Named]):
         present = [v for v in order if v in p.vars]
         perm = [p.vars.index(v) for v in present]
         d = jnp.transpose(p.data, perm) if perm != list(range(len(perm))) else p.data
-        shape = [v.extent if v in p.vars else 1 for v in order]
-        out.append(jnp.reshape(d, shape) if len(shape) != d.ndim else d)
+        if len(present) != len(order):
+            shape, k = [], 0
+            for v in order:
+                if v in p.vars:
+                    shape.append(d.shape[k])
+                    k += 1
+                else:
+                    shape.append(1)
+            d = jnp.reshape(d, shape)
+        out.append(d)
     return out, tuple(order)
 
 

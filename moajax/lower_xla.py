@@ -1,0 +1,308 @@
+"""ONF → XLA: the CPU backend.
+
+The grid is vectorised (every grid program at once, as batch dimensions of the tile ops)
+except the grid axes the ONF's ``cpu_loop`` knob walks with an outer ``lax.map``;
+sequential axes are ``lax.fori_loop``s over tiles; contractions are dot_generals. Stages
+placed in memory are computed first, each over its whole index space. Inputs are padded
+to whole tiles (pad-and-mask tails) and stored in their γ layout (column-major operands
+are physically transposed once).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Callable
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax.ix import Ix, Var
+from moajax.onf import ONF, ONFError
+from moajax.reference import Named
+from moajax.tiles import Backend, InMemory, Range, TileEval, broadcast_to_vars
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def input_padding(onf: ONF) -> dict:
+    """Per input, the size each axis must have so that every tile window is in bounds."""
+    need = {i.name: list(i.shape) for i in onf.dnf.inputs}
+    for e in onf.program.exprs():
+        for r in D.walk(e):
+            if not isinstance(r, D.Read):
+                continue
+            for ax, ix in enumerate(r.index):
+                sv = ix.as_shifted_var()
+                if sv is None:
+                    continue
+                v, c = sv
+                a = onf.axis_of(v)
+                size = a.padded if a.role != "whole" else max(a.tile, v.extent)
+                if c >= 0:
+                    need[r.array][ax] = max(need[r.array][ax], c + size)
+    return need
+
+
+def prepare_inputs(onf: ONF, arrays) -> dict:
+    """Pad each input to whole tiles (zeros) and lay it out in its γ (F: transposed)."""
+    import jax.numpy as jnp
+
+    need = input_padding(onf)
+    out = {}
+    for spec, a in zip(onf.dnf.inputs, arrays):
+        pads = [(0, n - s) for n, s in zip(need[spec.name], a.shape)]
+        if any(p[1] for p in pads):
+            a = jnp.pad(a, pads)
+        if onf.gamma_of(spec.name) == "F" and a.ndim > 1:
+            a = jnp.transpose(a)  # column-major: the reversed axes, stored row-major
+        out[spec.name] = a
+    return out
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+class XlaBackend(Backend):
+    def __init__(self, onf: ONF, arrays: dict):
+        from jax import lax
+
+        self.onf = onf
+        self.arrays = arrays
+        self.precision = lax.Precision.HIGHEST
+        self.lowp_dots = onf.knobs.lowp_dots
+
+    def read(self, ev: TileEval, e: D.Read) -> Named:
+        import jax.numpy as jnp
+        from jax import lax
+
+        arr = self.arrays[e.array]
+        f_order = self.onf.gamma_of(e.array) == "F" and arr.ndim > 1
+        index = tuple(reversed(e.index)) if f_order else e.index
+        starts, sizes, kinds = [], [], []
+        for ax, ix in enumerate(index):
+            dim = arr.shape[ax]
+            sv = ix.as_shifted_var()
+            if ix.is_const:
+                starts.append(int(np.clip(ix.const, 0, dim - 1)))
+                sizes.append(1)
+                kinds.append(("idx", None))
+            elif sv is not None and sv[0] in ev.ranges:
+                v, c = sv
+                r = ev.ranges[v]
+                if r.size == 1:
+                    starts.append(r.start + c)
+                    sizes.append(1)
+                    kinds.append(("idx", None))
+                elif isinstance(r.start, (int, np.integer)) and r.start + c == 0 and r.size == dim:
+                    starts.append(0)
+                    sizes.append(dim)
+                    kinds.append(("axis", v))
+                else:
+                    starts.append(r.start + c)
+                    sizes.append(r.size)
+                    kinds.append(("axis", v))
+            else:
+                vs = ix.free_vars()
+                if all(ev.ranges[w].size == 1 for w in vs):
+                    val = ev.index_named(ix).data
+                    starts.append(jnp.clip(val, 0, dim - 1))
+                    sizes.append(1)
+                    kinds.append(("idx", None))
+                else:
+                    starts.append(0)
+                    sizes.append(dim)
+                    kinds.append(("gather", ev.index_named(ix)))
+        if any(not (isinstance(s, int) and s == 0 and n == d) for s, n, d in zip(starts, sizes, arr.shape)):
+            arr = lax.dynamic_slice(arr, [jnp.asarray(s, jnp.int32) for s in starts], sizes)
+        keep = [ax for ax, (k, _) in enumerate(kinds) if k != "idx"]
+        if len(keep) != arr.ndim:
+            arr = jnp.reshape(arr, [arr.shape[ax] for ax in keep])
+        kinds = [kinds[ax] for ax in keep]
+        vars_: list = []
+        gathers = [(i, g) for i, (k, g) in enumerate(kinds) if k == "gather"]
+        axis_vars = [g for k, g in kinds if k == "axis"]
+        gvars = [v for _, g in gathers for v in g.vars]
+        if gathers and (len(set(gvars)) != len(gvars) or set(gvars) & set(axis_vars) or len(set(axis_vars)) != len(axis_vars)):
+            return self._gather_all(ev, e, arr, kinds)
+        if not gathers and len(set(axis_vars)) != len(axis_vars):
+            return self._gather_all(ev, e, arr, kinds)
+        # one take per gathered axis (a computed index, e.g. the GQA head ⌊n/G⌋)
+        pos = 0
+        for k, g in kinds:
+            if k == "axis":
+                vars_.append(g)
+                pos += 1
+            else:
+                idx = jnp.clip(g.data.reshape(-1), 0, arr.shape[pos] - 1)
+                arr = jnp.take(arr, idx, axis=pos)
+                shape = arr.shape[:pos] + tuple(g.data.shape) + arr.shape[pos + 1:]
+                arr = jnp.reshape(arr, shape)
+                vars_.extend(g.vars)
+                pos += len(g.vars)
+        return Named(arr, vars_)
+
+    def _gather_all(self, ev, e, arr, kinds):
+        """A general read: one broadcast index array per axis (clipped into bounds)."""
+        import jax.numpy as jnp
+
+        from moajax.reference import align
+
+        parts = []
+        for k, g in kinds:
+            if k == "axis":
+                idx = ev.index_named(Ix.of(g))
+                r = ev.ranges[g]
+                parts.append(Named(idx.data - jnp.asarray(r.start, jnp.int32), idx.vars))
+            else:
+                parts.append(g)
+        datas, vs = align(parts)
+        full = tuple(v_.extent if v_ not in ev.ranges else ev.ranges[v_].size for v_ in vs)
+        idx = tuple(jnp.clip(jnp.broadcast_to(d, full), 0, arr.shape[ax] - 1) for ax, d in enumerate(datas))
+        return Named(arr[idx], vs)
+
+    def contract(self, a: Named, b: Named, v: Var, out_dtype) -> Named:
+        import jax.numpy as jnp
+
+        da, db = a.data, b.data
+        if da.dtype != db.dtype:
+            low = da.dtype if da.dtype.itemsize < db.dtype.itemsize else db.dtype
+            if self.lowp_dots and low.itemsize == 2:
+                da, db = da.astype(low), db.astype(low)
+            else:
+                da, db = da.astype(out_dtype), db.astype(out_dtype)
+        allv = list(a.vars) + [x for x in b.vars if x not in a.vars]
+        letters = {x: string.ascii_letters[i] for i, x in enumerate(allv)}
+        out_vars = [x for x in allv if x != v]
+        spec = (
+            "".join(letters[x] for x in a.vars) + "," + "".join(letters[x] for x in b.vars)
+            + "->" + "".join(letters[x] for x in out_vars)
+        )
+        out = jnp.einsum(spec, da, db, precision=self.precision, preferred_element_type=out_dtype)
+        return Named(out, out_vars)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _full_ranges(onf: ONF, vars_) -> dict:
+    out = {}
+    for v in vars_:
+        a = onf.axis_of(v)
+        out[v] = Range(0, a.padded if a.role != "whole" else max(a.tile, v.extent), v.extent)
+    return out
+
+
+def lower(onf: ONF) -> Callable:
+    """The ONF as a JAX function of the DNF's inputs, lowered to XLA loops and dot_generals."""
+    onf.validate()
+    dnf = onf.dnf
+    defs = {n: st for st in onf.program.stages for n in st.defines}
+    out_stage = dict(onf.program.outputs)
+
+    def fn(*arrays):
+        import jax.numpy as jnp
+        from jax import lax
+
+        if len(arrays) != len(dnf.inputs):
+            raise TypeError(f"{dnf.name}: expected {len(dnf.inputs)} arrays, got {len(arrays)}")
+        arrays = [jnp.asarray(a) for a in arrays]
+        for spec, a in zip(dnf.inputs, arrays):
+            if tuple(a.shape) != tuple(spec.shape):
+                raise ValueError(f"{dnf.name}: input {spec.name!r} has shape {a.shape}, expected {spec.shape}")
+        backend = XlaBackend(onf, prepare_inputs(onf, arrays))
+        values: dict = {}
+        # stages in main memory: each over its whole index space, in program order
+        for st in onf.program.stages:
+            if st.place != "memory":
+                continue
+            vars_ = _stage_index_vars(st)
+            ev = TileEval(onf, backend, _full_ranges(onf, vars_), dict(values), stage_defs=_local_defs(defs, values))
+            ev.run_stages([n for e in st.exprs() if e is not None for n in _refs(e)])
+            ev.compute_stage(st)
+            for n in st.defines:
+                values[n] = InMemory(ev.stages[n])
+
+        outs = []
+        for o in dnf.outputs:
+            loops = [v for v in o.vars if v.name in onf.knobs.cpu_loop]
+            ranges = _full_ranges(onf, o.vars)
+
+            def program(ranges, o=o):
+                ev = TileEval(onf, backend, ranges, dict(values), stage_defs=_local_defs(defs, values))
+                ev.run_stages([out_stage[o.name]])
+                val = ev.eval(D.Ref(out_stage[o.name], o.vars, o.dtype))
+                order = tuple(o.vars)
+                return broadcast_to_vars(val, order, ranges)
+
+            if not loops:
+                data = program(ranges)
+            else:
+                data = _looped(onf, program, ranges, loops, o.vars)
+            # slice the padding off, restore size-1 axes
+            idx = tuple(slice(0, v.extent) for v in o.vars if ranges[v].size != 1)
+            data = data[idx]
+            data = jnp.reshape(data, tuple(v.extent for v in o.vars))
+            outs.append(data.astype(o.dtype))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    fn.__name__ = f"{dnf.name}_xla"
+    return fn
+
+
+def _stage_index_vars(st) -> tuple:
+    from moajax.onf import OnlineStage
+
+    if isinstance(st, OnlineStage):
+        vs = list(st.max_vars)
+        for _, svs, _ in st.sums:
+            vs += [v for v in svs if v not in vs]
+        return tuple(vs)
+    return tuple(st.vars)
+
+
+def _refs(e) -> list:
+    return [x.stage for x in D.walk(e) if isinstance(x, D.Ref)]
+
+
+def _local_defs(defs: dict, values: dict) -> dict:
+    return {n: st for n, st in defs.items() if n not in values}
+
+
+def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> object:
+    """Walk the ``cpu_loop`` grid axes with lax.map over tiles; vectorise the rest."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    axes = [onf.axis_of(v) for v in loops]
+    counts = [a.ntiles for a in axes]
+    total = int(np.prod(counts))
+
+    def one(k):
+        rs = dict(ranges)
+        rem = k
+        for v, a, n in reversed(list(zip(loops, axes, counts))):
+            i = rem % n
+            rem = rem // n
+            rs[v] = Range(i * a.tile, a.tile, v.extent)
+        return program(rs)
+
+    tiles = lax.map(one, jnp.arange(total, dtype=jnp.int32))  # [total, *tile shape]
+    order = [v for v in out_vars if ranges[v].size != 1]
+    tile_shape = list(tiles.shape[1:])
+    # un-flatten the tile index, then interleave (ntiles, tile) per looped axis
+    tiles = tiles.reshape(counts + tile_shape)
+    nl = len(loops)
+    perm, shape = [], []
+    for j, v in enumerate(order):
+        if v in loops:
+            li = loops.index(v)
+            perm += [li, nl + j]
+            shape.append(counts[li] * tile_shape[j])
+        else:
+            perm.append(nl + j)
+            shape.append(tile_shape[j])
+    return jnp.transpose(tiles, perm).reshape(shape)
+
+
+__all__ = ["lower", "prepare_inputs", "XlaBackend", "ONFError"]

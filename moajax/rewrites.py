@@ -1,0 +1,369 @@
+"""ONF rewrites: each a function ONF → ONF that keeps the DNF's meaning.
+
+    hoist          loop-invariant reductions leave the loops that do not use them:
+                   Σ_s (… ⌈_{s′} f(t,s′) …) → M[t] = ⌈_{s′} f(t,s′) once per row; invariant
+                   factors leave a sum: Σ_s a·(b ÷ c) → (Σ_s a·b) ÷ c  when c does not use s;
+                   every remaining top-level reduction becomes a stage (one pass each).
+    fuse_online    M[v] = ⌈_r f  and  Xᵢ = Σ_r exp(f − M)·gᵢ  → one OnlineStage (running max,
+                   rescaled sums) — any reduction of that form, not only attention's.
+    split_k        op_r e → op_{r₀} (op_{r₁} e[r ↦ r₀·c + r₁]): partials over r₀ in parallel,
+                   then the monoid combine (for online stages: max, and Σ aₚ·e^{mₚ − m}).
+    materialize    a labelled subexpression becomes a stage (kept on chip, or in memory):
+                   the store-vs-recompute choice.
+    tile / with_gamma / with_knobs   schedule-only changes (the program is untouched).
+
+Every rewrite is checked in the tests by running the ONF against the DNF reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moajax import dnf as D
+from moajax.ix import Ix, Var
+from moajax.onf import ONF, Axis, Knobs, OnlineStage, ONFError, Program, Stage, stage_vars
+
+_MONOID_NAMES = {"add": "sum", "max": "max", "min": "min", "mul": "prod", "and": "all", "or": "any"}
+
+
+def _fresh(base: str, taken: set) -> str:
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}{n}"
+    taken.add(name)
+    return name
+
+
+def _taken(onf: ONF) -> set:
+    out = set(onf.program.names()) | {o.name for o in onf.dnf.outputs} | {i.name for i in onf.dnf.inputs}
+    return out
+
+
+def _output_order(onf: ONF) -> list:
+    out = []
+    for o in onf.dnf.outputs:
+        for v in o.vars:
+            if v not in out:
+                out.append(v)
+    return out
+
+
+# ----------------------------------------------------------------------------- factoring
+
+
+def mul_div_factors(e: D.Expr) -> tuple[list, list]:
+    """e = Π num ÷ Π den (through nested × and ÷; labels are looked through)."""
+    if isinstance(e, D.Tag):
+        return mul_div_factors(e.body)
+    if isinstance(e, D.Call) and e.op == "mul":
+        n1, d1 = mul_div_factors(e.children[0])
+        n2, d2 = mul_div_factors(e.children[1])
+        return n1 + n2, d1 + d2
+    if isinstance(e, D.Call) and e.op == "div":
+        n1, d1 = mul_div_factors(e.children[0])
+        n2, d2 = mul_div_factors(e.children[1])
+        return n1 + d2, d1 + n2
+    return [e], []
+
+
+def _product(factors: list, dtype) -> D.Expr:
+    if not factors:
+        return D.Lit(1.0 if dtype.kind == "f" else 1, dtype)
+    out = factors[0]
+    for f in factors[1:]:
+        out = D.Call("mul", (out, f))
+    return out
+
+
+def _quotient(num: list, den: list, dtype) -> D.Expr:
+    n = _product(num, dtype)
+    return n if not den else D.Call("div", (n, _product(den, dtype)))
+
+
+def factor_out_invariants(red: D.Red) -> D.Expr:
+    """Σ_v (a·c ÷ d) = (Σ_v a)·c ÷ d  for factors c, d that do not use v (distributivity)."""
+    if red.monoid != "add" or red.dtype.kind != "f":
+        return red
+    num, den = mul_div_factors(red.body)
+    inv_n = [f for f in num if red.var not in f.free]
+    inv_d = [f for f in den if red.var not in f.free]
+    if not inv_n and not inv_d:
+        return red
+    var_n = [f for f in num if red.var in f.free]
+    var_d = [f for f in den if red.var in f.free]
+    inner = D.Red("add", red.var, _quotient(var_n, var_d, red.dtype))
+    return _quotient([inner] + inv_n, inv_d, red.dtype)
+
+
+# ----------------------------------------------------------------------------- hoist
+
+
+def hoist(onf: ONF) -> ONF:
+    """Hoist loop-invariant reductions into stages; factor invariants out of sums; make every
+    top-level reduction its own stage (one pass over its variable each)."""
+    taken = _taken(onf)
+    order = _output_order(onf)
+    memo: dict = {}  # canonical reduction → stage name
+    new_stages: list = []
+
+    def stage_for(red: D.Red) -> D.Expr:
+        key = D.canonical(red)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        vs = stage_vars(red, order)
+        name = _fresh(f"{_MONOID_NAMES[red.monoid]}_{red.var.name}", taken)
+        body = factor_out_invariants(red)
+        if not isinstance(body, D.Red):
+            body = top_level(body)  # Σ_v(a)·c: the inner sum gets its own stage first
+        new_stages.append(Stage(name, vs, body))
+        ref = D.Ref(name, vs, red.dtype)
+        memo[key] = ref
+        return ref
+
+    def go(e: D.Expr, loops: tuple) -> D.Expr:
+        if not e.children:
+            return e
+        if isinstance(e, D.Red):
+            out = D.Red(e.monoid, e.var, go(e.body, loops + (e.var,)))
+            if loops and not (out.free & set(loops)):
+                return stage_for(out)  # invariant in every enclosing loop: once per row
+            return out
+        return D.rebuild(e, [go(c, loops) for c in e.children])
+
+    def top_level(e: D.Expr) -> D.Expr:
+        # reductions not nested in another reduction become stages of their own
+        if isinstance(e, D.Red):
+            return stage_for(e)
+        if not e.children:
+            return e
+        return D.rebuild(e, [top_level(c) for c in e.children])
+
+    out_stages = []
+    for s in onf.program.stages:
+        if not isinstance(s, Stage):
+            out_stages.append(s)
+            continue
+        body = go(s.body, ())
+        if isinstance(body, D.Red):
+            body = factor_out_invariants(body)
+        if isinstance(body, D.Red):
+            # the stage itself is one reduction: keep it (its loop is the stage's pass)
+            out_stages.extend(new_stages)
+            new_stages.clear()
+            out_stages.append(Stage(s.name, s.vars, body, s.place))
+            continue
+        body = top_level(body)
+        out_stages.extend(new_stages)
+        new_stages.clear()
+        out_stages.append(Stage(s.name, s.vars, body, s.place))
+    prog = Program(tuple(out_stages), onf.program.outputs)
+    return onf.replace(program=prog, note="hoist")
+
+
+# ----------------------------------------------------------------------------- online fusion
+
+
+def _exp_minus(f: D.Expr, name: str):
+    """If f is exp(g − M[…]) with M the stage ``name``, return g."""
+    if isinstance(f, D.Call) and f.op == "exp":
+        a = f.children[0]
+        if isinstance(a, D.Call) and a.op == "sub" and isinstance(a.children[1], D.Ref) and a.children[1].stage == name:
+            return a.children[0]
+    return None
+
+
+def fuse_online(onf: ONF) -> ONF:
+    """M = ⌈_r f  with  Xᵢ = Σ_r exp(f − M)·gᵢ  → one pass carrying (running max, rescaled sums)."""
+    stages = list(onf.program.stages)
+    changed = False
+    i = 0
+    while i < len(stages):
+        m = stages[i]
+        red = m.reduction if isinstance(m, Stage) else None
+        if red is None or red.monoid != "max" or m.place != "local":
+            i += 1
+            continue
+        before = {n for s in stages[: i + 1] for n in s.defines}
+        sums, drop = [], []
+        for j in range(i + 1, len(stages)):
+            x = stages[j]
+            xr = x.reduction if isinstance(x, Stage) else None
+            if xr is None or xr.monoid != "add" or x.place != "local" or not set(m.vars) <= set(x.vars):
+                continue
+            num, den = mul_div_factors(xr.body)
+            hits = [k for k, f in enumerate(num) if _exp_minus(f, m.name) is not None]
+            if len(hits) != 1:
+                continue
+            k = hits[0]
+            g = _exp_minus(num[k], m.name)
+            ren = {xr.var: Ix.of(red.var)} if xr.var != red.var else {}
+            if (D.substitute(g, ren) if ren else g) is not red.body:
+                continue
+            rest_n = [D.substitute(f, ren) if ren else f for f in num[:k] + num[k + 1:]]
+            rest_d = [D.substitute(f, ren) if ren else f for f in den]
+            weight = None if not rest_n and not rest_d else _quotient(rest_n, rest_d, xr.dtype)
+            refs = {r.stage for r in D.walk(weight) if isinstance(r, D.Ref)} if weight is not None else set()
+            if not refs <= before:
+                continue  # the weight needs a stage computed later: cannot move it up
+            sums.append((x.name, x.vars, weight))
+            drop.append(j)
+        if sums:
+            fused = OnlineStage(m.name, m.vars, red.var, red.body, tuple(sums))
+            stages[i] = fused
+            for j in reversed(drop):
+                del stages[j]
+            changed = True
+        i += 1
+    if not changed:
+        raise ONFError(f"{onf.dnf.name}: fuse_online found no ⌈_r f with Σ_r exp(f − ⌈f)·g to fuse")
+    return onf.replace(program=Program(tuple(stages), onf.program.outputs), note="fuse_online")
+
+
+# ----------------------------------------------------------------------------- split-K
+
+
+def split_k(onf: ONF, var: str, parts: int) -> ONF:
+    """Split every top-level reduction over ``var`` into ``parts`` partials reduced in parallel
+    (a grid axis, partials in memory) followed by the monoid combine."""
+    if not isinstance(parts, int) or parts < 2:
+        raise ONFError(f"{onf.dnf.name}: split_k needs parts ≥ 2, got {parts!r}")
+    taken = _taken(onf)
+    stages: list = []
+    found = None
+    outer = inner = None
+    for s in onf.program.stages:
+        r = s.var if isinstance(s, OnlineStage) else (s.reduction.var if isinstance(s, Stage) and s.reduction else None)
+        if r is None or r.name != var:
+            stages.append(s)
+            continue
+        if parts > r.extent:
+            raise ONFError(f"{onf.dnf.name}: split_k of {var!r} into {parts} parts exceeds its extent {r.extent}")
+        found = r
+        chunk = -(-r.extent // parts)
+        outer = Var(f"{var}_o", parts)
+        inner = Var(f"{var}_i", chunk)
+        idx = Ix.of(outer) * chunk + inner
+        ren = {r: idx}
+        ragged = parts * chunk != r.extent
+        valid = D.Call("lt", (D.IndexValue(idx), D.Lit(r.extent, "int32"))) if ragged else None
+
+        def guard(e, fill):
+            e = D.substitute(e, ren)
+            return D.Call("where", (valid, e, D.Lit(fill, e.dtype))) if ragged else e
+
+        if isinstance(s, OnlineStage):
+            mp = _fresh(f"{s.max_name}_part", taken)
+            sums_p = []
+            for n, vs, w in s.sums:
+                sums_p.append((_fresh(f"{n}_part", taken), vs + (outer,), None if w is None else guard(w, 0.0)))
+            stages.append(OnlineStage(mp, s.max_vars + (outer,), inner, guard(s.logit, float("-inf")),
+                                      tuple(sums_p), place="memory"))
+            mref = D.Ref(mp, s.max_vars + (outer,), s.logit.dtype)
+            stages.append(Stage(s.max_name, s.max_vars, D.Red("max", outer, mref)))
+            mnew = D.Ref(s.max_name, s.max_vars, s.logit.dtype)
+            for (n, vs, _), (pn, pvs, _) in zip(s.sums, sums_p):
+                part = D.Ref(pn, pvs, s.logit.dtype)
+                scale = D.Call("exp", (D.Call("sub", (mref, mnew)),))
+                stages.append(Stage(n, vs, D.Red("add", outer, D.Call("mul", (part, scale)))))
+        else:
+            red = s.reduction
+            pn = _fresh(f"{s.name}_part", taken)
+            from moajax import ops as _ops
+
+            ident = _ops.MONOIDS[red.monoid].identity(red.dtype).item()
+            stages.append(Stage(pn, s.vars + (outer,), D.Red(red.monoid, inner, guard(red.body, ident)), place="memory"))
+            stages.append(Stage(s.name, s.vars, D.Red(red.monoid, outer, D.Ref(pn, s.vars + (outer,), red.dtype)), s.place))
+    if found is None:
+        raise ONFError(f"{onf.dnf.name}: split_k: no stage reduces over {var!r}")
+    old = {a.name: a for a in onf.axes}
+    base = old.get(var, Axis(var, found.extent, found.extent, "whole"))
+    axes = [a for a in onf.axes if a.name != var]
+    axes.append(Axis(outer.name, parts, 1, "grid"))
+    axes.append(Axis(inner.name, inner.extent, min(base.tile, inner.extent), "sequential" if base.role != "whole" else "whole", base.tail))
+    prog = Program(tuple(stages), onf.program.outputs)
+    return onf.replace(program=prog, axes=tuple(axes), note=f"split_k({var}, {parts})")
+
+
+# ----------------------------------------------------------------------------- store vs recompute
+
+
+def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
+    """Compute the subexpression labelled ``label`` once, as a stage (``place`` "local": kept
+    on chip over the program's tile, e.g. the papers' O(n) score row; "memory": in main memory)."""
+    if place not in ("local", "memory"):
+        raise ONFError(f"{onf.dnf.name}: materialize place must be 'local' or 'memory', got {place!r}")
+    found: dict = {}  # canonical (params renamed) → (stage name, params)
+    order = _output_order(onf)
+    taken = _taken(onf)
+    created: list = []
+
+    def key_of(tag: D.Tag):
+        params = stage_vars(tag.body, order)
+        canon = D.canonical(D.substitute(tag.body, {v: Ix.of(Var(f"π{i}", v.extent)) for i, v in enumerate(params)}))
+        return canon, params
+
+    def rewrite(e: D.Expr) -> D.Expr:
+        def fn(x):
+            if isinstance(x, D.Tag) and x.label == label:
+                canon, params = key_of(x)
+                hit = found.get(canon)
+                if hit is None:
+                    name = _fresh(label, taken)
+                    found[canon] = (name, params)
+                    created.append(Stage(name, params, x.body, place))
+                    return D.Ref(name, params, x.dtype)
+                name, p0 = hit
+                # the same definition at other variables: a renamed read of the stage
+                return D.Ref(name, tuple(params), x.dtype) if len(params) == len(p0) else None
+            return None
+
+        return D.transform(e, fn)
+
+    stages: list = []
+    for s in onf.program.stages:
+        if isinstance(s, Stage):
+            new = Stage(s.name, s.vars, rewrite(s.body), s.place)
+        else:
+            new = dataclasses.replace(
+                s, logit=rewrite(s.logit), sums=tuple((n, vs, None if w is None else rewrite(w)) for n, vs, w in s.sums)
+            )
+        stages.extend(created)
+        created.clear()
+        stages.append(new)
+    if not found:
+        raise ONFError(f"{onf.dnf.name}: no subexpression is labelled {label!r}; labels are {sorted(onf.store)}")
+    return onf.replace(program=Program(tuple(stages), onf.program.outputs), note=f"materialize({label}, {place})")
+
+
+# ----------------------------------------------------------------------------- schedule-only changes
+
+
+def tile(onf: ONF, name: str, tile: int, role: str | None = None, tail: str = "pad") -> ONF:
+    """Lift axis ``name`` into ⟨⌈n/tile⌉, tile⟩ with the given role and tail policy."""
+    vars_ = {v.name: v for v in onf.program.vars()}
+    if name not in vars_:
+        raise ONFError(f"{onf.dnf.name}: unknown axis {name!r}; the program's index variables are {sorted(vars_)}")
+    old = {a.name: a for a in onf.axes}
+    role = role or (old[name].role if name in old else "whole")
+    axes = [a for a in onf.axes if a.name != name] + [Axis(name, vars_[name].extent, int(tile), role, tail)]
+    return onf.replace(axes=tuple(axes), note=None)
+
+
+def with_gamma(onf: ONF, name: str, gamma: str) -> ONF:
+    g = dict(onf.gamma)
+    g[name] = gamma
+    return onf.replace(gamma=tuple(sorted(g.items())))
+
+
+def with_knobs(onf: ONF, **kw) -> ONF:
+    return onf.replace(knobs=dataclasses.replace(onf.knobs, **kw))
+
+
+def retarget(onf: ONF, target: str) -> ONF:
+    return onf.replace(target=target)
+
+
+__all__ = ["hoist", "fuse_online", "split_k", "materialize", "tile", "with_gamma", "with_knobs",
+           "retarget", "factor_out_invariants", "mul_div_factors", "Knobs"]
