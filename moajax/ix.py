@@ -139,7 +139,22 @@ class Ix:
         lo, hi = r.bounds()
         if lo // d == hi // d:
             return q + (lo // d)
+        c = self._exact_factor(d)
+        if c is not None:
+            # ⌊e/(c·b)⌋ = ⌊⌊e/c⌋/b⌋, and ⌊e/c⌋ is exact
+            return self.floordiv(c).floordiv(d // c)
         return q + Ix(0, ((FloorDiv(r, d), 1),))
+
+    def _exact_factor(self, d: int):
+        """A divisor c of d (1 < c < d) such that ⌊e/c⌋ needs no ⌊·⌋ atom."""
+        for _, coeff in self.terms:
+            c = abs(coeff)
+            if 1 < c < d and d % c == 0:
+                _, r = self._split(c)
+                lo, hi = r.bounds()
+                if lo // c == hi // c:
+                    return c
+        return None
 
     def mod(self, d: int) -> "Ix":
         d = int(d)
@@ -151,6 +166,10 @@ class Ix:
         lo, hi = r.bounds()
         if lo // d == hi // d:
             return r - (lo // d) * d
+        c = self._exact_factor(d)
+        if c is not None:
+            # e mod (c·b) = c·(⌊e/c⌋ mod b) + e mod c
+            return self.floordiv(c).mod(d // c) * c + self.mod(c)
         return Ix(0, ((Mod(r, d), 1),))
 
     # ---- queries

@@ -761,9 +761,9 @@ def softmax(A: Array, axis: int = -1) -> Array:
         inv = tuple(np.argsort(perm))
         return transpose(softmax(transpose(A, perm), -1), inv)
     m = amax(A, -1)
-    e = omega(sub, (1, 0))(A, m)
-    e = exp(e)
-    return omega(div, (1, 0))(e, sum(e, -1))
+    e = name("num", exp(omega(sub, (1, 0))(A, m)))
+    den = name("den", sum(e, -1))
+    return name("probs", omega(div, (1, 0))(e, den))
 
 
 def logsumexp(A: Array, axis: int = -1) -> Array:

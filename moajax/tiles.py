@@ -78,6 +78,9 @@ class Backend:
 
         return lax.fori_loop(0, n, body, init)
 
+    def window(self, ev: "TileEval", full: "InMemory") -> Named:
+        return window_array(ev, full)
+
 
 def _np_dtype(d):
     return np.dtype(d)
@@ -215,26 +218,8 @@ class TileEval:
 
     def window(self, full: "InMemory") -> Named:
         """The current ranges' window of a stage held in main memory over its padded extents."""
-        from jax import lax
+        return self.backend.window(self, full)
 
-        data, vars_ = full.value.data, list(full.value.vars)
-        out_vars = []
-        ax = 0
-        for v in list(vars_):
-            r = self.ranges.get(v)
-            b = full.base.get(v)
-            if r is None or _same_range(r, b) or (b is None and isinstance(r.start, int) and r.start == 0 and r.size == data.shape[ax]):
-                out_vars.append(v)
-                ax += 1
-                continue
-            start = r.start if b is None else r.start - b.start
-            if r.size == 1:
-                data = lax.dynamic_index_in_dim(data, start, ax, keepdims=False)
-                continue
-            data = lax.dynamic_slice_in_dim(data, start, r.size, ax)
-            out_vars.append(v)
-            ax += 1
-        return Named(data, out_vars)
 
     # ---- reductions
     def reduce(self, e: D.Red) -> Named:
@@ -458,6 +443,30 @@ class TileEval:
             ax = a.vars.index(v)
             return Named(jnp.sum(a.data.astype(out_dtype), axis=ax), a.vars[:ax] + a.vars[ax + 1:])
         return self.backend.contract(a, b, v, out_dtype)
+
+
+def window_array(ev: "TileEval", full: "InMemory") -> Named:
+    """``TileEval.window`` for array-valued stages: dynamic slices relative to the stored base."""
+    from jax import lax
+
+    data, vars_ = full.value.data, list(full.value.vars)
+    out_vars = []
+    ax = 0
+    for v in list(vars_):
+        r = ev.ranges.get(v)
+        b = full.base.get(v)
+        if r is None or _same_range(r, b) or (b is None and isinstance(r.start, int) and r.start == 0 and r.size == data.shape[ax]):
+            out_vars.append(v)
+            ax += 1
+            continue
+        start = r.start if b is None else r.start - b.start
+        if r.size == 1:
+            data = lax.dynamic_index_in_dim(data, start, ax, keepdims=False)
+            continue
+        data = lax.dynamic_slice_in_dim(data, start, r.size, ax)
+        out_vars.append(v)
+        ax += 1
+    return Named(data, out_vars)
 
 
 def _two_operands(vals: list, v: Var):

@@ -193,8 +193,8 @@ def test_softmax_and_defined_ops_are_not_primitives():
     a = A((3, 4))
     sm = moa.softmax(a)
     assert sm.shape == (3, 4)
-    # softmax is built from primitives: Ω, reduce and scalar extension
-    assert isinstance(sm, moa.Omega)
+    # softmax is built from primitives: Ω, reduce and scalar extension (its parts labelled)
+    assert isinstance(sm, moa.Name) and sm.label == "probs" and isinstance(sm.arg, moa.Omega)
     assert moa.softmax(a, axis=0).shape == (3, 4)
     assert moa.logsumexp(a).shape == (3,)
 

@@ -1,19 +1,50 @@
-"""Scaled dot-product attention (paper I) and one decode step against a KV cache (paper III)."""
+"""Scaled dot-product attention (paper I), multi-head with GQA, and one decode step (paper III).
+
+For one head:  Out = softmax(scale · Q +.× ⍉K  [+ bias] [masked]) +.× V.
+Multi-head in jax.nn's [B, T, N, H] layout is the same cell under Ω over batch, kv head and
+query group: with N = K·G query heads, ⟨b t n⟩ reads the kv head ⌊n/G⌋ (ψ-selection; K and V
+are never repeated).
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+
+import numpy as np
 
 from moajax import moa
 from moajax.kernel import kernel
 from moajax.kernels.common import accumulation_dtype, large_negative
 
 
-def causal(score: moa.Array) -> moa.Array:
-    """Keep s ≤ t (top-left aligned, like jnp.tril): where(ι t ≥.× ι s, score, −big)."""
-    t, s = score.shape
-    keep = moa.outer(moa.ge, moa.iota(t, score.dims[0]), moa.iota(s, score.dims[1]))
-    return moa.where(keep, score, large_negative(score.dtype))
+def causal_keep(t: int, s: int, dims=("t", "s")) -> moa.Array:
+    """ι t ≥.× ι s: keep key s for query t when s ≤ t (top-left aligned, like jnp.tril)."""
+    return moa.outer(moa.ge, moa.iota(t, dims[0]), moa.iota(s, dims[1]))
+
+
+def _with_cell(score: moa.Array, x: moa.Array, axes: tuple, fn):
+    """fn(score, x) where x holds only the ``axes`` ("t", "s") of the [t, s] score cell."""
+    if axes == ("t", "s") or axes == ():
+        return fn(score, x)
+    if axes == ("s",):
+        return moa.omega(fn, (1, 1))(score, x)  # x is the same for every row
+    if axes == ("t",):
+        return moa.omega(fn, (1, 0))(score, x)  # one value per row
+    raise ValueError(f"unsupported cell axes {axes}")
+
+
+def attention_cell(q, k, v, *, scale: float, is_causal: bool, bias=None, bias_axes=(), mask=None, mask_axes=()):
+    """The per-head definition: q [t h], k [s h], v [s e] (already in the accumulation dtype)."""
+    score = moa.name("score", (q @ moa.transpose(k)) * scale)
+    if bias is not None:
+        score = _with_cell(score, bias, bias_axes, moa.add)
+    big = large_negative(score.dtype)
+    if mask is not None:
+        score = _with_cell(score, mask, mask_axes, lambda s, m: moa.where(m, s, big))
+    if is_causal:
+        score = moa.where(causal_keep(q.shape[0], k.shape[0], (q.dims[0], k.dims[0])), score, big)
+    return moa.softmax(score, axis=-1) @ v
 
 
 @kernel(example=dict(t=8, s=12, h=4, e=6))
@@ -22,10 +53,7 @@ def attention(query: "t h", key: "s h", value: "s e", *, scale: float | None = N
     acc = accumulation_dtype(query.dtype)
     q, k, v = moa.cast(query, acc), moa.cast(key, acc), moa.cast(value, acc)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    score = moa.name("score", (q @ moa.transpose(k)) * scale)
-    if is_causal:
-        score = causal(score)
-    return moa.cast(moa.softmax(score, axis=-1) @ v, query.dtype)
+    return moa.cast(attention_cell(q, k, v, scale=scale, is_causal=is_causal), query.dtype)
 
 
 @kernel(example=dict(s=16, h=4, e=6))
@@ -36,3 +64,128 @@ def decode(query: "h", key: "s h", value: "s e", *, scale: float | None = None):
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     score = moa.name("score", (k @ q) * scale)
     return moa.cast(moa.softmax(score, axis=-1) @ v, query.dtype)
+
+
+# ----------------------------------------------------------------------------- multi-head
+
+
+def _split_heads_levels(x: moa.Array, shape4, N: int, K: int, dims_ts=("t", "s")):
+    """Prepare a bias/mask array broadcastable to [B, N, T, S] for the Ω levels (b, kv, g).
+
+    Returns (array whose leading axes are its levels, levels present, cell axes present)."""
+    B_, N_, T_, S_ = shape4
+    G = N // K
+    keep_b, keep_n, keep_t, keep_s = B_ != 1, N_ != 1, T_ != 1, S_ != 1
+    # drop the size-1 (broadcast) axes: a reshape onto the remaining ones
+    new_shape, new_dims = [], []
+    for keep, size, d in ((keep_b, B_, "b"), (keep_n, N_, "n"), (keep_t, T_, dims_ts[0]), (keep_s, S_, dims_ts[1])):
+        if keep:
+            new_shape.append(size)
+            new_dims.append(d)
+    x = moa.reshape(x, tuple(new_shape), dims=tuple(new_dims)) if tuple(new_shape) != x.shape else x
+    levels = []
+    if keep_b:
+        levels.append("b")
+    if keep_n:
+        # split the query heads n = kv·G + g
+        pos = new_dims.index("n")
+        shp = list(x.shape)
+        dims = list(x.dims)
+        shp[pos: pos + 1] = [K, G]
+        dims[pos: pos + 1] = ["n_kv", "g"]
+        x = moa.reshape(x, tuple(shp), dims=tuple(dims))
+        levels += ["kv", "g"]
+    cell_axes = tuple(a for a, keep in (("t", keep_t), ("s", keep_s)) if keep)
+    return x, tuple(levels), cell_axes
+
+
+def mha_expression(query, key, value, bias=None, mask=None, *, scale: float, is_causal: bool):
+    """Multi-head attention in jax.nn's layout, as an array expression over moa inputs:
+    query [b t n h], key [b s n_kv h], value [b s n_kv e], bias/mask broadcastable to [b n t s]."""
+    B, T, N, H = query.shape
+    _, S, K, _ = key.shape
+    E = value.shape[-1]
+    G = N // K
+    acc = accumulation_dtype(query.dtype)
+    q = moa.cast(moa.transpose(moa.reshape(query, (B, T, K, G, H), ("b", "t", "n_kv", "g", "h")), (0, 2, 3, 1, 4)), acc)
+    k = moa.cast(moa.transpose(key, (0, 2, 1, 3)), acc)  # [b kv s h]
+    v = moa.cast(moa.transpose(value, (0, 2, 1, 3)), acc)  # [b kv s e]
+    # operands per Ω level: (array, levels it varies along)
+    ops_ = [(q, ("b", "kv", "g")), (k, ("b", "kv")), (v, ("b", "kv"))]
+    extra = {}
+    if bias is not None:
+        b4 = (1,) * (4 - bias.rank) + tuple(bias.shape)
+        x, lv, cax = _split_heads_levels(moa.cast(bias, acc), b4, N, K)
+        extra["bias"] = (len(ops_), cax)
+        ops_.append((x, lv))
+    if mask is not None:
+        m4 = (1,) * (4 - mask.rank) + tuple(mask.shape)
+        x, lv, cax = _split_heads_levels(mask, m4, N, K)
+        extra["mask"] = (len(ops_), cax)
+        ops_.append((x, lv))
+
+    def cell(*cells):
+        kw = {}
+        if "bias" in extra:
+            i, cax = extra["bias"]
+            kw.update(bias=cells[i], bias_axes=cax)
+        if "mask" in extra:
+            i, cax = extra["mask"]
+            kw.update(mask=cells[i], mask_axes=cax)
+        return attention_cell(cells[0], cells[1], cells[2], scale=scale, is_causal=is_causal, **kw)
+
+    # Ω over the levels b, kv, g, outermost first: an operand joins a level's frame only if it
+    # varies along it (so K and V are shared by the G query heads of their kv head)
+    def nest(level_idx, arrays_levels):
+        levels = ("b", "kv", "g")
+        if level_idx == len(levels):
+            return cell(*[a for a, _ in arrays_levels])
+        lev = levels[level_idx]
+        ranks = []
+        for a, lv in arrays_levels:
+            ranks.append(a.rank - 1 if lev in lv else a.rank)
+
+        def inner(*cells):
+            return nest(level_idx + 1, [(c, lv) for c, (_, lv) in zip(cells, arrays_levels)])
+
+        return moa.omega(inner, tuple(ranks))(*[a for a, _ in arrays_levels])
+
+    out = nest(0, ops_)  # [b kv g t e]
+    out = moa.transpose(out, (0, 3, 1, 2, 4))  # [b t kv g e]
+    out = moa.reshape(out, (B, T, N, E), dims=("b", "t", "n", "e"))
+    return moa.cast(out, query.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def mha_dnf(qshape, kshape, vshape, dtype, bias_shape=None, bias_dtype=None, mask_shape=None,
+            scale: float | None = None, is_causal: bool = False):
+    """The DNF of multi-head attention in jax.nn's layout for these static shapes (cached)."""
+    from moajax.psi import reduce_to_dnf
+
+    dtype = np.dtype(dtype)
+    scale = 1.0 / math.sqrt(qshape[-1]) if scale is None else float(scale)
+    query = moa.array("query", qshape, ("b", "t", "n", "h"), dtype)
+    key = moa.array("key", kshape, ("b", "s", "n_kv", "h"), dtype)
+    value = moa.array("value", vshape, ("b", "s", "n_kv", "e"), dtype)
+    inputs = [query, key, value]
+    bias = mask = None
+    if bias_shape is not None:
+        bias = moa.array("bias", bias_shape, ("b", "n", "t", "s")[4 - len(bias_shape):], bias_dtype)
+        inputs.append(bias)
+    if mask_shape is not None:
+        mask = moa.array("mask", mask_shape, ("b", "n", "t", "s")[4 - len(mask_shape):], np.bool_)
+        inputs.append(mask)
+    expr = mha_expression(query, key, value, bias, mask, scale=scale, is_causal=bool(is_causal))
+    dnf, _ = reduce_to_dnf("mha", inputs, expr, ("out",), record=False)
+    return dnf
+
+
+@kernel(example=dict(b=2, t=8, n=4, s=12, n_kv=2, h=4, e=4))
+def mha(query: "b t n h", key: "b s n_kv h", value: "b s n_kv e", *, scale: float | None = None,
+        is_causal: bool = False):
+    """jax.nn layout: per (b, n), attention against kv head ⌊n·K/N⌋ (GQA by ψ-selection)."""
+    B, T, N, H = query.shape
+    if N % key.shape[2]:
+        raise moa.MoAShapeError(f"mha: {N} query heads are not a multiple of {key.shape[2]} kv heads")
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    return mha_expression(query, key, value, scale=scale, is_causal=is_causal)

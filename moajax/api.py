@@ -1,0 +1,199 @@
+"""The public kernels: drop-in replacements for jax.nn functions, computed by the DSL.
+
+``dot_product_attention`` takes jax.nn's arguments and layout; its DNF comes from the
+multi-head attention definition (``moajax.kernels.attention``), its schedule from the
+machine (or the ``onf`` argument), and inside one jitted function the CPU lowers the ONF
+to XLA loops and CUDA to a Pallas (Triton) kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from moajax import machines
+from moajax.onf import ONF, ONFError
+from moajax.schedule import Preset, derive
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _shape_dtype(x, name):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"dot_product_attention: {name} must be an array, got {type(x).__name__}")
+    import jax.numpy as jnp
+
+    return tuple(int(s) for s in x.shape), np.dtype(jnp.dtype(x.dtype))
+
+
+def _check_broadcast(name, shape, target):
+    if len(shape) > len(target):
+        raise ValueError(f"dot_product_attention: {name} has rank {len(shape)} > {len(target)}; it must broadcast to {list(target)}")
+    full = (1,) * (len(target) - len(shape)) + tuple(shape)
+    for s, t in zip(full, target):
+        if s not in (1, t):
+            raise ValueError(
+                f"dot_product_attention: {name} shape {list(shape)} does not broadcast to [B, N, T, S] = {list(target)}"
+            )
+
+
+def _gpu_machine():
+    import jax
+
+    for d in jax.devices():
+        if d.platform in ("gpu", "cuda"):
+            return machines.for_device(d)
+    return machines.load(machines.GENERIC_GPU_NAME)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedules(dnf, onf_key):
+    """(CPU ONF, GPU ONF) for a DNF: derived, or from an explicit ONF / preset."""
+    if isinstance(onf_key, ONF):
+        if onf_key.dnf.outputs[0].body is not dnf.outputs[0].body or onf_key.dnf.inputs != dnf.inputs:
+            raise ONFError(
+                f"dot_product_attention: the onf given was derived for another DNF ({onf_key.dnf.name}, inputs "
+                f"{[str(i) for i in onf_key.dnf.inputs]}); these arguments give inputs {[str(i) for i in dnf.inputs]}"
+            )
+        return onf_key.validate(), onf_key
+    preset = onf_key if isinstance(onf_key, Preset) else Preset()
+    return derive(dnf, machines.local(), preset), derive(dnf, _gpu_machine(), preset)
+
+
+@functools.lru_cache(maxsize=256)
+def _lowered(onf: ONF, backend: str):
+    if backend == "xla":
+        from moajax import lower_xla
+
+        return lower_xla.lower(onf)
+    import pallas_kernels
+
+    return pallas_kernels.lower(onf)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, onf=None,
+                          implementation=None):
+    """softmax(scale · Q Kᵀ + bias, masked) V — jax.nn.dot_product_attention's contract.
+
+    query [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] / [B, S, K, E] with
+    N % K == 0 (grouped-query attention: query head n reads kv head ⌊n·K/N⌋); bias
+    (added to the logits) and mask (bool, True = keep) broadcast to [B, N, T, S];
+    ``scale`` defaults to 1/√H; ``is_causal`` keeps s ≤ t. float16/bfloat16 accumulate in
+    float32; float32 and float64 in themselves (float64 is float64-accurate).
+
+    ``onf``: None (the machine's default schedule), a ``moajax.ONF`` derived for exactly
+    these shapes, or a ``moajax.schedule.Preset`` (carry, tiles, γ, store, knobs) applied
+    on top of the default. ``implementation``: None (XLA on CPU, Pallas on CUDA), "xla",
+    "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU).
+    """
+    import jax.numpy as jnp
+
+    from moajax import compat
+    from moajax.kernels.attention import mha_dnf
+
+    qs, qd = _shape_dtype(query, "query")
+    ks, kd = _shape_dtype(key, "key")
+    vs, vd = _shape_dtype(value, "value")
+    if len(qs) not in (3, 4):
+        raise ValueError(f"dot_product_attention: query must have rank 4 [B, T, N, H] or 3 [T, N, H], got shape {list(qs)}")
+    if len(ks) != len(qs) or len(vs) != len(qs):
+        raise ValueError(
+            f"dot_product_attention: key and value must have the rank of query ({len(qs)}); "
+            f"got key {list(ks)}, value {list(vs)}"
+        )
+    if qd.name not in _FLOATS:
+        raise TypeError(f"dot_product_attention: query dtype must be one of {_FLOATS}, got {qd.name}")
+    if kd != qd or vd != qd:
+        raise TypeError(
+            f"dot_product_attention: query, key and value must share one dtype; got query {qd.name}, "
+            f"key {kd.name}, value {vd.name}"
+        )
+    batched = len(qs) == 4
+    if not batched:
+        qs, ks, vs = (1,) + qs, (1,) + ks, (1,) + vs
+    B, T, N, H = qs
+    Bk, S, K, Hk = ks
+    Bv, Sv, Kv, E = vs
+    if Bk != B or Bv != B:
+        raise ValueError(f"dot_product_attention: batch sizes differ: query {B}, key {Bk}, value {Bv}")
+    if Hk != H:
+        raise ValueError(f"dot_product_attention: key head dim {Hk} does not match query head dim {H}")
+    if (Sv, Kv) != (S, K):
+        raise ValueError(f"dot_product_attention: value shape {list(vs)} does not match key shape {list(ks)} in S and K")
+    if K == 0 or N % K:
+        raise ValueError(f"dot_product_attention: query has {N} heads, not a multiple of the {K} key/value heads")
+    if min(T, S, H, E, N) == 0:
+        raise ValueError("dot_product_attention: zero-size dimension in query/key/value")
+    target = (B, N, T, S)
+    bias_shape = bias_dtype = mask_shape = None
+    args = [query, key, value]
+    if bias is not None:
+        bias_shape, bias_dtype = _shape_dtype(bias, "bias")
+        if bias_dtype.name not in _FLOATS:
+            raise TypeError(f"dot_product_attention: bias dtype must be floating, got {bias_dtype.name}")
+        _check_broadcast("bias", bias_shape, target if batched else target[1:])
+        bias_shape = bias_shape if batched else (1,) * (4 - len(bias_shape)) + bias_shape
+        args.append(bias if batched else jnp.reshape(bias, bias_shape))
+    if mask is not None:
+        mask_shape, mask_dtype = _shape_dtype(mask, "mask")
+        if mask_dtype != np.bool_:
+            raise TypeError(f"dot_product_attention: mask must be a bool array (True = keep), got {mask_dtype.name}")
+        _check_broadcast("mask", mask_shape, target if batched else target[1:])
+        mask_shape = mask_shape if batched else (1,) * (4 - len(mask_shape)) + mask_shape
+        args.append(mask if batched else jnp.reshape(mask, mask_shape))
+    if scale is not None:
+        if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
+            raise TypeError(f"dot_product_attention: scale must be a static Python number, got {type(scale).__name__}")
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"dot_product_attention: scale must be finite, got {scale}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"dot_product_attention: is_causal must be a static bool, got {type(is_causal).__name__}")
+    if onf is not None and not isinstance(onf, (ONF, Preset)):
+        raise TypeError(f"dot_product_attention: onf must be a moajax ONF or a Preset, got {type(onf).__name__}")
+    if implementation not in (None, "xla", "pallas", "pallas_interpret"):
+        raise ValueError(f"dot_product_attention: implementation must be None, 'xla', 'pallas' or 'pallas_interpret', got {implementation!r}")
+
+    dnf = mha_dnf(qs, ks, vs, qd, bias_shape, bias_dtype, mask_shape, None if scale is None else float(scale), bool(is_causal))
+    cpu_onf, gpu_onf = _schedules(dnf, onf)
+    if not batched:
+        args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
+
+    if implementation == "xla":
+        out = _lowered(cpu_onf, "xla")(*args)
+    elif implementation == "pallas":
+        out = _lowered(gpu_onf, "pallas")(*args)
+    elif implementation == "pallas_interpret":
+        import pallas_kernels
+
+        out = pallas_kernels.lower(gpu_onf, interpret=True)(*args)
+    else:
+        out = compat.platform_dependent(
+            *args, cpu=_lowered(cpu_onf, "xla"), cuda=_lowered(gpu_onf, "pallas"), default=_lowered(cpu_onf, "xla")
+        )
+    return out if batched else out[0]
+
+
+def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, machine=None,
+                  preset: Preset | None = None) -> ONF:
+    """The ONF ``dot_product_attention`` would use for these arguments (for inspection/tuning)."""
+    from moajax.kernels.attention import mha_dnf
+
+    qs, qd = _shape_dtype(query, "query")
+    ks, _ = _shape_dtype(key, "key")
+    vs, _ = _shape_dtype(value, "value")
+    if len(qs) == 3:
+        qs, ks, vs = (1,) + qs, (1,) + ks, (1,) + vs
+    bs = bd = ms = None
+    if bias is not None:
+        bs, bd = _shape_dtype(bias, "bias")
+        bs = (1,) * (4 - len(bs)) + bs
+    if mask is not None:
+        ms, _ = _shape_dtype(mask, "mask")
+        ms = (1,) * (4 - len(ms)) + ms
+    dnf = mha_dnf(qs, ks, vs, qd, bs, bd, ms, None if scale is None else float(scale), bool(is_causal))
+    m = machine if machine is not None else machines.local()
+    if isinstance(m, str):
+        m = machines.load(m)
+    return derive(dnf, m, preset)

@@ -1,0 +1,319 @@
+"""The cost model: what an ONF costs on a machine, predicted from the program alone.
+
+For a DNF scheduled by an ONF (the shapes and dtypes are the DNF's) it counts
+
+* ``flops`` (a multiply-add is 2; ``matmul_flops`` of them are in contractions) and
+  ``transcendentals`` (exp, log, √, … evaluations), stage by stage, each subexpression over
+  exactly the index points it is evaluated on (so recomputation across passes shows);
+* the papers' element counts: ``input_elements`` (each input element once),
+  ``output_elements``, ``intermediate_elements`` (every stage placed in main memory, once) —
+  the classical attention forward materialises score, num and probs (3n²) and den (n);
+* ``bytes_moved``: modelled main-memory traffic — inputs as the tiling streams them
+  (re-read by every program that needs them, unless that working set fits in the last-level
+  cache), outputs written, memory stages written and read back;
+* ``onchip_bytes`` per program, ``scratch_bytes`` in main memory, ``atomics``, ``launches``;
+* ``time_s``: a roofline, max(compute, memory) + launch overheads, for a machine profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax.ix import Var
+from moajax.onf import ONF, OnlineStage, Stage
+
+_TRANSCENDENTAL = {"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "silu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    flops: float
+    matmul_flops: float
+    transcendentals: float
+    input_elements: int
+    output_elements: int
+    intermediate_elements: int
+    bytes_moved: float
+    bytes_compulsory: float
+    scratch_bytes: int
+    onchip_bytes: int
+    atomics: int
+    launches: int
+    time_s: float | None = None
+    bound: str | None = None
+
+    @property
+    def compulsory_elements(self) -> int:
+        """Inputs read once, outputs written once, materialised intermediates once."""
+        return self.input_elements + self.output_elements + self.intermediate_elements
+
+    def pretty(self) -> str:
+        t = f", roofline {self.time_s * 1e3:.3f} ms ({self.bound}-bound)" if self.time_s is not None else ""
+        return (
+            f"flops {self.flops:.4g} (matmul {self.matmul_flops:.4g}), transcendentals {self.transcendentals:.4g}; "
+            f"elements: inputs {self.input_elements}, outputs {self.output_elements}, "
+            f"intermediates {self.intermediate_elements}; bytes moved {self.bytes_moved:.4g} "
+            f"(compulsory {self.bytes_compulsory:.4g}); scratch {self.scratch_bytes} B; "
+            f"on-chip {self.onchip_bytes} B/program; atomics {self.atomics}; launches {self.launches}{t}"
+        )
+
+
+def _points(onf: ONF, vars_) -> int:
+    n = 1
+    for v in vars_:
+        n *= onf.axis_of(v).padded if onf.axis_of(v).role != "whole" else max(onf.axis_of(v).tile, v.extent)
+    return n
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+class _Counter:
+    """Flops of one stage: each distinct subexpression once per index point it is evaluated on."""
+
+    def __init__(self, onf: ONF):
+        self.onf = onf
+        self.flops = 0.0
+        self.matmul = 0.0
+        self.trans = 0.0
+        self.seen: set = set()
+
+    def expr(self, e: D.Expr, extra=()):
+        key = (id(e), tuple(extra))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        pts = _points(self.onf, set(e.free) | set(extra))
+        if isinstance(e, D.Call):
+            for c in e.children:
+                self.expr(c, extra)
+            if e.op in _TRANSCENDENTAL:
+                self.trans += pts
+                self.flops += pts if e.op == "silu" else 0
+            else:
+                self.flops += pts
+        elif isinstance(e, (D.Convert, D.Tag)):
+            self.expr(e.children[0], extra)
+        elif isinstance(e, D.Red):
+            self.reduction(e.monoid, e.var, e.body, extra)
+
+    def reduction(self, monoid, v: Var, body: D.Expr, extra=()):
+        from moajax.reference import product_factors
+
+        factors = product_factors(body) if monoid == "add" else [body]
+        pts = _points(self.onf, set(body.free) | {v} | set(extra))
+        if len(factors) >= 2:
+            for f in factors:
+                self.expr(f, extra)
+            self.flops += 2 * pts
+            self.matmul += 2 * pts
+        else:
+            self.expr(body, extra)
+            self.flops += pts
+
+
+def _stage_flops(onf: ONF, st) -> tuple[float, float, float]:
+    c = _Counter(onf)
+    if isinstance(st, Stage):
+        c.expr(st.body, tuple(st.vars))
+    else:
+        v = st.var
+        c.expr(st.logit)
+        body_pts = _points(onf, set(st.max_vars) | {v} | set(st.logit.free))
+        c.flops += 3 * body_pts  # running max, f − m
+        c.trans += body_pts  # exp(f − m)
+        ntiles = onf.axis_of(v).ntiles
+        c.trans += ntiles * _points(onf, st.max_vars)  # α = exp(m_old − m_new) per tile
+        for _, vs, w in st.sums:
+            if w is None:
+                c.flops += body_pts
+            else:
+                from moajax.reference import product_factors
+
+                for f in product_factors(w):
+                    c.expr(f)
+                pts = _points(onf, set(st.max_vars) | {v} | set(w.free))
+                c.flops += 2 * pts
+                c.matmul += 2 * pts
+            c.flops += 2 * ntiles * _points(onf, vs)  # acc·α + contribution
+    return c.flops, c.matmul, c.trans
+
+
+def _stage_vars(st) -> tuple:
+    if isinstance(st, OnlineStage):
+        vs = list(st.max_vars)
+        for _, svs, _ in st.sums:
+            vs += [v for v in svs if v not in vs]
+        return tuple(vs)
+    return tuple(st.vars)
+
+
+def _kernel_stages(onf: ONF):
+    """Kernels: one per memory stage (with the local stages it needs), and the final program."""
+    defs = {n: st for st in onf.program.stages for n in st.defines}
+    memory = [st for st in onf.program.stages if st.place == "memory"]
+
+    def closure(roots):
+        need, stack = [], list(roots)
+        while stack:
+            n = stack.pop()
+            st = defs.get(n)
+            if st is None or st in need or st.place == "memory":
+                continue
+            need.append(st)
+            for e in st.exprs():
+                if e is not None:
+                    stack.extend(x.stage for x in D.walk(e) if isinstance(x, D.Ref))
+        return [s for s in onf.program.stages if s in need]
+
+    kernels = []
+    for st in memory:
+        roots = [x.stage for e in st.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Ref)]
+        kernels.append((st, closure(roots) + [st]))
+    outs = [s for _, s in onf.program.outputs]
+    kernels.append((None, closure(outs)))
+    return kernels
+
+
+def _reads(onf: ONF, stages) -> list:
+    out, seen = [], set()
+    for st in stages:
+        for e in st.exprs():
+            if e is None:
+                continue
+            for x in D.walk(e):
+                if isinstance(x, (D.Read, D.Ref)) and id(x) not in seen:
+                    seen.add(id(x))
+                    out.append(x)
+    return out
+
+
+def _tile(onf: ONF, v: Var) -> int:
+    a = onf.axis_of(v)
+    return max(a.tile, v.extent) if a.role == "whole" else a.tile
+
+
+def onchip_bytes(onf: ONF) -> int:
+    """Shared memory one program of the final kernel needs (an estimate, kept conservative and
+    checked against the compiler's own number by ``moajax gpu-report``).
+
+    Input tiles loaded inside a sequential loop are multi-buffered (``num_stages`` copies);
+    the probabilities fed to the second contraction are staged twice in the dot's operand
+    dtype; with 4-byte (or wider) operands, tiles loaded once (the query rows) are staged too."""
+    kernels = _kernel_stages(onf)
+    _, stages = kernels[-1]
+    seq_vars = {a.name for a in onf.axes if a.role == "sequential"}
+    total = 0
+    seen = set()
+    for r in _reads(onf, stages):
+        if not isinstance(r, D.Read):
+            continue
+        key = (r.array, r.index)
+        if key in seen:
+            continue
+        seen.add(key)
+        size = math.prod(_tile(onf, v) for v in r.free)
+        in_loop = any(v.name in seq_vars for v in r.free)
+        if in_loop:
+            total += size * _itemsize(r.dtype) * onf.knobs.num_stages
+        elif _itemsize(r.dtype) >= 4:
+            total += size * _itemsize(r.dtype)
+    for st in stages:
+        if isinstance(st, OnlineStage):
+            p = math.prod(_tile(onf, v) for v in set(st.max_vars) | {st.var})
+            item = 2 if onf.knobs.lowp_dots else _itemsize(st.logit.dtype)
+            total += 2 * p * item
+    return int(total)
+
+
+def register_bytes(onf: ONF) -> int:
+    """Register-resident values of one program: stage accumulators and the largest contraction
+    result tile of the loop body (float32 or wider)."""
+    _, stages = _kernel_stages(onf)[-1]
+    seq_vars = {a.name for a in onf.axes if a.role == "sequential"}
+    total = 0
+    biggest = 0
+    for st in stages:
+        for name in st.defines:
+            vs = st.result_vars(name)
+            if any(v.name in seq_vars for v in vs):
+                continue  # a stored row lives in memory/cache, not registers
+            total += math.prod(_tile(onf, v) for v in vs) * _itemsize(st.dtype(name))
+        for e in st.exprs():
+            if e is None:
+                continue
+            for x in D.walk(e):
+                if isinstance(x, D.Red):
+                    out = set(x.free)
+                    biggest = max(biggest, math.prod(_tile(onf, v) for v in out | ({x.var} if x.monoid != "add" else set())) * _itemsize(x.dtype))
+        if isinstance(st, OnlineStage):
+            p = math.prod(_tile(onf, v) for v in set(st.max_vars) | {st.var})
+            biggest = max(biggest, 2 * p * _itemsize(st.logit.dtype))
+    return int(total + biggest)
+
+
+def estimate(onf: ONF, machine=None) -> Cost:
+    """Predict the cost of running ``onf`` (on ``machine``, for the roofline time)."""
+    dnf = onf.dnf
+    flops = matmul = trans = 0.0
+    for st in onf.program.stages:
+        f, m, t = _stage_flops(onf, st)
+        flops, matmul, trans = flops + f, matmul + m, trans + t
+    in_el = sum(math.prod(i.shape) for i in dnf.inputs)
+    out_el = sum(math.prod(o.shape) for o in dnf.outputs)
+    inter_el = 0
+    scratch = 0
+    for st in onf.program.stages:
+        if st.place == "memory":
+            for name in st.defines:
+                n = math.prod(v.extent for v in st.result_vars(name))
+                inter_el += n
+                scratch += n * _itemsize(st.dtype(name))
+    compulsory = sum(math.prod(i.shape) * _itemsize(i.dtype) for i in dnf.inputs)
+    compulsory += sum(math.prod(o.shape) * _itemsize(o.dtype) for o in dnf.outputs)
+    compulsory += 2 * scratch  # written once, read back once
+    kernels = _kernel_stages(onf)
+    streamed = 0.0
+    llc = (machine.l2_cache_bytes if machine is not None and machine.is_gpu else
+           (machine.llc_bytes if machine is not None else 0))
+    for _, stages in kernels:
+        grid = [a for a in onf.axes if a.role == "grid"]
+        for r in _reads(onf, stages):
+            if isinstance(r, D.Ref) and onf.program.stage_of(r.stage).place != "memory":
+                continue
+            dt = r.dtype
+            pts = _points(onf, r.free)
+            reuse = 1
+            for a in grid:
+                if not any(v.name == a.name for v in r.free):
+                    reuse *= a.ntiles
+            # a re-read working set that stays in the last-level cache costs nothing extra
+            working = pts * _itemsize(dt) / max(1, math.prod(a.ntiles for a in grid if any(v.name == a.name for v in r.free)))
+            if reuse > 1 and llc and working * 2 <= llc:
+                reuse = 1
+            streamed += pts * _itemsize(dt) * reuse
+    streamed += sum(math.prod(o.shape) * _itemsize(o.dtype) for o in dnf.outputs)
+    streamed += scratch  # memory stages are written once (their reads are counted above)
+    launches = len(kernels)
+    cost = Cost(
+        flops=flops, matmul_flops=matmul, transcendentals=trans, input_elements=in_el,
+        output_elements=out_el, intermediate_elements=inter_el, bytes_moved=streamed,
+        bytes_compulsory=compulsory, scratch_bytes=scratch, onchip_bytes=onchip_bytes(onf),
+        atomics=0, launches=launches,
+    )
+    if machine is None:
+        return cost
+    dtype = dnf.outputs[0].body.dtype
+    acc = np.dtype(np.float32) if np.dtype(dtype).itemsize < 4 else np.dtype(dtype)
+    t_mm = matmul / machine.peak(dtype if np.dtype(dtype).itemsize < 4 else acc, tensor=True)
+    t_vec = (flops - matmul + 4 * trans) / machine.peak(acc)
+    t_mem = streamed / machine.bandwidth
+    t_launch = launches * machine.launch_overhead_us * 1e-6
+    compute = t_mm + t_vec
+    return dataclasses.replace(cost, time_s=max(compute, t_mem) + t_launch,
+                               bound="compute" if compute >= t_mem else "memory")

@@ -1,0 +1,126 @@
+"""Machine profiles (``configs/*.toml``): bandwidth, peak rates, on-chip memory, topology.
+
+Profiles drive the default ONF (tile sizes that fit shared memory, grid vs loops) and the
+cost model's roofline. ``scripts/measure_machine.py`` writes the profile of the machine it
+runs on (``configs/local.toml``); the others hold vendor data for the papers' machines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    name: str
+    kind: str  # "cpu" | "gpu"
+    memory_bandwidth_gb_s: float
+    peak_tflops: dict
+    description: str = ""
+    arch: str = ""
+    shared_memory_per_block: int = 0
+    multiprocessors: int = 0
+    cores: int = 1
+    numa_domains: int = 1
+    l2_cache_bytes: int = 0
+    llc_bytes: int = 0
+    launch_overhead_us: float = 0.0
+    device_kinds: tuple = ()
+    measured: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "gpu"
+
+    @property
+    def onchip_limit_bytes(self) -> int:
+        """The most on-chip memory one program may use (GPU shared memory per block; 0 = none)."""
+        return self.shared_memory_per_block if self.is_gpu else 0
+
+    @property
+    def bandwidth(self) -> float:
+        """Main-memory bandwidth in bytes/s."""
+        return self.memory_bandwidth_gb_s * 1e9
+
+    def peak(self, dtype, tensor: bool = False) -> float:
+        """Peak flop/s for arithmetic in ``dtype`` (``tensor``: matrix units, where there are any)."""
+        name = np.dtype(dtype).name
+        table = self.peak_tflops
+        keys = []
+        if tensor:
+            keys.append("tf32_tensor" if name == "float32" else f"{name}_tensor")
+        keys += [name, "float32"]
+        for k in keys:
+            if k in table:
+                return float(table[k]) * 1e12
+        raise KeyError(f"machine {self.name}: no peak rate for {name}")
+
+
+def config_dirs() -> list[Path]:
+    """Where profiles are looked up: $MOAJAX_CONFIGS, the source checkout, the install prefix."""
+    out = []
+    env = os.environ.get("MOAJAX_CONFIGS")
+    if env:
+        out.append(Path(env))
+    out.append(Path(__file__).resolve().parent.parent / "configs")
+    out.append(Path(sys.prefix) / "share" / "moajax" / "configs")
+    return [d for d in out if d.is_dir()]
+
+
+def _from_toml(path: Path) -> Machine:
+    data = tomllib.loads(path.read_text())
+    fields = {f.name for f in dataclasses.fields(Machine)}
+    unknown = set(data) - fields
+    if unknown:
+        raise ValueError(f"{path}: unknown profile keys {sorted(unknown)}")
+    data["device_kinds"] = tuple(data.get("device_kinds", ()))
+    return Machine(**data)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> dict:
+    """All profiles by name (earlier config directories win)."""
+    out: dict = {}
+    for d in reversed(config_dirs()):
+        for p in sorted(d.glob("*.toml")):
+            m = _from_toml(p)
+            out[m.name] = m
+    return out
+
+
+def load(name: str) -> Machine:
+    profs = available()
+    if name not in profs:
+        raise ValueError(f"no machine profile {name!r}; profiles are {sorted(profs)} (configs/*.toml)")
+    return profs[name]
+
+
+GENERIC_CPU = Machine("generic-cpu", "cpu", 20.0, {"float64": 0.05, "float32": 0.1}, description="unmeasured CPU")
+GENERIC_GPU_NAME = "delta-a100"
+
+
+def local() -> Machine:
+    """This machine's measured profile (configs/local.toml), else a generic CPU."""
+    return available().get("local", GENERIC_CPU)
+
+
+def for_device(device=None) -> Machine:
+    """The profile for a JAX device (GPUs matched by device kind; the local CPU otherwise)."""
+    if device is None:
+        import jax
+
+        device = jax.devices()[0]
+    if device.platform == "gpu" or device.platform == "cuda":
+        kind = getattr(device, "device_kind", "")
+        for m in available().values():
+            if m.is_gpu and any(k.lower() in kind.lower() for k in m.device_kinds):
+                return m
+        return load(GENERIC_GPU_NAME)
+    return local()

@@ -1,0 +1,220 @@
+"""Default ONFs: heuristics that derive a schedule for a DNF from a machine profile.
+
+    onf = derive(dnf, machine)                      # the default
+    onf = derive(dnf, machine, carry="passes", tiles={"t": 64, "s": 32}, gamma={"key": "F"})
+
+The program comes from the rewrites (hoist, then fuse_online for ``carry="online"``); the
+lifting from the DNF's structure:
+
+* the main reduction of each stage (keys, for attention) is ``sequential``, walked in tiles;
+  the reductions nested inside a tile (the head-dim contraction) run ``whole``;
+* the last output axis (the head dim of the output) is ``whole``;
+* an output axis that the inputs read in the main loop do not depend on (queries: every
+  query row reuses the same key/value tiles) is the ``grid`` axis with the big tile;
+  other output axes (batch, heads) are ``grid`` with tile 1.
+
+Tile sizes come from the machine: on a GPU the largest candidates whose on-chip footprint
+fits shared memory and a register budget (powers of two: Triton's block shapes); on a CPU
+the tiles that keep a score tile inside the last-level cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax import rewrites as W
+from moajax.machines import Machine
+from moajax.onf import ONF, Axis, Knobs, OnlineStage, ONFError, Stage, initial, next_pow2
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A partial ONF: the choices a user (or a configs/presets/*.toml file) fixes; the rest
+    is derived. ``store`` maps labels to "recompute" | "onchip" | "memory"."""
+
+    carry: str | None = None
+    tiles: tuple = ()  # ((axis, tile), ...)
+    roles: tuple = ()  # ((axis, role), ...)
+    gamma: tuple = ()  # ((operand, "C"|"F"), ...)
+    store: tuple = ()  # ((label, policy), ...)
+    split: tuple = ()  # ((axis, parts), ...)
+    knobs: tuple = ()  # ((knob, value), ...)
+
+    @staticmethod
+    def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, **knobs) -> "Preset":
+        def items(d):
+            return tuple(sorted((d or {}).items()))
+
+        return Preset(carry, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs))
+
+    @staticmethod
+    def load(path) -> "Preset":
+        import tomllib
+        from pathlib import Path
+
+        data = tomllib.loads(Path(path).read_text())
+        data.pop("name", None)
+        data.pop("description", None)
+        knobs = data.pop("knobs", {})
+        return Preset.of(**data, **knobs)
+
+
+def _main_loops(onf: ONF) -> list:
+    """The variables the stages walk (top-level reductions and online passes)."""
+    out = []
+    for st in onf.program.stages:
+        v = st.var if isinstance(st, OnlineStage) else (st.reduction.var if isinstance(st, Stage) and st.reduction else None)
+        if v is not None and v not in out:
+            out.append(v)
+    return out
+
+
+def _heavy_reads(onf: ONF, loops) -> list:
+    reads = []
+    for st in onf.program.stages:
+        for e in st.exprs():
+            if e is None:
+                continue
+            for x in D.walk(e):
+                if isinstance(x, D.Read) and x.free & set(loops):
+                    reads.append(x)
+    return reads
+
+
+def _structure(onf: ONF):
+    loops = _main_loops(onf)
+    out_vars = []
+    for o in onf.dnf.outputs:
+        out_vars += [v for v in o.vars if v not in out_vars]
+    inner = set()
+    for e in onf.program.exprs():
+        for x in D.walk(e):
+            if isinstance(x, D.Red) and x.var not in loops:
+                inner.add(x.var)
+    reads = _heavy_reads(onf, loops)
+    rows = [v for v in out_vars[:-1] if reads and all(v not in r.free for r in reads) and v.extent > 1]
+    return loops, out_vars, sorted(inner), rows[:1]
+
+
+# (rows, keys, num_warps, num_stages) per dtype width and (padded) head dim, best first.
+# Chosen from a sweep compiled to PTX for sm_80 with ptxas (registers, spills, shared
+# memory; see bench/results/gpu_report.md); every default is checked for 0 spill bytes.
+GPU_TILES = {
+    (2, 64): [(128, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (32, 32, 4, 2), (16, 16, 4, 2)],
+    (2, 128): [(128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2), (16, 16, 4, 2)],
+    (4, 64): [(64, 32, 8, 3), (64, 16, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
+    (4, 128): [(32, 16, 8, 2), (16, 16, 4, 2)],
+    (8, 64): [(64, 32, 8, 2), (64, 16, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
+    (8, 128): [(32, 16, 8, 2), (16, 16, 8, 2)],
+}
+
+
+def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
+    from moajax.cost import onchip_bytes
+
+    dtype = onf.dnf.outputs[0].dtype
+    item = min(np.dtype(dtype).itemsize, 8)
+    width = max([next_pow2(v.extent) for v in inner + out_vars[-1:]] or [16])
+    bucket = 64 if width <= 64 else 128
+    cands = GPU_TILES[(item, bucket)] if width <= 128 else [(32, 16, 8, 2), (16, 16, 8, 1)]
+    o = onf
+    for bt, bs, warps, stages in cands:
+        o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=True)
+        o = o.replace(knobs=dataclasses.replace(o.knobs, num_warps=warps, num_stages=stages, lowp_dots=item == 2))
+        if onchip_bytes(o) <= machine.onchip_limit_bytes:
+            return o
+    return o
+
+
+def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool) -> ONF:
+    axes = []
+    for v in out_vars:
+        if v == out_vars[-1]:
+            axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
+        elif v in rows:
+            t = min(bt, next_pow2(v.extent)) if gpu else min(bt, v.extent)
+            axes.append(Axis(v.name, v.extent, t, "grid"))
+        else:
+            axes.append(Axis(v.name, v.extent, 1, "grid"))
+    for v in loops:
+        if v in out_vars:
+            continue
+        t = min(bs, next_pow2(v.extent)) if gpu else min(bs, v.extent)
+        axes.append(Axis(v.name, v.extent, t, "sequential" if t < v.extent else "whole"))
+    for v in inner:
+        if any(a.name == v.name for a in axes):
+            continue
+        axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
+    return onf.replace(axes=tuple(axes))
+
+
+def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
+    # CPU (XLA): the grid is vectorised, so the row tile only matters when a cpu_loop walks it;
+    # a score tile of rows × keys floats should stay in the last-level cache.
+    rows_ext = rows[0].extent if rows else 1
+    other = 1
+    for v in out_vars:
+        if v not in rows and v != out_vars[-1]:
+            other *= v.extent
+    bs = 256
+    bt = rows_ext
+    llc = machine.llc_bytes or 32 * 2**20
+    while bt > 256 and other * bt * bs * 4 * 3 > llc:
+        bt //= 2
+    o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=False)
+    loop = tuple(v.name for v in rows if bt < v.extent)
+    return o.replace(knobs=dataclasses.replace(o.knobs, cpu_loop=loop))
+
+
+def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
+    """The default ONF of ``dnf`` for ``machine``, with a preset's (or keyword) choices applied."""
+    if preset is None:
+        preset = Preset.of(**kw)
+    elif kw:
+        raise TypeError("derive: give a preset or keywords, not both")
+    onf = initial(dnf, machine.name)
+    store = dict(preset.store)
+    for label, policy in store.items():
+        if policy == "recompute":
+            continue
+        if policy not in ("onchip", "memory"):
+            raise ONFError(f"{dnf.name}: store policy for {label!r} is {policy!r}; use recompute, onchip or memory")
+        onf = W.materialize(onf, label, "local" if policy == "onchip" else "memory")
+    onf = W.hoist(onf)
+    carry = preset.carry or "online"
+    if carry not in ("online", "passes"):
+        raise ONFError(f"{dnf.name}: carry must be 'online' or 'passes', got {carry!r}")
+    if carry == "online":
+        try:
+            onf = W.fuse_online(onf)
+        except ONFError:
+            pass  # nothing softmax-shaped: the passes are the program
+    loops, out_vars, inner, rows = _structure(onf)
+    if machine.is_gpu:
+        onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows)
+    else:
+        onf = _cpu_tiles(onf, machine, loops, out_vars, inner, rows)
+    roles = dict(preset.roles)
+    for name, t in preset.tiles:
+        onf = W.tile(onf, name, int(t), roles.pop(name, None))
+    for name, role in roles.items():
+        onf = W.tile(onf, name, onf.axis(name).tile if name in {a.name for a in onf.axes} else 1, role)
+    for name, parts in preset.split:
+        onf = W.split_k(onf, name, int(parts))
+    for name, g in preset.gamma:
+        onf = W.with_gamma(onf, name, g)
+    if preset.knobs:
+        k = dict(preset.knobs)
+        if "cpu_loop" in k and isinstance(k["cpu_loop"], (list, str)):
+            k["cpu_loop"] = tuple([k["cpu_loop"]] if isinstance(k["cpu_loop"], str) else k["cpu_loop"])
+        onf = onf.replace(knobs=dataclasses.replace(onf.knobs, **k))
+    onf = onf.replace(knobs=_valid_cpu_loop(onf))
+    return onf.validate(machine)
+
+
+def _valid_cpu_loop(onf: ONF) -> Knobs:
+    grid = {a.name for a in onf.axes if a.role == "grid"}
+    return dataclasses.replace(onf.knobs, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))

@@ -1,0 +1,310 @@
+"""ONF → Pallas (Triton backend): the GPU lowering.
+
+One ``pallas_call`` per kernel of the ONF: each stage placed in memory gets its own (it
+writes a main-memory array), and the final program computes the outputs. The grid is the
+ONF's grid axes, flattened into one launch dimension (program id → tile index per axis by
+div/mod, so any number of grid axes fits Triton's grid); inside a program, the kernel body
+is the same tile evaluator as the XLA backend (``moajax.tiles``) with reads from the
+operand refs (``pl.ds`` windows, scalar indices for tile-1 axes such as batch and head),
+contractions as 2-D ``dot_general``s (``tl.dot``) and sequential axes as ``fori_loop``s.
+
+Triton needs power-of-two block shapes: every tile that becomes an array axis must be one
+(whole axes are padded to the next power of two by the ONF's pad-and-mask tail policy).
+``interpret=True`` runs the very same kernels on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax.onf import ONF, ONFError, OnlineStage, Stage
+from moajax.reference import Named
+from moajax.tiles import Backend, InMemory, Range, TileEval, broadcast_to_vars
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def check(onf: ONF) -> ONF:
+    """Raise ONFError for anything the Triton backend cannot express; returns the ONF."""
+    onf.validate()
+    name = onf.dnf.name
+    for a in onf.axes:
+        size = a.tile if a.role != "whole" else max(a.tile, a.extent)
+        if size != 1 and not _is_pow2(size):
+            raise ONFError(
+                f"{name}: axis {a.name!r} runs in tiles of {size}; the Triton backend needs power-of-two "
+                "tiles (pad the axis: tile = next power of two, tail 'pad')"
+            )
+    for e in onf.program.exprs():
+        for x in D.walk(e):
+            if isinstance(x, D.Red):
+                a = onf.axis_of(x.var)
+                if a.role == "whole" and a.tile < x.var.extent:
+                    raise ONFError(f"{name}: axis {x.var.name!r} is whole but its tile {a.tile} < extent {x.var.extent}")
+    seq = {a.name for a in onf.axes if a.role == "sequential"}
+    for st in onf.program.stages:
+        if isinstance(st, Stage) and st.place == "local" and any(v.name in seq for v in st.vars):
+            raise ONFError(
+                f"{name}: stage {st.name!r} stores a row over the sequential axis "
+                f"{[v.name for v in st.vars if v.name in seq]} on chip; Triton has no indexable on-chip "
+                "scratch — recompute it (store 'recompute') or place it in memory"
+            )
+    for x in _all_reads(onf):
+        for ax, ix in enumerate(x.index):
+            if ix.is_const or ix.as_shifted_var() is not None:
+                continue
+            for v in ix.free_vars():
+                a = onf.axis_of(v)
+                if a.tile != 1 and not (a.role == "whole" and v.extent == 1):
+                    raise ONFError(
+                        f"{name}: {x.array} is read at axis {ax} with the index {ix}, which varies inside a "
+                        f"tile of {v.name!r}; the Triton backend reads contiguous windows only (tile {v.name!r} by 1)"
+                    )
+    return onf
+
+
+def _all_reads(onf: ONF):
+    seen = set()
+    for e in onf.program.exprs():
+        for x in D.walk(e):
+            if isinstance(x, D.Read) and id(x) not in seen:
+                seen.add(id(x))
+                yield x
+
+
+class PallasBackend(Backend):
+    """Reads from refs with pl.ds windows; contractions as tl.dot (2-D) or multiply-sum."""
+
+    def __init__(self, onf: ONF, refs: dict, shapes: dict):
+        from jax import lax
+
+        self.onf = onf
+        self.refs = refs
+        self.shapes = shapes
+        self.lowp_dots = onf.knobs.lowp_dots
+        self.precision = lax.Precision.HIGHEST
+
+    def _index(self, ev: TileEval, index, shape, what: str):
+        import jax.numpy as jnp
+        from jax.experimental import pallas as pl
+
+        idx, vars_ = [], []
+        for ax, ix in enumerate(index):
+            sv = ix.as_shifted_var()
+            if ix.is_const:
+                idx.append(int(ix.const))
+            elif sv is not None and sv[0] in ev.ranges:
+                v, c = sv
+                r = ev.ranges[v]
+                if r.size == 1:
+                    idx.append(r.start + c)
+                else:
+                    start = r.start + c
+                    if isinstance(start, (int, np.integer)) and int(start) == 0 and r.size == shape[ax]:
+                        idx.append(slice(None))
+                    else:
+                        idx.append(pl.ds(start, r.size))
+                    vars_.append(v)
+            else:
+                val = ev.index_named(ix)
+                if val.vars:
+                    raise ONFError(f"{what}: index {ix} varies inside a tile (not a contiguous window)")
+                idx.append(jnp.asarray(val.data, jnp.int32))
+        return tuple(idx), vars_
+
+    def read(self, ev: TileEval, e: D.Read) -> Named:
+        ref = self.refs[e.array]
+        shape = self.shapes[e.array]
+        f_order = self.onf.gamma_of(e.array) == "F" and len(shape) > 1
+        index = tuple(reversed(e.index)) if f_order else e.index
+        idx, vars_ = self._index(ev, index, shape, f"{self.onf.dnf.name}: {e.array}")
+        return Named(ref[idx], vars_)
+
+    def window(self, ev: TileEval, full: InMemory) -> Named:
+        """A stage in memory arrives as a ref over the padded extents of its variables."""
+        from jax.experimental import pallas as pl
+
+        ref = full.value.data
+        idx, out = [], []
+        for ax, v in enumerate(full.value.vars):
+            r = ev.ranges.get(v)
+            if r is None or (isinstance(r.start, (int, np.integer)) and int(r.start) == 0 and r.size == ref.shape[ax]):
+                idx.append(slice(None))
+                out.append(v)
+            elif r.size == 1:
+                idx.append(r.start)
+            else:
+                idx.append(pl.ds(r.start, r.size))
+                out.append(v)
+        return Named(ref[tuple(idx)], out)
+
+    def contract(self, a: Named, b: Named, v, out_dtype) -> Named:
+        import jax.numpy as jnp
+        from jax import lax
+
+        da, db = a.data, b.data
+        if da.dtype != db.dtype:
+            low = da.dtype if da.dtype.itemsize < db.dtype.itemsize else db.dtype
+            if self.lowp_dots and low.itemsize == 2:
+                da, db = da.astype(low), db.astype(low)
+            else:
+                da, db = da.astype(out_dtype), db.astype(out_dtype)
+        shared = set(a.vars) & set(b.vars) - {v}
+        two_d = da.ndim == 2 and db.ndim == 2 and not shared and min(da.shape + db.shape) >= 16
+        if two_d:
+            ca, cb = a.vars.index(v), b.vars.index(v)
+            prec = self.precision if np.dtype(da.dtype).itemsize >= 4 else None
+            out = lax.dot_general(da, db, (((ca,), (cb,)), ((), ())), precision=prec,
+                                  preferred_element_type=out_dtype)
+            out_vars = [x for x in a.vars if x != v] + [x for x in b.vars if x != v]
+            return Named(out, out_vars)
+        # small or batched tiles: multiply and sum (Triton's dot needs 2-D tiles ≥ 16)
+        from moajax.reference import align
+
+        datas, vs = align([Named(da.astype(out_dtype), a.vars), Named(db.astype(out_dtype), b.vars)])
+        prod = datas[0] * datas[1]
+        ax = vs.index(v)
+        return Named(jnp.sum(prod, axis=ax), vs[:ax] + vs[ax + 1:])
+
+
+def _grid_axes(onf: ONF, vars_) -> list:
+    return [v for v in vars_ if onf.axis_of(v).role == "grid"]
+
+
+def _ranges_for(onf: ONF, vars_, pid) -> dict:
+    """Program id → the tile of every grid axis (row-major over the grid); whole axes full."""
+    ranges = {}
+    grid = _grid_axes(onf, vars_)
+    counts = [onf.axis_of(v).ntiles for v in grid]
+    rem = pid
+    idx = {}
+    for v, n in reversed(list(zip(grid, counts))):
+        idx[v] = rem % n
+        rem = rem // n
+    for v in vars_:
+        a = onf.axis_of(v)
+        if v in idx:
+            ranges[v] = Range(idx[v] * a.tile, a.tile, v.extent)
+        else:
+            ranges[v] = Range(0, a.padded if a.role != "whole" else max(a.tile, v.extent), v.extent)
+    return ranges
+
+
+def _stage_vars(st) -> tuple:
+    if isinstance(st, OnlineStage):
+        vs = list(st.max_vars)
+        for _, svs, _ in st.sums:
+            vs += [v for v in svs if v not in vs]
+        return tuple(vs)
+    return tuple(st.vars)
+
+
+def _padded_shape(onf: ONF, vars_) -> tuple:
+    out = []
+    for v in vars_:
+        a = onf.axis_of(v)
+        out.append(a.padded if a.role != "whole" else max(a.tile, v.extent))
+    return tuple(out)
+
+
+def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable:
+    """The ONF as a JAX function built from ``pallas_call``s (Triton backend)."""
+    import jax
+    from jax.experimental import pallas as pl
+
+    from moajax import compat
+    from moajax.lower_xla import prepare_inputs
+
+    check(onf)
+    dnf = onf.dnf
+    defs = {n: st for st in onf.program.stages for n in st.defines}
+    params = compat.triton_compiler_params(onf.knobs.num_warps, onf.knobs.num_stages)
+
+    def run_kernel(arrays: dict, memory: dict, targets: list):
+        """One pallas_call computing ``targets``: [(name, vars, dtype, roots)] over vars' grid."""
+        names = list(arrays)
+        mem_names = list(memory)
+        out_vars = targets[0][1]
+        grid_vars = _grid_axes(onf, out_vars)
+        n_prog = int(math.prod(onf.axis_of(v).ntiles for v in grid_vars)) or 1
+        out_shapes = [
+            jax.ShapeDtypeStruct(tuple(_padded_shape(onf, [v for v in vs if True])), np.dtype(dt))
+            for _, vs, dt, _ in targets
+        ]
+        shapes = {n: tuple(arrays[n].shape) for n in names}
+
+        def kernel(*refs):
+            in_refs = dict(zip(names, refs[: len(names)]))
+            mem_refs = refs[len(names): len(names) + len(mem_names)]
+            o_refs = refs[len(names) + len(mem_names):]
+            pid = pl.program_id(0)
+            ranges = _ranges_for(onf, out_vars, pid)
+            backend = PallasBackend(onf, in_refs, shapes)
+            stages = {}
+            for mname, mref in zip(mem_names, mem_refs):
+                stages[mname] = InMemory(Named(mref, memory[mname][0]), {})
+            local_defs = {n: st for n, st in defs.items() if n not in memory}
+            ev = TileEval(onf, backend, ranges, stages, stage_defs=local_defs)
+            for (tname, tvars, _, roots), oref in zip(targets, o_refs):
+                ev.run_stages(roots)
+                if tname not in ev.stages:
+                    ev.compute_stage(defs[tname])
+                val = ev.stages[tname]
+                if isinstance(val, InMemory):
+                    val = ev.window(val)
+                data = broadcast_to_vars(val, tvars, ranges)
+                idx = []
+                for v in tvars:
+                    r = ranges[v]
+                    if r.size == 1:
+                        idx.append(r.start)
+                    elif isinstance(r.start, (int, np.integer)) and r.start == 0:
+                        idx.append(slice(None))
+                    else:
+                        idx.append(pl.ds(r.start, r.size))
+                oref[tuple(idx)] = data.astype(oref.dtype)
+
+        call = pl.pallas_call(
+            kernel,
+            out_shape=out_shapes,
+            grid=(n_prog,),
+            compiler_params=params,
+            interpret=interpret,
+            debug=debug,
+            name=f"moajax_{dnf.name}",
+        )
+        return call(*[arrays[n] for n in names], *[memory[m][1] for m in mem_names])
+
+    def fn(*inputs):
+        import jax.numpy as jnp
+
+        if len(inputs) != len(dnf.inputs):
+            raise TypeError(f"{dnf.name}: expected {len(dnf.inputs)} arrays, got {len(inputs)}")
+        inputs = [jnp.asarray(a) for a in inputs]
+        arrays = prepare_inputs(onf, inputs)
+        memory: dict = {}  # stage name → (vars, padded array)
+        for st in onf.program.stages:
+            if st.place != "memory":
+                continue
+            vs = _stage_vars(st)
+            targets = [(n, st.result_vars(n), st.dtype(n), [st.name]) for n in st.defines]
+            # every result of one stage shares the grid of its first result's variables
+            outs = run_kernel(arrays, dict(memory), [(n, vs_, dt, r) for n, vs_, dt, r in targets])
+            for (n, vs_, _, _), arr in zip(targets, outs):
+                memory[n] = (tuple(vs_), arr)
+        results = []
+        for o in dnf.outputs:
+            sname = dict(onf.program.outputs)[o.name]
+            out = run_kernel(arrays, dict(memory), [(sname, tuple(o.vars), o.dtype, [sname])])[0]
+            out = out[tuple(slice(0, v.extent) for v in o.vars)]
+            results.append(out.astype(o.dtype))
+        return results[0] if len(results) == 1 else tuple(results)
+
+    fn.__name__ = f"{dnf.name}_pallas"
+    return fn
