@@ -44,41 +44,77 @@ def input_padding(onf: ONF) -> dict:
     return need
 
 
-def prepare_inputs(onf: ONF, arrays) -> dict:
-    """Pad each input to whole tiles (zeros) and lay it out in its γ (F: transposed)."""
+def input_perms(onf: ONF, canonical: bool) -> dict:
+    """Per input, the physical order of its logical axes: γ "F" reverses them; with
+    ``canonical``, a "C" operand is stored with its axes in the program's canonical variable
+    order (one transpose up front instead of one per tile inside the loops)."""
+    from moajax.tiles import var_order
+
+    rank = var_order(onf)
+    first_read = {}
+    for e in onf.program.exprs():
+        for r in D.walk(e):
+            if isinstance(r, D.Read) and r.array not in first_read:
+                first_read[r.array] = r
+    perms = {}
+    for spec in onf.dnf.inputs:
+        n = len(spec.shape)
+        if onf.gamma_of(spec.name) == "F" and n > 1:
+            perms[spec.name] = tuple(reversed(range(n)))
+            continue
+        r = first_read.get(spec.name)
+        if not canonical or r is None:
+            perms[spec.name] = tuple(range(n))
+            continue
+
+        def key(ax, r=r):
+            vs = sorted(r.index[ax].free_vars(), key=lambda v: rank.get(v.name, 1 << 20))
+            return (rank.get(vs[0].name, 1 << 20) if vs else -1, ax)
+
+        perms[spec.name] = tuple(sorted(range(n), key=key))
+    return perms
+
+
+def prepare_inputs(onf: ONF, arrays, canonical: bool = False) -> tuple[dict, dict]:
+    """Pad each input to whole tiles (zeros) and store it in its physical axis order."""
     import jax.numpy as jnp
 
     need = input_padding(onf)
+    perms = input_perms(onf, canonical)
     out = {}
     for spec, a in zip(onf.dnf.inputs, arrays):
         pads = [(0, n - s) for n, s in zip(need[spec.name], a.shape)]
         if any(p[1] for p in pads):
             a = jnp.pad(a, pads)
-        if onf.gamma_of(spec.name) == "F" and a.ndim > 1:
-            a = jnp.transpose(a)  # column-major: the reversed axes, stored row-major
+        perm = perms[spec.name]
+        if perm != tuple(range(a.ndim)):
+            a = jnp.transpose(a, perm)  # e.g. column-major: the reversed axes, stored row-major
         out[spec.name] = a
-    return out
+    return out, perms
 
 
 # ----------------------------------------------------------------------------- backend
 
 
 class XlaBackend(Backend):
-    def __init__(self, onf: ONF, arrays: dict):
+    def __init__(self, onf: ONF, arrays: dict, perms: dict):
         from jax import lax
 
         self.onf = onf
         self.arrays = arrays
+        self.perms = perms
         self.precision = lax.Precision.HIGHEST
         self.lowp_dots = onf.knobs.lowp_dots
+        from moajax.tiles import var_order
+
+        self.rank = var_order(onf)
 
     def read(self, ev: TileEval, e: D.Read) -> Named:
         import jax.numpy as jnp
         from jax import lax
 
         arr = self.arrays[e.array]
-        f_order = self.onf.gamma_of(e.array) == "F" and arr.ndim > 1
-        index = tuple(reversed(e.index)) if f_order else e.index
+        index = tuple(e.index[p] for p in self.perms[e.array])
         starts, sizes, kinds = [], [], []
         for ax, ix in enumerate(index):
             dim = arr.shape[ax]
@@ -173,7 +209,8 @@ class XlaBackend(Backend):
                 da, db = da.astype(out_dtype), db.astype(out_dtype)
         allv = list(a.vars) + [x for x in b.vars if x not in a.vars]
         letters = {x: string.ascii_letters[i] for i, x in enumerate(allv)}
-        out_vars = [x for x in allv if x != v]
+        rank = self.rank
+        out_vars = sorted((x for x in allv if x != v), key=lambda x: rank.get(x.name, 1 << 20))
         spec = (
             "".join(letters[x] for x in a.vars) + "," + "".join(letters[x] for x in b.vars)
             + "->" + "".join(letters[x] for x in out_vars)
@@ -210,7 +247,7 @@ def lower(onf: ONF) -> Callable:
         for spec, a in zip(dnf.inputs, arrays):
             if tuple(a.shape) != tuple(spec.shape):
                 raise ValueError(f"{dnf.name}: input {spec.name!r} has shape {a.shape}, expected {spec.shape}")
-        backend = XlaBackend(onf, prepare_inputs(onf, arrays))
+        backend = XlaBackend(onf, *prepare_inputs(onf, arrays, canonical=True))
         values: dict = {}
         # stages in main memory: each over its whole index space, in program order
         for st in onf.program.stages:

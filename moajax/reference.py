@@ -29,9 +29,10 @@ class Named:
         self.data, self.vars = data, tuple(vars_)
 
 
-def align(parts: list[Named]):
-    """Broadcast named arrays against each other: (datas, union of vars in first-seen order).
+def align(parts: list[Named], rank=None):
+    """Broadcast named arrays against each other: (datas, union of vars).
 
+    The union is in first-seen order, or sorted by ``rank`` (a var → int map) when given.
     Axis sizes come from the data (a tile of a variable is as long as its range)."""
     import jax.numpy as jnp
 
@@ -40,6 +41,8 @@ def align(parts: list[Named]):
         for v in p.vars:
             if v not in order:
                 order.append(v)
+    if rank is not None:
+        order.sort(key=lambda v: rank.get(v.name, 1 << 20))
     out = []
     for p in parts:
         present = [v for v in order if v in p.vars]

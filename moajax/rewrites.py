@@ -96,6 +96,46 @@ def factor_out_invariants(red: D.Red) -> D.Expr:
     return _quotient([inner] + inv_n, inv_d, red.dtype)
 
 
+# ----------------------------------------------------------------------------- scalar sinking
+
+
+def sink_invariant_factors(e: D.Expr, loop: Var) -> D.Expr:
+    """(Σ_h a·b)·c → Σ_h (a·c)·b  when c and a do not use the loop variable: the product
+    with c is then computed once per tile of a, outside the loop over ``loop``, instead of
+    once per element of the (much larger) contraction result."""
+
+    def fn(x):
+        if not (isinstance(x, D.Call) and x.op == "mul"):
+            return None
+        for red, c in ((x.children[0], x.children[1]), (x.children[1], x.children[0])):
+            inner = red.body if isinstance(red, D.Tag) else red
+            if not isinstance(inner, D.Red) or inner.monoid != "add" or loop in c.free or inner.var in c.free:
+                continue
+            num, den = mul_div_factors(inner.body)
+            if den or len(num) < 2:
+                continue
+            for i, f in enumerate(num):
+                if loop not in f.free and c.free <= f.free | set():
+                    num2 = num[:i] + [D.Call("mul", (f, c))] + num[i + 1:]
+                    out = D.Red("add", inner.var, _product(num2, inner.dtype))
+                    return D.Tag(red.label, out) if isinstance(red, D.Tag) else out
+        return None
+
+    return D.transform(e, fn)
+
+
+def _sink_stage(st):
+    if isinstance(st, OnlineStage):
+        return dataclasses.replace(
+            st, logit=sink_invariant_factors(st.logit, st.var),
+            sums=tuple((n, vs, None if w is None else sink_invariant_factors(w, st.var)) for n, vs, w in st.sums),
+        )
+    if isinstance(st, Stage) and st.reduction is not None:
+        r = st.reduction
+        return Stage(st.name, st.vars, D.Red(r.monoid, r.var, sink_invariant_factors(r.body, r.var)), st.place)
+    return st
+
+
 # ----------------------------------------------------------------------------- hoist
 
 
@@ -158,7 +198,7 @@ def hoist(onf: ONF) -> ONF:
         out_stages.extend(new_stages)
         new_stages.clear()
         out_stages.append(Stage(s.name, s.vars, body, s.place))
-    prog = Program(tuple(out_stages), onf.program.outputs)
+    prog = Program(tuple(_sink_stage(s) for s in out_stages), onf.program.outputs)
     return onf.replace(program=prog, note="hoist")
 
 
@@ -210,7 +250,7 @@ def fuse_online(onf: ONF) -> ONF:
             sums.append((x.name, x.vars, weight))
             drop.append(j)
         if sums:
-            fused = OnlineStage(m.name, m.vars, red.var, red.body, tuple(sums))
+            fused = _sink_stage(OnlineStage(m.name, m.vars, red.var, red.body, tuple(sums)))
             stages[i] = fused
             for j in reversed(drop):
                 del stages[j]

@@ -36,6 +36,7 @@ class Preset:
     is derived. ``store`` maps labels to "recompute" | "onchip" | "memory"."""
 
     carry: str | None = None
+    target: str | None = None  # "cpu" | "gpu": the machine kind it applies to (None: both)
     tiles: tuple = ()  # ((axis, tile), ...)
     roles: tuple = ()  # ((axis, role), ...)
     gamma: tuple = ()  # ((operand, "C"|"F"), ...)
@@ -44,11 +45,16 @@ class Preset:
     knobs: tuple = ()  # ((knob, value), ...)
 
     @staticmethod
-    def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, **knobs) -> "Preset":
+    def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, **knobs) -> "Preset":
         def items(d):
             return tuple(sorted((d or {}).items()))
 
-        return Preset(carry, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs))
+        if target not in (None, "cpu", "gpu"):
+            raise ValueError(f"Preset: target must be None, 'cpu' or 'gpu', got {target!r}")
+        return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs))
+
+    def applies_to(self, machine: Machine) -> bool:
+        return self.target is None or self.target == machine.kind
 
     @staticmethod
     def load(path) -> "Preset":
@@ -152,18 +158,22 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool) -> O
 
 
 def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
-    # CPU (XLA): the grid is vectorised, so the row tile only matters when a cpu_loop walks it;
-    # a score tile of rows × keys floats should stay in the last-level cache.
+    # CPU (XLA): the grid is vectorised except the row axis, which an outer loop walks in
+    # tiles; a score tile (every batch-like program × rows × keys, float32) of about 1/8 of
+    # the last-level cache keeps the softmax passes in cache while the dots stay large.
+    # Measured on the 2-core EPYC (bench/results/attention_forward_cpu.md): 512 × 256 at
+    # 8 heads beats 256 × 256 by 1.6× and 4096 × 256 (no loop) by 1.4×.
     rows_ext = rows[0].extent if rows else 1
     other = 1
     for v in out_vars:
         if v not in rows and v != out_vars[-1]:
             other *= v.extent
     bs = 256
-    bt = rows_ext
-    llc = machine.llc_bytes or 32 * 2**20
-    while bt > 256 and other * bt * bs * 4 * 3 > llc:
+    budget = max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
+    bt = next_pow2(rows_ext)
+    while bt > 128 and other * bt * bs * 4 > budget:
         bt //= 2
+    bt = min(bt, rows_ext)
     o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=False)
     loop = tuple(v.name for v in rows if bt < v.extent)
     return o.replace(knobs=dataclasses.replace(o.knobs, cpu_loop=loop))
@@ -175,6 +185,8 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
         preset = Preset.of(**kw)
     elif kw:
         raise TypeError("derive: give a preset or keywords, not both")
+    if not preset.applies_to(machine):
+        preset = Preset()
     onf = initial(dnf, machine.name)
     store = dict(preset.store)
     for label, policy in store.items():

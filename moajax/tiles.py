@@ -23,7 +23,8 @@ from moajax import dnf as D
 from moajax import ops as _ops
 from moajax.ix import Ix, Var
 from moajax.onf import ONF, OnlineStage, Stage
-from moajax.reference import Named, align, product_factors
+from moajax.reference import Named, product_factors
+from moajax.reference import align as _align
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,27 @@ class Range:
         if isinstance(self.start, (int, np.integer)):
             return int(self.start) + self.size > self.extent
         return self.extent % self.size != 0 if self.size else False
+
+
+def var_order(onf: ONF) -> dict:
+    """The canonical axis order of tile arrays: batch-like grid axes (tile 1) first, then the
+    tiled grid axes, then sequential, then whole ones — so a contraction's natural output
+    (batch, rows, columns) needs no transpose and loop carries keep one layout."""
+    out_vars = []
+    for o in onf.dnf.outputs:
+        out_vars += [v for v in o.vars if v not in out_vars]
+    names = [v.name for v in out_vars]
+    for v in sorted(onf.program.vars(), key=lambda v: v.name):
+        if v.name not in names:
+            names.append(v.name)
+
+    def key(n):
+        a = next((x for x in onf.axes if x.name == n), None)
+        role = a.role if a is not None else "whole"
+        group = {"grid": 0 if (a is not None and a.tile == 1) else 1, "sequential": 2, "whole": 3}[role]
+        return (group, names.index(n))
+
+    return {n: i for i, n in enumerate(sorted(names, key=key))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +143,22 @@ class TileEval:
         self.loop_var = loop_var
         self.memo: dict = {}
         self.stage_defs = stage_defs if stage_defs is not None else {}
+        self.rank = parent.rank if parent is not None else var_order(onf)
+
+    def align(self, parts):
+        return _align(parts, self.rank)
+
+    def canon(self, x: Named) -> Named:
+        """x with its axes in the program's canonical variable order (a transpose if needed)."""
+        import jax.numpy as jnp
+
+        order = sorted(x.vars, key=lambda v: self.rank.get(v.name, 1 << 20))
+        if list(order) == list(x.vars):
+            return x
+        return Named(jnp.transpose(x.data, [x.vars.index(v) for v in order]), order)
+
+    def ordered(self, vars_) -> tuple:
+        return tuple(sorted(vars_, key=lambda v: self.rank.get(v.name, 1 << 20)))
 
     # ---- contexts
     def child(self, var: Var, rng: Range) -> "TileEval":
@@ -182,7 +220,7 @@ class TileEval:
         import jax.numpy as jnp
 
         if isinstance(e, D.Read):
-            return self.backend.read(self, e)
+            return self.canon(self.backend.read(self, e))
         if isinstance(e, D.Lit):
             return Named(jnp.asarray(e.value, dtype=e.dtype), ())
         if isinstance(e, D.IndexValue):
@@ -195,7 +233,7 @@ class TileEval:
             return Named(x.data.astype(e.dtype), x.vars)
         if isinstance(e, D.Call):
             parts = [self.eval(c) for c in e.children]
-            datas, vs = align(parts)
+            datas, vs = self.align(parts)
             return Named(_ops.OPS[e.op].jnp_fn()(*datas), vs)
         if isinstance(e, D.Ref):
             return self.ref(e)
@@ -231,7 +269,7 @@ class TileEval:
         axis = self.onf.axis_of(v)
         mono = _ops.MONOIDS[monoid]
         dtype = body.dtype
-        out_vars = tuple(x for x in sorted(result_free) if self.range_of(x).size != 1)
+        out_vars = self.ordered(x for x in result_free if self.range_of(x).size != 1)
         if axis.role == "sequential" and axis.ntiles > 1:
             shape = tuple(self.range_of(x).size for x in out_vars)
             init = jnp.full(shape, mono.identity(dtype), dtype)
@@ -260,7 +298,7 @@ class TileEval:
                 return self.contract(factors, v, body.dtype, mask)
         x = self.eval(body)
         if mask is not None:
-            datas, vs = align([mask, x])
+            datas, vs = self.align([mask, x])
             x = Named(jnp.where(datas[0], datas[1], mono.identity(body.dtype)), vs)
         if v not in x.vars:
             if self.range_of(v).size == 1:
@@ -328,7 +366,7 @@ class TileEval:
             if w not in ranges:
                 aw = self.onf.axis_of(w)
                 ranges[w] = Range(0, aw.padded, w.extent)
-        order = tuple(w for w in st.vars if ranges[w].size != 1)
+        order = self.ordered(w for w in st.vars if ranges[w].size != 1)
         shape = tuple(ranges[w].size for w in order)
         buf = jnp.zeros(shape, st.body.dtype)
         ax = order.index(v)
@@ -353,8 +391,8 @@ class TileEval:
         v = st.var
         axis = self.onf.axis_of(v)
         dtype = st.logit.dtype
-        mvars = tuple(x for x in st.max_vars if self.range_of(x).size != 1)
-        svars = [tuple(x for x in vs if self._size(x) != 1) for _, vs, _ in st.sums]
+        mvars = self.ordered(x for x in st.max_vars if self.range_of(x).size != 1)
+        svars = [self.ordered(x for x in vs if self._size(x) != 1) for _, vs, _ in st.sums]
         for _, vs, _ in st.sums:
             for x in vs:
                 if x not in self.ranges:
@@ -367,7 +405,7 @@ class TileEval:
             f = ctx.eval(st.logit)
             mask = ctx.valid(v)
             if mask is not None:
-                datas, vs = align([mask, f])
+                datas, vs = self.align([mask, f])
                 f = Named(jnp.where(datas[0], datas[1], -jnp.inf), vs)
             if v in f.vars:
                 ax = f.vars.index(v)
@@ -380,7 +418,7 @@ class TileEval:
             m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros((), dtype), m_new)
             alpha = jnp.exp(m - m_safe)
             ms = Named(m_safe, mvars)
-            datas, vs = align([f, ms])
+            datas, vs = self.align([f, ms])
             p = Named(jnp.exp(datas[0] - datas[1]), vs)
             new_accs = []
             for (name, svs, w), acc, sv in zip(st.sums, accs, svars):
@@ -427,18 +465,18 @@ class TileEval:
             fixed = []
             for x in vals:
                 if v in x.vars:
-                    datas, vs = align([mask, x])
+                    datas, vs = self.align([mask, x])
                     x = Named(jnp.where(datas[0], datas[1], jnp.zeros((), x.data.dtype)), vs)
                 fixed.append(x)
             vals = fixed
         if self.range_of(v).size == 1 or not any(v in x.vars for x in vals):
-            datas, vs = align(vals)
+            datas, vs = self.align(vals)
             prod = datas[0].astype(out_dtype)
             for d in datas[1:]:
                 prod = prod * d.astype(out_dtype)
             n = 1 if self.range_of(v).size == 1 else self.range_of(v).size
             return Named(prod * jnp.asarray(n, out_dtype) if n != 1 else prod, vs)
-        a, b = _two_operands(vals, v)
+        a, b = _two_operands(vals, v, self.rank)
         if b is None:
             ax = a.vars.index(v)
             return Named(jnp.sum(a.data.astype(out_dtype), axis=ax), a.vars[:ax] + a.vars[ax + 1:])
@@ -469,7 +507,7 @@ def window_array(ev: "TileEval", full: "InMemory") -> Named:
     return Named(data, out_vars)
 
 
-def _two_operands(vals: list, v: Var):
+def _two_operands(vals: list, v: Var, rank=None):
     """Multiply factors together until two operands remain for one dot_general.
 
     Factors whose variables are a subset of another factor's are folded into it (a weight
@@ -480,7 +518,7 @@ def _two_operands(vals: list, v: Var):
     vals = list(vals)
 
     def mul(a: Named, b: Named) -> Named:
-        datas, vs = align([a, b])
+        datas, vs = _align([a, b], rank)
         d0, d1 = datas
         if d0.dtype != d1.dtype:
             dt = jnp.promote_types(d0.dtype, d1.dtype)

@@ -81,14 +81,18 @@ def _all_reads(onf: ONF):
 class PallasBackend(Backend):
     """Reads from refs with pl.ds windows; contractions as tl.dot (2-D) or multiply-sum."""
 
-    def __init__(self, onf: ONF, refs: dict, shapes: dict):
+    def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict):
         from jax import lax
 
         self.onf = onf
+        self.perms = perms
         self.refs = refs
         self.shapes = shapes
         self.lowp_dots = onf.knobs.lowp_dots
         self.precision = lax.Precision.HIGHEST
+        from moajax.tiles import var_order
+
+        self.rank = var_order(onf)
 
     def _index(self, ev: TileEval, index, shape, what: str):
         import jax.numpy as jnp
@@ -121,8 +125,7 @@ class PallasBackend(Backend):
     def read(self, ev: TileEval, e: D.Read) -> Named:
         ref = self.refs[e.array]
         shape = self.shapes[e.array]
-        f_order = self.onf.gamma_of(e.array) == "F" and len(shape) > 1
-        index = tuple(reversed(e.index)) if f_order else e.index
+        index = tuple(e.index[p] for p in self.perms[e.array])
         idx, vars_ = self._index(ev, index, shape, f"{self.onf.dnf.name}: {e.array}")
         return Named(ref[idx], vars_)
 
@@ -167,7 +170,7 @@ class PallasBackend(Backend):
         # small or batched tiles: multiply and sum (Triton's dot needs 2-D tiles ≥ 16)
         from moajax.reference import align
 
-        datas, vs = align([Named(da.astype(out_dtype), a.vars), Named(db.astype(out_dtype), b.vars)])
+        datas, vs = align([Named(da.astype(out_dtype), a.vars), Named(db.astype(out_dtype), b.vars)], self.rank)
         prod = datas[0] * datas[1]
         ax = vs.index(v)
         return Named(jnp.sum(prod, axis=ax), vs[:ax] + vs[ax + 1:])
@@ -226,7 +229,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
     defs = {n: st for st in onf.program.stages for n in st.defines}
     params = compat.triton_compiler_params(onf.knobs.num_warps, onf.knobs.num_stages)
 
-    def run_kernel(arrays: dict, memory: dict, targets: list):
+    def run_kernel(arrays: dict, perms: dict, memory: dict, targets: list):
         """One pallas_call computing ``targets``: [(name, vars, dtype, roots)] over vars' grid."""
         names = list(arrays)
         mem_names = list(memory)
@@ -245,7 +248,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             o_refs = refs[len(names) + len(mem_names):]
             pid = pl.program_id(0)
             ranges = _ranges_for(onf, out_vars, pid)
-            backend = PallasBackend(onf, in_refs, shapes)
+            backend = PallasBackend(onf, in_refs, shapes, perms)
             stages = {}
             for mname, mref in zip(mem_names, mem_refs):
                 stages[mname] = InMemory(Named(mref, memory[mname][0]), {})
@@ -287,7 +290,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
         if len(inputs) != len(dnf.inputs):
             raise TypeError(f"{dnf.name}: expected {len(dnf.inputs)} arrays, got {len(inputs)}")
         inputs = [jnp.asarray(a) for a in inputs]
-        arrays = prepare_inputs(onf, inputs)
+        arrays, perms = prepare_inputs(onf, inputs)
         memory: dict = {}  # stage name → (vars, padded array)
         for st in onf.program.stages:
             if st.place != "memory":
@@ -295,13 +298,13 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             vs = _stage_vars(st)
             targets = [(n, st.result_vars(n), st.dtype(n), [st.name]) for n in st.defines]
             # every result of one stage shares the grid of its first result's variables
-            outs = run_kernel(arrays, dict(memory), [(n, vs_, dt, r) for n, vs_, dt, r in targets])
+            outs = run_kernel(arrays, perms, dict(memory), [(n, vs_, dt, r) for n, vs_, dt, r in targets])
             for (n, vs_, _, _), arr in zip(targets, outs):
                 memory[n] = (tuple(vs_), arr)
         results = []
         for o in dnf.outputs:
             sname = dict(onf.program.outputs)[o.name]
-            out = run_kernel(arrays, dict(memory), [(sname, tuple(o.vars), o.dtype, [sname])])[0]
+            out = run_kernel(arrays, perms, dict(memory), [(sname, tuple(o.vars), o.dtype, [sname])])[0]
             out = out[tuple(slice(0, v.extent) for v in o.vars)]
             results.append(out.astype(o.dtype))
         return results[0] if len(results) == 1 else tuple(results)
