@@ -36,6 +36,63 @@ def cmd_derive(args) -> int:
     return 0
 
 
+def cmd_gpu_report(args) -> int:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # float64 kernels are compiled as float64
+    from moajax import gpu_report, machines, schedule
+    from moajax.cost import onchip_bytes
+
+    reason = gpu_report.compiler_available() or (None if gpu_report.ptxas_path() else "ptxas not found")
+    if reason:
+        print(f"moajax gpu-report: cannot compile offline: {reason}", file=sys.stderr)
+        return 2
+    cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes))
+    reg = _kernels()
+    for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
+        for m in machines.available().values():
+            if m.is_gpu:
+                cases.append((f"{name} float32 (example sizes)", m, schedule.derive(reg[name].dnf(), m)))
+    header = ("| machine | arch | kernel | tiles (rows×keys) | warps | stages | smem B (ptxas) | smem B (model) "
+              "| smem limit B | registers | spill st/ld B | atomics | ok |")
+    lines = [header, "|" + "---|" * 13]
+    bad = 0
+    for label, m, onf in cases:
+        if args.arch and m.arch not in args.arch:
+            continue
+        try:
+            r = gpu_report.onf_report(onf, m.arch)
+        except Exception as e:  # a failure is a finding: report it, do not hide it
+            bad += 1
+            lines.append(f"| {m.name} | {m.arch} | {label} | — | — | — | — | — | — | — | — | — | FAILED: {str(e)[:120]} |")
+            print(lines[-1], flush=True)
+            continue
+        tiles = "×".join(str(a.tile) for a in onf.axes if a.role in ("grid", "sequential") and a.tile > 1) or "1"
+        ok = r.spill_stores == 0 and r.spill_loads == 0 and r.smem_bytes <= m.shared_memory_per_block
+        bad += not ok
+        lines.append(
+            f"| {m.name} | {m.arch} | {label} | {tiles} | {onf.knobs.num_warps} | {onf.knobs.num_stages} | "
+            f"{r.smem_bytes} | {onchip_bytes(onf)} | {m.shared_memory_per_block} | {r.registers} | "
+            f"{r.spill_stores}/{r.spill_loads} | {r.atomics} | {'yes' if ok else 'NO'} |"
+        )
+        print(lines[-1], flush=True)
+    if args.out:
+        import datetime
+        from pathlib import Path
+
+        head = [
+            "# Offline GPU report: default ONFs compiled to PTX (no GPU used)",
+            "",
+            f"Date {datetime.date.today().isoformat()}; JAX {jax.__version__}; `moajax gpu-report` lowers each kernel "
+            "for CUDA, compiles its Triton IR with jax._src.lib.triton.compile for the machine's arch and runs "
+            f"`ptxas -v` ({gpu_report.ptxas_path()}). smem (model) is the cost model's estimate used to reject ONFs.",
+            "",
+        ]
+        Path(args.out).write_text("\n".join(head + lines) + "\n")
+    print(f"{len(lines) - 2} kernels, {bad} with spills, shared-memory overflow or failures")
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="moajax", description="Mathematics of Arrays kernels for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +101,12 @@ def main(argv=None) -> int:
     d.add_argument("--list", action="store_true", help="list the kernels")
     d.add_argument("--full", action="store_true", help="print every derivation step")
     d.set_defaults(func=cmd_derive)
+    g = sub.add_parser("gpu-report", help="compile each kernel's default GPU ONF to PTX offline; print resources")
+    g.add_argument("--arch", nargs="*", default=[], help="only these archs (sm_80 sm_86 sm_90a)")
+    g.add_argument("--head-dims", nargs="*", type=int, default=[64, 72, 128])
+    g.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16", "float32", "float64"])
+    g.add_argument("--out", default="", help="also write the table (markdown) here")
+    g.set_defaults(func=cmd_gpu_report)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -223,12 +223,20 @@ def onchip_bytes(onf: ONF) -> int:
             total += size * _itemsize(r.dtype) * onf.knobs.num_stages
         elif _itemsize(r.dtype) >= 4:
             total += size * _itemsize(r.dtype)
+    staging = 0
     for st in stages:
         if isinstance(st, OnlineStage):
             p = math.prod(_tile(onf, v) for v in set(st.max_vars) | {st.var})
             item = 2 if onf.knobs.lowp_dots else _itemsize(st.logit.dtype)
             total += 2 * p * item
-    return int(total)
+        for e in st.exprs():
+            if e is None:
+                continue
+            for x in D.walk(e):
+                # a contraction's result tile is staged once for the dot's layout conversion
+                if isinstance(x, D.Red) and x.monoid == "add" and isinstance(x.body, D.Call) and x.body.op == "mul":
+                    staging = max(staging, math.prod(_tile(onf, v) for v in x.free) * _itemsize(x.dtype))
+    return int(total + staging)
 
 
 def register_bytes(onf: ONF) -> int:

@@ -309,7 +309,8 @@ class TileEval:
 
     def contract(self, factors, v: Var, out_dtype, mask=None) -> Named:
         """Σ_v Π factors: split the factors into two operands of one dot_general."""
-        return self.contract_named([self.factor(f) for f in factors], v, out_dtype)
+        zeros = [zero_padded(f, v) for f in factors]
+        return self.contract_named([self.factor(f) for f in factors], v, out_dtype, zeros)
 
     def factor(self, f: D.Expr) -> Named:
         """A contraction operand: a 16-bit value converted to float32 stays 16-bit (the dot
@@ -428,7 +429,9 @@ class TileEval:
                 else:
                     wf = product_factors(w)
                     vals = [p] + [ctx.factor(x) for x in wf]
-                    contrib = ctx.contract_named(vals, v, dtype)
+                    # p is exactly 0 past the end of v (its logits were masked to −∞)
+                    zeros = [True] + [zero_padded(x, v) for x in wf]
+                    contrib = ctx.contract_named(vals, v, dtype, zeros)
                 contrib_d = broadcast_to_vars(contrib, sv, self.ranges)
                 alpha_d = broadcast_to_vars(Named(alpha, mvars), sv, self.ranges)
                 new_accs.append(acc * alpha_d + contrib_d)
@@ -455,11 +458,19 @@ class TileEval:
             return r.size
         return self.onf.axis_of(x).padded
 
-    def contract_named(self, vals: list, v: Var, out_dtype) -> Named:
-        """Σ_v of a product of already-evaluated operands (padded positions of v masked)."""
+    def contract_named(self, vals: list, v: Var, out_dtype, zeros=None) -> Named:
+        """Σ_v of a product of already-evaluated operands (padded positions of v masked).
+
+        ``zeros[i]``: operand i is already exactly 0 past the end of v (a read of a
+        zero-padded input), so it needs no mask — and if one operand is, none does."""
         import jax.numpy as jnp
 
         mask = self.valid(v)
+        if mask is not None and zeros is not None and any(zeros):
+            # one exact-zero operand makes every padded product 0 (the others are reads of
+            # zero-padded inputs or finite values: no 0·NaN)
+            if all(z or v not in x.vars for z, x in zip(zeros, vals)):
+                mask = None
         if mask is not None:
             # every factor that uses v is zeroed past the end (0·NaN would poison the sum)
             fixed = []
@@ -481,6 +492,17 @@ class TileEval:
             ax = a.vars.index(v)
             return Named(jnp.sum(a.data.astype(out_dtype), axis=ax), a.vars[:ax] + a.vars[ax + 1:])
         return self.backend.contract(a, b, v, out_dtype)
+
+
+def zero_padded(e: D.Expr, v: Var) -> bool:
+    """Is e exactly 0 wherever v runs past its extent? True for a read of an input along an
+    axis indexed by v (+ c): the backends pad inputs with zeros to whole tiles."""
+    while isinstance(e, (D.Convert, D.Tag)):
+        e = e.children[0]
+    if isinstance(e, D.Read):
+        return any(i.as_shifted_var() is not None and i.as_shifted_var()[0] == v and i.as_shifted_var()[1] >= 0
+                   for i in e.index)
+    return False
 
 
 def window_array(ev: "TileEval", full: "InMemory") -> Named:

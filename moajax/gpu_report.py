@@ -1,0 +1,191 @@
+"""GPU checks without a GPU: lower for CUDA, compile the Triton IR to PTX, read ptxas' report.
+
+    kernels = triton_kernels(fn, *args)      # the Triton kernels of a CUDA lowering
+    ptx, smem = compile_ptx(kernel, "sm_80")  # needs the jax-cuda12-plugin wheel
+    info = ptxas_info(ptx, "sm_80")           # registers, spill bytes, stack (needs ptxas)
+
+Technique: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` emits a
+``stablehlo.custom_call @__gpu$xla.gpu.triton`` whose backend_config holds the Triton IR;
+``jax._src.lib.triton.compile`` turns it into PTX for a compute capability; ``ptxas -v``
+prints registers and spills; atomics are the ``atom.``/``red.`` instructions of the PTX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+ARCHS = {"sm_80": "8.0", "sm_86": "8.6", "sm_90a": "9.0"}
+
+
+class ToolMissing(RuntimeError):
+    """The offline GPU toolchain (CUDA plugin or ptxas) is not installed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernel:
+    name: str
+    ir: bytes
+    num_warps: int
+    num_stages: int
+    grid: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxReport:
+    kernel: str
+    arch: str
+    smem_bytes: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    atomics: int
+
+
+def triton_kernels(fn, *args) -> list[TritonKernel]:
+    """The Triton kernels in the CUDA lowering of ``fn(*args)`` (args may be ShapeDtypeStructs)."""
+    from jax._src.lib.mlir import ir
+
+    from moajax import compat
+
+    mod = compat.trace_lower(fn, *args).compiler_ir("stablehlo")
+    out = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for x in block.operations:
+                    if x.operation.name == "stablehlo.custom_call":
+                        target = ir.StringAttr(x.attributes["call_target_name"]).value
+                        if "triton" in target:
+                            cfg = x.attributes["mhlo.backend_config"]
+                            out.append(TritonKernel(
+                                name=ir.StringAttr(cfg["name"]).value,
+                                ir=ir.StringAttr(cfg["ir"]).value_bytes,
+                                num_warps=ir.IntegerAttr(cfg["num_warps"]).value,
+                                num_stages=ir.IntegerAttr(cfg["num_stages"]).value,
+                                grid=tuple(ir.IntegerAttr(cfg[f"grid_{a}"]).value for a in "xyz"),
+                            ))
+                    walk(x.operation)
+
+    walk(mod.operation)
+    return out
+
+
+def compiler_available() -> str | None:
+    """None if Triton → PTX compilation is available here, else the reason it is not."""
+    try:
+        from jax._src.lib import triton
+    except Exception as e:  # pragma: no cover
+        return f"jax._src.lib.triton is unavailable ({e})"
+    try:
+        import jax
+
+        jax.devices()  # plugins register their compilation handlers on backend start-up
+        if not triton.has_compilation_handler("CUDA"):
+            return "no CUDA Triton compilation handler: install the `gpu` extra (jax-cuda12-plugin)"
+    except Exception as e:  # pragma: no cover
+        return f"Triton compilation handler check failed ({e})"
+    return None
+
+
+def ptxas_path() -> str | None:
+    """ptxas from the nvidia-cuda-nvcc wheel (matches the plugin's PTX version), else PATH."""
+    try:
+        import nvidia.cuda_nvcc  # type: ignore
+
+        for base in getattr(nvidia.cuda_nvcc, "__path__", []):
+            p = Path(base) / "bin" / "ptxas"
+            if p.exists():
+                if not os.access(p, os.X_OK):
+                    p.chmod(p.stat().st_mode | 0o111)
+                return str(p)
+    except Exception:
+        pass
+    return shutil.which("ptxas")
+
+
+def compile_ptx(kernel: TritonKernel, arch: str) -> tuple[str, int]:
+    """(PTX text, shared memory bytes) of a Triton kernel for ``arch`` (sm_80, sm_86, sm_90a)."""
+    reason = compiler_available()
+    if reason:
+        raise ToolMissing(reason)
+    from jax._src.lib import triton
+
+    res = triton.compile("CUDA", kernel.ir, ARCHS[arch], num_warps=kernel.num_warps, num_ctas=1,
+                         num_stages=kernel.num_stages)
+    asm = res.asm if isinstance(res.asm, str) else res.asm.decode()
+    return asm, int(res.smem_bytes)
+
+
+def ptxas_info(ptx: str, arch: str) -> dict:
+    """registers, spill stores/loads and stack frame bytes from ``ptxas -v``."""
+    exe = ptxas_path()
+    if exe is None:
+        raise ToolMissing("ptxas not found: install the `gpu` extra (nvidia-cuda-nvcc-cu12) or the CUDA toolkit")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        p = subprocess.run([exe, f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                           capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {arch}: {p.stderr.strip()[:2000]}")
+    text = p.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    stores = re.findall(r"(\d+) bytes spill stores", text)
+    loads = re.findall(r"(\d+) bytes spill loads", text)
+    stack = re.findall(r"(\d+) bytes stack frame", text)
+    return dict(registers=int(regs[-1]) if regs else 0, spill_stores=int(stores[-1]) if stores else 0,
+                spill_loads=int(loads[-1]) if loads else 0, stack_bytes=int(stack[-1]) if stack else 0)
+
+
+def count_atomics(ptx: str) -> int:
+    return len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, flags=re.M))
+
+
+def report(kernel: TritonKernel, arch: str) -> PtxReport:
+    ptx, smem = compile_ptx(kernel, arch)
+    info = ptxas_info(ptx, arch)
+    return PtxReport(kernel.name, arch, smem, info["registers"], info["spill_stores"], info["spill_loads"],
+                     info["stack_bytes"], count_atomics(ptx))
+
+
+# ----------------------------------------------------------------------------- the CLI's matrix
+
+
+def default_cases(head_dims=(64, 72, 128), dtypes=("float16", "bfloat16", "float32", "float64")):
+    """(label, machine name, ONF) for the attention forward's default ONF on each configured GPU."""
+    import numpy as np
+
+    from moajax import machines, schedule
+    from moajax.kernels.attention import mha_dnf
+
+    out = []
+    for m in machines.available().values():
+        if not m.is_gpu:
+            continue
+        for dt in dtypes:
+            for h in head_dims:
+                dnf = mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), np.dtype(dt))
+                out.append((f"mha {dt} H={h}", m, schedule.derive(dnf, m)))
+    return out
+
+
+def onf_report(onf, arch: str) -> PtxReport:
+    """Compile the final kernel of an ONF's Pallas lowering for ``arch``."""
+    import jax
+
+    import pallas_kernels
+
+    fn = pallas_kernels.lower(onf)
+    args = [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in onf.dnf.inputs]
+    ks = triton_kernels(fn, *args)
+    if not ks:
+        raise RuntimeError(f"{onf.dnf.name}: the CUDA lowering emitted no Triton kernel")
+    return report(ks[-1], arch)
