@@ -16,7 +16,7 @@ $(VENV)/.installed-base: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-base pyproject.toml
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,gpu]'
 	touch $@
 
 venv: $(VENV)/.installed-base

@@ -57,7 +57,12 @@ def _schedules(dnf, onf_key):
                 f"dot_product_attention: the onf given was derived for another DNF ({onf_key.dnf.name}, inputs "
                 f"{[str(i) for i in onf_key.dnf.inputs]}); these arguments give inputs {[str(i) for i in dnf.inputs]}"
             )
-        return onf_key.validate(), onf_key
+        onf_key.validate()
+        # an ONF is for one kind of machine: it runs there; the other platform gets its default
+        kind = machines.available().get(onf_key.target, machines.local()).kind
+        if kind == "gpu":
+            return derive(dnf, machines.local()), onf_key
+        return onf_key, derive(dnf, _gpu_machine())
     preset = onf_key if isinstance(onf_key, Preset) else Preset()
     return derive(dnf, machines.local(), preset), derive(dnf, _gpu_machine(), preset)
 

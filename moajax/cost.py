@@ -84,11 +84,13 @@ class _Counter:
         self.seen: set = set()
 
     def expr(self, e: D.Expr, extra=()):
-        key = (id(e), tuple(extra))
+        # a subexpression is evaluated over exactly its own free variables (the evaluator
+        # broadcasts, never materialises, what it does not depend on)
+        key = id(e)
         if key in self.seen:
             return
         self.seen.add(key)
-        pts = _points(self.onf, set(e.free) | set(extra))
+        pts = _points(self.onf, set(e.free))
         if isinstance(e, D.Call):
             for c in e.children:
                 self.expr(c, extra)
@@ -106,7 +108,7 @@ class _Counter:
         from moajax.reference import product_factors
 
         factors = product_factors(body) if monoid == "add" else [body]
-        pts = _points(self.onf, set(body.free) | {v} | set(extra))
+        pts = _points(self.onf, set(body.free) | {v})
         if len(factors) >= 2:
             for f in factors:
                 self.expr(f, extra)

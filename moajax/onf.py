@@ -364,6 +364,15 @@ class ONF:
                 )
         return self
 
+    def _cross_program(self, red: D.Red) -> bool:
+        """Does every value this reduction reads along its (grid) variable come from a stage in
+        memory (e.g. split-K partials)? Only then may it reduce over a grid axis."""
+        ok = True
+        for x in D.walk(red.body):
+            if isinstance(x, (D.Read, D.Ref)) and red.var in x.free:
+                ok = ok and isinstance(x, D.Ref) and self.program.stage_of(x.stage).place == "memory"
+        return ok
+
     def _validate_program(self):
         seen: set[str] = set()
         out_vars = {v for o in self.dnf.outputs for v in o.vars}
@@ -384,7 +393,7 @@ class ONF:
                                 f"{self.dnf.name}: stage {s.name!r} reads {x.stage!r} at "
                                 f"⟨{' '.join(map(str, x.index))}⟩; only its own index ⟨{' '.join(v.name for v in want)}⟩ is supported"
                             )
-                    if isinstance(x, D.Red) and self.axis_of(x.var).role == "grid" and x.var in out_vars:
+                    if isinstance(x, D.Red) and self.axis_of(x.var).role == "grid" and not self._cross_program(x):
                         raise ONFError(
                             f"{self.dnf.name}: axis {x.var.name!r} is reduced in stage {s.name!r} but is a grid axis; "
                             "a program cannot reduce across programs (make it sequential or whole)"

@@ -45,6 +45,9 @@ def align(parts: list[Named], rank=None):
         order.sort(key=lambda v: rank.get(v.name, 1 << 20))
     out = []
     for p in parts:
+        if not p.vars:
+            out.append(p.data)  # a scalar broadcasts as it is (and stays a literal in kernels)
+            continue
         present = [v for v in order if v in p.vars]
         perm = [p.vars.index(v) for v in present]
         d = jnp.transpose(p.data, perm) if perm != list(range(len(perm))) else p.data

@@ -280,6 +280,13 @@ def split_k(onf: ONF, var: str, parts: int) -> ONF:
             continue
         if parts > r.extent:
             raise ONFError(f"{onf.dnf.name}: split_k of {var!r} into {parts} parts exceeds its extent {r.extent}")
+        for e in s.exprs():
+            for x in D.walk(e) if e is not None else ():
+                if isinstance(x, D.Ref) and r in x.free:
+                    raise ONFError(
+                        f"{onf.dnf.name}: split_k of {var!r}: stage {s.name!r} reads the stored stage {x.stage!r} "
+                        f"along {var!r}; split before materializing it, or recompute it"
+                    )
         found = r
         chunk = -(-r.extent // parts)
         outer = Var(f"{var}_o", parts)
@@ -321,7 +328,11 @@ def split_k(onf: ONF, var: str, parts: int) -> ONF:
     base = old.get(var, Axis(var, found.extent, found.extent, "whole"))
     axes = [a for a in onf.axes if a.name != var]
     axes.append(Axis(outer.name, parts, 1, "grid"))
-    axes.append(Axis(inner.name, inner.extent, min(base.tile, inner.extent), "sequential" if base.role != "whole" else "whole", base.tail))
+    from moajax.onf import next_pow2
+
+    # keep a power-of-two tile a power of two (Triton): one padded tile if the chunk is smaller
+    t_in = min(base.tile, next_pow2(inner.extent) if base.tile & (base.tile - 1) == 0 else inner.extent)
+    axes.append(Axis(inner.name, inner.extent, t_in, "sequential" if base.role != "whole" else "whole", base.tail))
     prog = Program(tuple(stages), onf.program.outputs)
     return onf.replace(program=prog, axes=tuple(axes), note=f"split_k({var}, {parts})")
 

@@ -103,9 +103,20 @@ class Backend:
     def window(self, ev: "TileEval", full: "InMemory") -> Named:
         return window_array(ev, full)
 
+    def whole(self, axis) -> int:
+        """The range size of a variable evaluated over all of it (every tile at once)."""
+        return axis.padded if axis.role != "whole" else max(axis.tile, axis.extent)
+
 
 def _np_dtype(d):
     return np.dtype(d)
+
+
+def _i32(x):
+    """An int32 scalar: NumPy for a static start (a literal in kernels), traced otherwise."""
+    if isinstance(x, (int, np.integer)):
+        return np.int32(x)
+    return x.astype(np.int32) if hasattr(x, "astype") else x
 
 
 def broadcast_to_vars(x: Named, vars_: tuple, ranges: dict) -> Any:
@@ -144,6 +155,13 @@ class TileEval:
         self.memo: dict = {}
         self.stage_defs = stage_defs if stage_defs is not None else {}
         self.rank = parent.rank if parent is not None else var_order(onf)
+        if parent is None:
+            # whole axes have one range everywhere: define it once, at the root, so that any
+            # subexpression over them can be evaluated (and hoisted) outside every loop
+            for v in onf.program.vars():
+                a = onf.axis_of(v)
+                if a.role == "whole" and v not in self.ranges:
+                    self.ranges[v] = Range(0, backend.whole(a), v.extent)
 
     def align(self, parts):
         return _align(parts, self.rank)
@@ -184,12 +202,13 @@ class TileEval:
         for v in vs:
             r = self.range_of(v)
             if r.size == 1:
-                env[v] = jnp.asarray(r.start, jnp.int32)
+                env[v] = _i32(r.start)
             else:
                 shape = [1] * len(axes)
                 shape[axes.index(v)] = r.size
-                env[v] = (jnp.asarray(r.start, jnp.int32) + jnp.arange(r.size, dtype=jnp.int32)).reshape(shape)
-        val = jnp.asarray(ix.evaluate(env), jnp.int32)
+                env[v] = (_i32(r.start) + jnp.arange(r.size, dtype=jnp.int32)).reshape(shape)
+        val = ix.evaluate(env)
+        val = val.astype(jnp.int32) if hasattr(val, "astype") else np.int32(val)
         if axes:
             val = jnp.broadcast_to(val, tuple(self.range_of(v).size for v in axes))
         return Named(val, axes)
@@ -205,16 +224,45 @@ class TileEval:
         return Named(idx.data < jnp.int32(r.extent), idx.vars)
 
     # ---- evaluation
-    def eval(self, e: D.Expr) -> Named:
-        if self.parent is not None and self.loop_var not in e.free:
-            return self.parent.eval(e)  # loop-invariant: computed once, outside this loop
-        key = id(e)
-        hit = self.memo.get(key)
+    def lookup(self, e: D.Expr):
+        """A value of e already computed here or, if e does not use this loop's variable, in an
+        enclosing context (outside the loop)."""
+        hit = self.memo.get(id(e))
         if hit is not None and hit[0] is e:
             return hit[1]
+        if self.parent is not None and self.loop_var not in e.free:
+            return self.parent.lookup(e)
+        return None
+
+    def eval(self, e: D.Expr) -> Named:
+        hit = self.lookup(e)
+        if hit is not None:
+            return hit
+        # computed (and remembered) here: a value made while tracing a loop body must never
+        # be stored in an enclosing context (it would leak out of the loop's trace)
         out = self._eval(e)
-        self.memo[key] = (e, out)
+        self.memo[id(e)] = (e, out)
         return out
+
+    def hoist_invariants(self, exprs, v: Var) -> None:
+        """Evaluate here, before a loop over v is traced, the largest subexpressions of
+        ``exprs`` that do not use v: loop-invariant code motion."""
+        done: set = set()
+
+        def go(e):
+            if id(e) in done:
+                return
+            done.add(id(e))
+            if v not in e.free:
+                if not isinstance(e, (D.Lit, D.IndexValue)) and all(x in self.ranges for x in e.free):
+                    self.eval(e)
+                    return
+            for c in e.children:
+                go(c)
+
+        for e in exprs:
+            if e is not None:
+                go(e)
 
     def _eval(self, e):
         import jax.numpy as jnp
@@ -222,7 +270,8 @@ class TileEval:
         if isinstance(e, D.Read):
             return self.canon(self.backend.read(self, e))
         if isinstance(e, D.Lit):
-            return Named(jnp.asarray(e.value, dtype=e.dtype), ())
+            # a NumPy constant: it becomes a literal of the trace (a kernel may not capture arrays)
+            return Named(np.asarray(e.value, dtype=e.dtype), ())
         if isinstance(e, D.IndexValue):
             n = self.index_named(e.ix)
             return Named(n.data.astype(e.dtype), n.vars)
@@ -233,6 +282,11 @@ class TileEval:
             return Named(x.data.astype(e.dtype), x.vars)
         if isinstance(e, D.Call):
             parts = [self.eval(c) for c in e.children]
+            if all(isinstance(p.data, np.ndarray) and not p.vars for p in parts):
+                # constant folding in NumPy: kernels may not capture computed constants
+                with np.errstate(all="ignore"):
+                    val = _ops.OPS[e.op].np_fn(*[p.data for p in parts])
+                return Named(np.asarray(val, dtype=e.dtype), ())
             datas, vs = self.align(parts)
             return Named(_ops.OPS[e.op].jnp_fn()(*datas), vs)
         if isinstance(e, D.Ref):
@@ -273,6 +327,7 @@ class TileEval:
         if axis.role == "sequential" and axis.ntiles > 1:
             shape = tuple(self.range_of(x).size for x in out_vars)
             init = jnp.full(shape, mono.identity(dtype), dtype)
+            self.hoist_invariants([body], v)
 
             def step(i, acc):
                 start = i * axis.tile
@@ -283,8 +338,8 @@ class TileEval:
 
             acc = self.backend.fori_loop(axis.ntiles, step, init)
             return Named(acc, out_vars)
-        size = axis.padded if axis.role != "whole" else max(axis.tile, v.extent)
-        sub = self.child(v, Range(0, size, v.extent))
+        rng = Range(0, self.backend.whole(axis), v.extent)
+        sub = self if _same_range(rng, self.ranges.get(v)) else self.child(v, rng)
         return sub.tile_reduce(mono, v, body)
 
     def tile_reduce(self, mono, v: Var, body: D.Expr) -> Named:
@@ -355,22 +410,23 @@ class TileEval:
             for v in st.vars:
                 if v not in ctx.ranges:
                     a = self.onf.axis_of(v)
-                    ctx = ctx.child(v, Range(0, a.padded, v.extent))
+                    ctx = ctx.child(v, Range(0, self.backend.whole(a), v.extent))
             val = ctx.eval(st.body)
             return val
         # a stored row over a sequential axis: fill it tile by tile
         v = seq[0]
         a = self.onf.axis_of(v)
         ranges = dict(self.ranges)
-        ranges[v] = Range(0, a.padded, v.extent)
+        ranges[v] = Range(0, a.padded, v.extent)  # a row over every tile of v
         for w in st.vars:
             if w not in ranges:
                 aw = self.onf.axis_of(w)
-                ranges[w] = Range(0, aw.padded, w.extent)
+                ranges[w] = Range(0, self.backend.whole(aw), w.extent)
         order = self.ordered(w for w in st.vars if ranges[w].size != 1)
         shape = tuple(ranges[w].size for w in order)
         buf = jnp.zeros(shape, st.body.dtype)
         ax = order.index(v)
+        self.hoist_invariants([st.body], v)
 
         def step(i, buf):
             sub = self.child(v, Range(i * a.tile, a.tile, v.extent))
@@ -380,6 +436,8 @@ class TileEval:
             val = broadcast_to_vars(sub.eval(st.body), order, {**ranges, v: sub.ranges[v]})
             from jax import lax
 
+            if a.tile == 1:  # a tile of one is a scalar index: the axis comes back as length 1
+                val = jnp.expand_dims(val, ax)
             return lax.dynamic_update_slice_in_dim(buf, val.astype(buf.dtype), i * a.tile, ax)
 
         buf = self.backend.fori_loop(a.ntiles, step, buf)
@@ -398,7 +456,7 @@ class TileEval:
             for x in vs:
                 if x not in self.ranges:
                     a = self.onf.axis_of(x)
-                    self.ranges[x] = Range(0, a.padded, x.extent)
+                    self.ranges[x] = Range(0, self.backend.whole(a), x.extent)
         m0 = jnp.full(tuple(self.range_of(x).size for x in mvars), -jnp.inf, dtype)
         acc0 = tuple(jnp.zeros(tuple(self.range_of(x).size for x in sv), dtype) for sv in svars)
 
@@ -416,7 +474,7 @@ class TileEval:
             m_tile_d = broadcast_to_vars(m_tile, mvars, self.ranges)
             m_new = jnp.maximum(m, m_tile_d)
             # a row that has seen only −∞ keeps a 0 shift (no −∞ − −∞)
-            m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros((), dtype), m_new)
+            m_safe = jnp.where(m_new == -jnp.inf, np.zeros((), dtype), m_new)
             alpha = jnp.exp(m - m_safe)
             ms = Named(m_safe, mvars)
             datas, vs = self.align([f, ms])
@@ -438,6 +496,8 @@ class TileEval:
             return m_new, tuple(new_accs)
 
         if axis.role == "sequential" and axis.ntiles > 1:
+            self.hoist_invariants(st.exprs(), v)
+
             def body(i, carry):
                 m, accs = carry
                 ctx = self.child(v, Range(i * axis.tile, axis.tile, v.extent))
@@ -445,8 +505,8 @@ class TileEval:
 
             m, accs = self.backend.fori_loop(axis.ntiles, body, (m0, acc0))
         else:
-            size = axis.padded if axis.role != "whole" else max(axis.tile, v.extent)
-            m, accs = step(self.child(v, Range(0, size, v.extent)), m0, acc0)
+            rng = Range(0, self.backend.whole(axis), v.extent)
+            m, accs = step(self if _same_range(rng, self.ranges.get(v)) else self.child(v, rng), m0, acc0)
         out = {st.max_name: Named(m, mvars)}
         for (name, _, _), acc, sv in zip(st.sums, accs, svars):
             out[name] = Named(acc, sv)
@@ -477,7 +537,7 @@ class TileEval:
             for x in vals:
                 if v in x.vars:
                     datas, vs = self.align([mask, x])
-                    x = Named(jnp.where(datas[0], datas[1], jnp.zeros((), x.data.dtype)), vs)
+                    x = Named(jnp.where(datas[0], datas[1], np.zeros((), x.data.dtype)), vs)
                 fixed.append(x)
             vals = fixed
         if self.range_of(v).size == 1 or not any(v in x.vars for x in vals):
@@ -486,7 +546,7 @@ class TileEval:
             for d in datas[1:]:
                 prod = prod * d.astype(out_dtype)
             n = 1 if self.range_of(v).size == 1 else self.range_of(v).size
-            return Named(prod * jnp.asarray(n, out_dtype) if n != 1 else prod, vs)
+            return Named(prod * np.asarray(n, out_dtype) if n != 1 else prod, vs)
         a, b = _two_operands(vals, v, self.rank)
         if b is None:
             ax = a.vars.index(v)

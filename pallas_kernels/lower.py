@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from moajax import dnf as D
-from moajax.onf import ONF, ONFError, OnlineStage, Stage
+from moajax.onf import ONF, ONFError, OnlineStage, Stage, next_pow2
 from moajax.reference import Named
 from moajax.tiles import Backend, InMemory, Range, TileEval, broadcast_to_vars
 
@@ -59,6 +59,8 @@ def check(onf: ONF) -> ONF:
         for ax, ix in enumerate(x.index):
             if ix.is_const or ix.as_shifted_var() is not None:
                 continue
+            if _window_var(ix, lambda v: onf.axis_of(v).tile == 1 or v.extent == 1) is not False:
+                continue
             for v in ix.free_vars():
                 a = onf.axis_of(v)
                 if a.tile != 1 and not (a.role == "whole" and v.extent == 1):
@@ -67,6 +69,26 @@ def check(onf: ONF) -> ONF:
                         f"tile of {v.name!r}; the Triton backend reads contiguous windows only (tile {v.name!r} by 1)"
                     )
     return onf
+
+
+def _window_var(ix, is_scalar):
+    """For v + (an expression in scalar variables), v; None if every variable is scalar;
+    False if the index is not a contiguous window of one variable."""
+    from moajax.ix import Var
+
+    moving = [v for v in ix.free_vars() if not is_scalar(v)]
+    if not moving:
+        return None
+    if len(moving) != 1:
+        return False
+    v = moving[0]
+    for a, c in ix.terms:
+        if isinstance(a, Var) and a == v:
+            if c != 1:
+                return False
+        elif v in (a.arg.free_vars() if not isinstance(a, Var) else {a}):
+            return False
+    return v
 
 
 def _all_reads(onf: ONF):
@@ -94,6 +116,9 @@ class PallasBackend(Backend):
 
         self.rank = var_order(onf)
 
+    def whole(self, axis) -> int:
+        return _whole(axis)
+
     def _index(self, ev: TileEval, index, shape, what: str):
         import jax.numpy as jnp
         from jax.experimental import pallas as pl
@@ -116,10 +141,21 @@ class PallasBackend(Backend):
                         idx.append(pl.ds(start, r.size))
                     vars_.append(v)
             else:
-                val = ev.index_named(ix)
-                if val.vars:
+                v = _window_var(ix, lambda w: w in ev.ranges and ev.ranges[w].size == 1)
+                if v is None:
+                    val = ev.index_named(ix)
+                    idx.append(val.data.astype(jnp.int32) if hasattr(val.data, "astype") else val.data)
+                elif v is False or v not in ev.ranges:
                     raise ONFError(f"{what}: index {ix} varies inside a tile (not a contiguous window)")
-                idx.append(jnp.asarray(val.data, jnp.int32))
+                else:
+                    # v + (scalars): a window of v's tile starting at the index of its first element
+                    r = ev.ranges[v]
+                    from moajax.ix import Ix
+
+                    env = {w: ev.ranges[w].start for w in ix.free_vars()}
+                    idx.append(pl.ds(ix.evaluate(env), r.size))
+                    vars_.append(v)
+                    del Ix
         return tuple(idx), vars_
 
     def read(self, ev: TileEval, e: D.Read) -> Named:
@@ -176,6 +212,11 @@ class PallasBackend(Backend):
         return Named(jnp.sum(prod, axis=ax), vs[:ax] + vs[ax + 1:])
 
 
+def _whole(a) -> int:
+    """Triton's block shapes are powers of two: a variable taken whole is padded up to one."""
+    return next_pow2(a.padded if a.role != "whole" else max(a.tile, a.extent))
+
+
 def _grid_axes(onf: ONF, vars_) -> list:
     return [v for v in vars_ if onf.axis_of(v).role == "grid"]
 
@@ -195,7 +236,7 @@ def _ranges_for(onf: ONF, vars_, pid) -> dict:
         if v in idx:
             ranges[v] = Range(idx[v] * a.tile, a.tile, v.extent)
         else:
-            ranges[v] = Range(0, a.padded if a.role != "whole" else max(a.tile, v.extent), v.extent)
+            ranges[v] = Range(0, _whole(a), v.extent)
     return ranges
 
 
@@ -212,7 +253,7 @@ def _padded_shape(onf: ONF, vars_) -> tuple:
     out = []
     for v in vars_:
         a = onf.axis_of(v)
-        out.append(a.padded if a.role != "whole" else max(a.tile, v.extent))
+        out.append(_whole(a) if a.role != "grid" else next_pow2(a.padded) if a.tile == 1 else a.padded)
     return tuple(out)
 
 
@@ -261,10 +302,10 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
                 val = ev.stages[tname]
                 if isinstance(val, InMemory):
                     val = ev.window(val)
-                data = broadcast_to_vars(val, tvars, ranges)
+                data = broadcast_to_vars(val, tvars, ev.ranges)
                 idx = []
                 for v in tvars:
-                    r = ranges[v]
+                    r = ev.ranges[v]
                     if r.size == 1:
                         idx.append(r.start)
                     elif isinstance(r.start, (int, np.integer)) and r.start == 0:

@@ -1,0 +1,152 @@
+"""moajax.dot_product_attention: jax.nn's contract, both backends, every dtype, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moajax
+import references as R
+from helpers import rel_err
+from moajax import machines
+from moajax.schedule import Preset
+
+F64 = 1e-12  # float64 end to end
+F32 = 2e-6  # float32 vs jax.nn: both float32, different summation orders
+# 16-bit: the output is rounded to bf16 (2^-8 relative) / f16 (2^-11); the GPU default also
+# feeds the probabilities to the second dot in 16 bits (FlashAttention's choice): 2 roundings.
+LOWP = {np.dtype(jnp.bfloat16): 2 * 2.0**-8, np.dtype(np.float16): 2 * 2.0**-11}
+
+r = np.random.default_rng(0)
+
+
+def qkv(B=2, T=9, S=11, N=4, K=2, H=72, E=72, dtype=np.float32):
+    q = r.standard_normal((B, T, N, H))
+    k = r.standard_normal((B, S, K, H))
+    v = r.standard_normal((B, S, K, E))
+    return tuple(jnp.asarray(a, dtype) for a in (q, k, v))
+
+
+@pytest.mark.parametrize("impl", [None, "pallas_interpret"])
+def test_float32_matches_jax_nn(impl):
+    q, k, v = qkv()
+    got = moajax.dot_product_attention(q, k, v, implementation=impl)
+    assert got.dtype == jnp.float32 and got.shape == (2, 9, 4, 72)
+    assert rel_err(got, jax.nn.dot_product_attention(q, k, v)) <= F32
+
+
+@pytest.mark.parametrize("impl", [None, "pallas_interpret"])
+def test_float64_is_float64_accurate(impl):
+    q, k, v = qkv(dtype=np.float64)
+    got = moajax.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    assert got.dtype == jnp.float64
+    want = R.mha(*(np.asarray(a) for a in (q, k, v)), is_causal=True)
+    assert rel_err(got, want) <= F64
+    # jax.nn is not a float64 reference: it keeps logits in float32
+    nn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    assert rel_err(nn, want) > 1e-12
+
+
+@pytest.mark.parametrize("impl", [None, "pallas_interpret"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+def test_16_bit_accumulates_in_float32(impl, dtype):
+    q, k, v = qkv(H=64, E=64, dtype=dtype)
+    got = moajax.dot_product_attention(q, k, v, implementation=impl)
+    assert got.dtype == dtype
+    want = R.mha(*(np.asarray(a.astype(jnp.float32), np.float64) for a in (q, k, v)))
+    assert rel_err(got.astype(jnp.float32), want) <= LOWP[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("impl", [None, "pallas_interpret"])
+def test_bias_mask_causal_gqa_uneven_lengths(impl):
+    q, k, v = qkv(T=7, S=13, N=6, K=3, H=16, E=8, dtype=np.float64)
+    bias = jnp.asarray(r.standard_normal((1, 6, 7, 13)))
+    mask = jnp.asarray(r.random((2, 1, 7, 13)) > 0.4)
+    got = moajax.dot_product_attention(q, k, v, bias, mask, is_causal=True, scale=0.3, implementation=impl)
+    want = R.mha(*(np.asarray(a) for a in (q, k, v)), bias=np.asarray(bias), mask=np.asarray(mask), is_causal=True, scale=0.3)
+    assert rel_err(got, want) <= F64
+
+
+def test_fully_masked_rows_average_values_like_jax_nn():
+    q, k, v = qkv(T=4, S=5, H=8, E=8)
+    mask = jnp.zeros((2, 4, 4, 5), bool).at[:, :, :2].set(True)
+    got = moajax.dot_product_attention(q, k, v, mask=mask)
+    assert rel_err(got, jax.nn.dot_product_attention(q, k, v, mask=mask)) <= F32
+
+
+def test_rank_3_inputs():
+    q, k, v = qkv(B=1)
+    got = moajax.dot_product_attention(q[0], k[0], v[0])
+    assert got.shape == (9, 4, 72)
+    assert rel_err(got, jax.nn.dot_product_attention(q[0], k[0], v[0])) <= F32
+
+
+def test_jit_vmap_over_extra_leading_axes():
+    q, k, v = qkv(B=2, T=5, S=6, N=2, K=1, H=8, E=8)
+    stack = lambda a: jnp.stack([a, -a, 0.5 * a])
+    f = jax.jit(jax.vmap(jax.vmap(moajax.dot_product_attention)))
+    qq, kk, vv = (jnp.stack([stack(a), stack(a) * 2]) for a in (q, k, v))  # [2, 3, B, ...]
+    got = f(qq, kk, vv)
+    assert got.shape == (2, 3, 2, 5, 2, 8)
+    want = jax.vmap(jax.vmap(jax.nn.dot_product_attention))(qq, kk, vv)
+    assert rel_err(got, want) <= F32
+    # the batch is a batch dimension of the loops, not a Python loop: one while loop in the jaxpr
+    jaxpr = str(jax.make_jaxpr(jax.vmap(moajax.dot_product_attention))(stack(q), stack(k), stack(v)))
+    assert jaxpr.count("platform_index") == 1
+
+
+def test_grad_through_the_cpu_path():
+    q, k, v = qkv(B=1, T=5, S=6, N=2, K=2, H=4, E=3, dtype=np.float64)
+    g = r.standard_normal((1, 5, 2, 3))
+    loss = lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, implementation="xla") * g)
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    rq, rk, rv = R.mha_backward(*(np.asarray(a) for a in (q, k, v)), g)
+    for a, b in ((dq, rq), (dk, rk), (dv, rv)):
+        assert rel_err(a, b) <= 1e-11
+
+
+def test_explicit_onf_and_presets():
+    q, k, v = qkv(B=1, T=6, S=10, N=2, K=2, H=8, E=8, dtype=np.float64)
+    want = R.mha(*(np.asarray(a) for a in (q, k, v)))
+    onf = moajax.attention_onf(q, k, v, preset=Preset.of(carry="passes", tiles={"s": 4}, roles={"s": "sequential"}))
+    assert onf.carry == {"max_s": "passes"}
+    assert rel_err(moajax.dot_product_attention(q, k, v, onf=onf), want) <= F64
+    p = Preset.of(carry="passes", store={"score": "onchip"}, target="cpu")
+    assert rel_err(moajax.dot_product_attention(q, k, v, onf=p), want) <= F64
+    other = moajax.attention_onf(q[:, :5], k, v)
+    with pytest.raises(moajax.ONFError, match="derived for another DNF"):
+        moajax.dot_product_attention(q, k, v, onf=other)
+
+
+def test_gpu_onf_for_a_cpu_machine_is_derived_from_a_gpu_profile():
+    q, k, v = qkv(H=64, E=64, dtype=jnp.bfloat16)
+    onf = moajax.attention_onf(q, k, v, machine="delta-a40")
+    assert onf.target == "delta-a40" and onf.knobs.lowp_dots
+    assert onf.axis("t").tile in (16, 32, 64, 128)
+    assert onf.validate(machines.load("delta-a40"))
+
+
+@pytest.mark.parametrize("args,kw,exc,msg", [
+    (lambda q, k, v: (q[0, 0], k, v), {}, ValueError, "query must have rank 4"),
+    (lambda q, k, v: (q, k[0], v), {}, ValueError, "key and value must have the rank of query"),
+    (lambda q, k, v: (q[:, :, :3], k, v), {}, ValueError, "query has 3 heads, not a multiple of the 2"),
+    (lambda q, k, v: (q, k[..., :5], v), {}, ValueError, "key head dim 5 does not match query head dim 72"),
+    (lambda q, k, v: (q, k[:, :3], v), {}, ValueError, "value shape .* does not match key shape"),
+    (lambda q, k, v: (q, k.astype(jnp.bfloat16), v), {}, TypeError, "must share one dtype"),
+    (lambda q, k, v: (q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)), {}, TypeError, "query dtype must be one of"),
+    (lambda q, k, v: (q[:1], k, v), {}, ValueError, "batch sizes differ"),
+    (lambda q, k, v: (q, k, v), dict(mask=jnp.ones((2, 4, 9, 10), bool)), ValueError, "mask shape .* does not broadcast"),
+    (lambda q, k, v: (q, k, v), dict(mask=jnp.ones((2, 4, 9, 11), jnp.float32)), TypeError, "mask must be a bool array"),
+    (lambda q, k, v: (q, k, v), dict(bias=jnp.ones((3, 4, 9, 11))), ValueError, "bias shape .* does not broadcast"),
+    (lambda q, k, v: (q, k, v), dict(bias=jnp.ones((1, 1, 1, 1, 1))), ValueError, "bias has rank 5"),
+    (lambda q, k, v: (q, k, v), dict(scale=jnp.float32(0.1)), TypeError, "scale must be a static Python number"),
+    (lambda q, k, v: (q, k, v), dict(scale=float("nan")), ValueError, "scale must be finite"),
+    (lambda q, k, v: (q, k, v), dict(is_causal=1), TypeError, "is_causal must be a static bool"),
+    (lambda q, k, v: (q, k, v), dict(onf="fast"), TypeError, "onf must be a moajax ONF or a Preset"),
+    (lambda q, k, v: (q, k, v), dict(implementation="cudnn"), ValueError, "implementation must be"),
+    (lambda q, k, v: ("q", k, v), {}, TypeError, "query must be an array"),
+])
+def test_bad_arguments_name_the_argument(args, kw, exc, msg):
+    q, k, v = qkv()
+    with pytest.raises(exc, match=msg):
+        moajax.dot_product_attention(*args(q, k, v), **kw)

@@ -1,0 +1,71 @@
+"""On this CPU-only machine, every Pallas kernel lowers for CUDA and emits a Triton kernel;
+inside one jitted function the CPU lowering runs XLA and the CUDA lowering runs Pallas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moajax
+import pallas_kernels
+from moajax import compat, machines, schedule
+from moajax import rewrites as W
+from moajax.gpu_report import triton_kernels
+from moajax.kernels import attention, block, decode, mha, rmsnorm, swiglu
+from moajax.kernels.attention import mha_dnf
+
+A100 = machines.load("delta-a100")
+
+
+def structs(dnf):
+    return [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in dnf.inputs]
+
+
+@pytest.mark.parametrize("kern", [attention, decode, rmsnorm, swiglu, mha, block], ids=lambda k: k.name)
+def test_seed_kernels_lower_to_triton(kern):
+    dnf = kern.dnf()
+    fn = pallas_kernels.lower(schedule.derive(dnf, A100))
+    ks = triton_kernels(fn, *structs(dnf))
+    assert len(ks) == 1 and ks[0].name.startswith("moajax_")
+    assert ks[0].ir[:4] == b"ML\xefR"  # MLIR bytecode
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("variant", ["plain", "causal", "bias_mask", "split_k", "passes"])
+def test_attention_variants_lower_to_triton(dtype, variant):
+    with compat.enable_x64_context(dtype == "float64"):
+        dt = np.dtype(dtype)
+        kw = {}
+        if variant == "causal":
+            kw = dict(is_causal=True)
+        if variant == "bias_mask":
+            kw = dict(bias_shape=(1, 4, 100, 130), bias_dtype=dt, mask_shape=(2, 1, 100, 130))
+        dnf = mha_dnf((2, 100, 4, 72), (2, 130, 2, 72), (2, 130, 2, 72), dt, **kw)
+        preset = schedule.Preset.of(carry="passes") if variant == "passes" else None
+        onf = schedule.derive(dnf, A100, preset)
+        n_kernels = 1
+        if variant == "split_k":
+            onf = W.split_k(onf, "s", 3)
+            n_kernels = 2  # the partials, then the combine
+        ks = triton_kernels(pallas_kernels.lower(onf), *structs(dnf))
+        assert len(ks) == n_kernels
+        assert all(k.num_warps == onf.knobs.num_warps and k.num_stages == onf.knobs.num_stages for k in ks)
+
+
+def test_one_call_lowers_per_platform():
+    q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.float32)
+    f = jax.jit(moajax.dot_product_attention)
+    cuda = f.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    cpu = f.trace(q, q, q).lower(lowering_platforms=("cpu",)).as_text()
+    assert "__gpu$xla.gpu.triton" in cuda
+    assert "__gpu$xla.gpu.triton" not in cpu and "stablehlo.dot_general" in cpu
+
+
+def test_vmap_adds_a_grid_axis_on_cuda():
+    f = lambda a, b, c: moajax.dot_product_attention(a, b, c, implementation="pallas")
+    q1 = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.float32)
+    (k1,) = triton_kernels(f, q1, q1, q1)
+    q3 = jax.ShapeDtypeStruct((3, 1, 64, 2, 32), jnp.float32)
+    (k3,) = triton_kernels(jax.vmap(f), q3, q3, q3)
+    # the same kernel, launched over one more grid dimension of size 3
+    assert k3.grid == (k1.grid[0], 3, 1) and k1.grid[1:] == (1, 1)

@@ -1,0 +1,147 @@
+"""Both backends against the DNF reference, for every kind of ONF: passes and online,
+γ C and F, several tile sizes, tails, stored rows, memory stages, split-K; and the Pallas
+kernels (interpret mode) against the XLA path on the same ONF."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pallas_kernels
+import references as R
+from helpers import rel_err
+from moajax import lower_xla, machines, schedule
+from moajax import onf as O
+from moajax import rewrites as W
+from moajax.kernels import attention, block, decode, mha, rmsnorm, swiglu
+from moajax.kernels.attention import mha_dnf
+
+F64 = 1e-12  # float64 end to end (a few ulps per op)
+F32 = 2e-6  # float32: ~16 ulps of 1.2e-7 for sums over ≤ 64 keys in a different order
+
+B, T, S, N, K, H, E = 1, 10, 13, 4, 2, 8, 4  # GQA: 2 query heads per kv head; tails everywhere
+
+
+def inputs(dtype, seed=0):
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((B, T, N, H)).astype(dtype)
+    k = r.standard_normal((B, S, K, H)).astype(dtype)
+    v = r.standard_normal((B, S, K, E)).astype(dtype)
+    return q, k, v
+
+
+def onf_variants(dnf):
+    """(label, ONF, pallas-able) for a matrix of schedules."""
+    base = W.hoist(O.initial(dnf))
+    online = W.fuse_online(base)
+    out = []
+    for carry, prog in (("online", online), ("passes", base)):
+        for bt, bs in ((16, 16), (4, 8), (8, 4), (2, 1)):
+            o = W.tile(W.tile(W.tile(W.tile(prog, "t", bt, "grid"), "s", bs, "sequential"), "b", 1, "grid"), "n", 1, "grid")
+            o = W.tile(W.tile(o, "h", 8, "whole"), "e", 4, "whole")
+            out.append((f"{carry} t{bt} s{bs}", o, True))
+            out.append((f"{carry} t{bt} s{bs} γF", W.with_gamma(W.with_gamma(o, "key", "F"), "query", "F"), True))
+        out.append((f"{carry} cpu_loop", W.with_knobs(W.tile(prog, "t", 4, "grid"), cpu_loop=("t",)), False))
+    def heads(o):  # batch and heads one per program: the GQA head ⌊n/2⌋ is then a scalar
+        return W.tile(W.tile(W.tile(W.tile(o, "b", 1, "grid"), "n", 1, "grid"), "h", 8), "e", 4)
+
+    stored = W.tile(W.materialize(base, "score", "local"), "s", 4, "sequential")
+    out.append(("passes stored score row", stored, False))
+    mem = W.tile(W.tile(W.materialize(base, "score", "memory"), "t", 4, "grid"), "s", 8, "sequential")
+    out.append(("passes score in memory", heads(mem), True))
+    split = W.tile(W.split_k(W.tile(online, "s", 4, "sequential"), "s", 3), "t", 8, "grid")
+    out.append(("online split-K 3", heads(split), True))
+    return out
+
+
+DNF64 = mha_dnf((B, T, N, H), (B, S, K, H), (B, S, K, E), np.dtype(np.float64))
+VARIANTS = onf_variants(DNF64)
+
+
+@pytest.mark.parametrize("label,onf,pallas_ok", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_xla_float64_equals_reference(label, onf, pallas_ok):
+    q, k, v = inputs(np.float64)
+    want = R.mha(q, k, v)
+    assert rel_err(lower_xla.lower(onf)(q, k, v), want) <= F64
+
+
+def test_xla_float32():
+    q, k, v = inputs(np.float32)
+    want = R.mha(q, k, v)
+    dnf32 = mha_dnf((B, T, N, H), (B, S, K, H), (B, S, K, E), np.dtype(np.float32))
+    for label, onf, _ in onf_variants(dnf32):
+        got = lower_xla.lower(onf)(q, k, v)
+        assert got.dtype == jnp.float32
+        assert rel_err(got, want) <= F32, label
+
+
+PALLAS = [v for v in VARIANTS if v[2]][::2] + [v for v in VARIANTS if v[2] and ("split" in v[0] or "memory" in v[0] or "γF" in v[0])][:3]
+
+
+@pytest.mark.parametrize("label,onf,pallas_ok", PALLAS, ids=[v[0] for v in PALLAS])
+def test_pallas_interpret_equals_xla(label, onf, pallas_ok):
+    q, k, v = inputs(np.float64, seed=3)
+    xla = lower_xla.lower(onf)(q, k, v)
+    pal = pallas_kernels.lower(onf, interpret=True)(q, k, v)
+    assert rel_err(pal, xla) <= F64
+    assert rel_err(pal, R.mha(q, k, v)) <= F64
+
+
+@pytest.mark.parametrize("kern", [attention, decode, rmsnorm, swiglu, mha, block], ids=lambda k: k.name)
+def test_seed_kernels_default_gpu_onf_in_interpret_mode(kern):
+    d0 = kern.dnf()
+    r = np.random.default_rng(7)
+    args = [r.standard_normal(i.shape) * 0.5 for i in d0.inputs]
+    dnf = kern.dnf(*args)
+    want = np.asarray(kern(*args))
+    onf = schedule.derive(dnf, machines.load("delta-a100"))
+    assert rel_err(pallas_kernels.lower(onf, interpret=True)(*args), want) <= F64
+    cpu = schedule.derive(dnf, machines.local())
+    assert rel_err(lower_xla.lower(cpu)(*args), want) <= F64
+
+
+@st.composite
+def problems(draw):
+    kv = draw(st.integers(1, 2))
+    n = kv * draw(st.integers(1, 2))
+    shape = dict(B=draw(st.integers(1, 2)), T=draw(st.integers(1, 12)), S=draw(st.integers(1, 12)), N=n, K=kv,
+                 H=draw(st.integers(1, 9)), E=draw(st.integers(1, 6)))
+    extras = dict(is_causal=draw(st.booleans()), bias=draw(st.booleans()), mask=draw(st.booleans()))
+    tiles = dict(t=draw(st.integers(1, 12)), s=draw(st.integers(1, 12)))
+    carry = draw(st.sampled_from(["online", "passes"]))
+    gamma = draw(st.sampled_from([{}, {"key": "F"}, {"query": "F", "value": "F"}]))
+    return shape, extras, tiles, carry, gamma, draw(st.integers(0, 10_000))
+
+
+@settings(max_examples=30)
+@given(problems())
+def test_random_shapes_masks_and_schedules(case):
+    shape, extras, tiles, carry, gamma, seed = case
+    r = np.random.default_rng(seed)
+    b, t, s, n, kv, h, e = (shape[x] for x in "BTSNKHE")
+    q, k, v = r.standard_normal((b, t, n, h)), r.standard_normal((b, s, kv, h)), r.standard_normal((b, s, kv, e))
+    bias = r.standard_normal((1, n, t, s)) if extras["bias"] else None
+    mask = (r.random((b, 1, t, s)) > 0.3) if extras["mask"] else None
+    dnf = mha_dnf(q.shape, k.shape, v.shape, np.dtype(np.float64), None if bias is None else bias.shape,
+                  None if bias is None else bias.dtype, None if mask is None else mask.shape, None, extras["is_causal"])
+    onf = schedule.derive(dnf, machines.local(), schedule.Preset.of(
+        carry=carry, tiles={"t": min(tiles["t"], t), "s": min(tiles["s"], s)}, roles={"s": "sequential"}, gamma=gamma))
+    args = [a for a in (q, k, v, bias, mask) if a is not None]
+    got = lower_xla.lower(onf)(*args)
+    want = R.mha(q, k, v, bias=bias, mask=mask, is_causal=extras["is_causal"])
+    assert rel_err(got, want) <= F64, onf.pretty()
+
+
+def test_vmap_of_the_lowered_kernels_adds_batch_loops_not_python_loops():
+    q, k, v = inputs(np.float64)
+    onf = VARIANTS[0][1]
+    stack = lambda a: np.stack([a, a * 0.5, -a])
+    f = lower_xla.lower(onf)
+    got = jax.vmap(f)(stack(q), stack(k), stack(v))
+    for i in range(3):
+        assert rel_err(got[i], R.mha(stack(q)[i], stack(k)[i], stack(v)[i])) <= F64
+    jaxpr = jax.make_jaxpr(jax.vmap(pallas_kernels.lower(onf, interpret=True)))(stack(q), stack(k), stack(v))
+    # one pallas_call, batched by JAX (a grid axis), not three
+    assert str(jaxpr).count("pallas_call") == 1
