@@ -146,15 +146,6 @@ def _stage_flops(onf: ONF, st) -> tuple[float, float, float]:
     return c.flops, c.matmul, c.trans
 
 
-def _stage_vars(st) -> tuple:
-    if isinstance(st, OnlineStage):
-        vs = list(st.max_vars)
-        for _, svs, _ in st.sums:
-            vs += [v for v in svs if v not in vs]
-        return tuple(vs)
-    return tuple(st.vars)
-
-
 def _kernel_stages(onf: ONF):
     """Kernels: one per memory stage (with the local stages it needs), and the final program."""
     defs = {n: st for st in onf.program.stages for n in st.defines}

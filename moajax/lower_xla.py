@@ -239,7 +239,6 @@ def lower(onf: ONF) -> Callable:
 
     def fn(*arrays):
         import jax.numpy as jnp
-        from jax import lax
 
         if len(arrays) != len(dnf.inputs):
             raise TypeError(f"{dnf.name}: expected {len(dnf.inputs)} arrays, got {len(arrays)}")
@@ -253,7 +252,7 @@ def lower(onf: ONF) -> Callable:
         for st in onf.program.stages:
             if st.place != "memory":
                 continue
-            vars_ = _stage_index_vars(st)
+            vars_ = st.index_vars
             ev = TileEval(onf, backend, _full_ranges(onf, vars_), dict(values), stage_defs=_local_defs(defs, values))
             ev.run_stages([n for e in st.exprs() if e is not None for n in _refs(e)])
             ev.compute_stage(st)
@@ -285,17 +284,6 @@ def lower(onf: ONF) -> Callable:
 
     fn.__name__ = f"{dnf.name}_xla"
     return fn
-
-
-def _stage_index_vars(st) -> tuple:
-    from moajax.onf import OnlineStage
-
-    if isinstance(st, OnlineStage):
-        vs = list(st.max_vars)
-        for _, svs, _ in st.sums:
-            vs += [v for v in svs if v not in vs]
-        return tuple(vs)
-    return tuple(st.vars)
 
 
 def _refs(e) -> list:

@@ -66,6 +66,11 @@ class Stage:
     def result_vars(self, name: str) -> tuple:
         return self.vars
 
+    @property
+    def index_vars(self) -> tuple:
+        """Every variable a result of this stage is indexed by."""
+        return tuple(self.vars)
+
     def dtype(self, name: str):
         return self.body.dtype
 
@@ -104,6 +109,14 @@ class OnlineStage:
 
     def exprs(self) -> tuple:
         return (self.logit,) + tuple(s[2] for s in self.sums)
+
+    @property
+    def index_vars(self) -> tuple:
+        """Every variable a result of this stage is indexed by (the max's, then the sums')."""
+        vs = list(self.max_vars)
+        for _, svs, _ in self.sums:
+            vs += [v for v in svs if v not in vs]
+        return tuple(vs)
 
     def result_vars(self, name: str) -> tuple:
         if name == self.max_name:
@@ -375,7 +388,6 @@ class ONF:
 
     def _validate_program(self):
         seen: set[str] = set()
-        out_vars = {v for o in self.dnf.outputs for v in o.vars}
         for s in self.program.stages:
             if s.place not in PLACES:
                 raise ONFError(f"{self.dnf.name}: stage {s.name!r} has place {s.place!r}; places are {PLACES}")

@@ -265,7 +265,6 @@ class TileEval:
                 go(e)
 
     def _eval(self, e):
-        import jax.numpy as jnp
 
         if isinstance(e, D.Read):
             return self.canon(self.backend.read(self, e))

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from moajax import dnf as D
-from moajax.onf import ONF, ONFError, OnlineStage, Stage, next_pow2
+from moajax.onf import ONF, ONFError, Stage, next_pow2
 from moajax.reference import Named
 from moajax.tiles import Backend, InMemory, Range, TileEval, broadcast_to_vars
 
@@ -240,15 +240,6 @@ def _ranges_for(onf: ONF, vars_, pid) -> dict:
     return ranges
 
 
-def _stage_vars(st) -> tuple:
-    if isinstance(st, OnlineStage):
-        vs = list(st.max_vars)
-        for _, svs, _ in st.sums:
-            vs += [v for v in svs if v not in vs]
-        return tuple(vs)
-    return tuple(st.vars)
-
-
 def _padded_shape(onf: ONF, vars_) -> tuple:
     out = []
     for v in vars_:
@@ -336,7 +327,6 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
         for st in onf.program.stages:
             if st.place != "memory":
                 continue
-            vs = _stage_vars(st)
             targets = [(n, st.result_vars(n), st.dtype(n), [st.name]) for n in st.defines]
             # every result of one stage shares the grid of its first result's variables
             outs = run_kernel(arrays, perms, dict(memory), [(n, vs_, dt, r) for n, vs_, dt, r in targets])

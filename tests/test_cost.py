@@ -1,11 +1,9 @@
 """The cost model reproduces the papers' formulas exactly for the papers' ONFs, and counts
 what the schedule changes (recomputation across passes, memory stages, launches)."""
 
-import numpy as np
 import pytest
 
 from moajax import cost, machines, schedule
-from moajax import onf as O
 from moajax import rewrites as W
 from moajax.kernels import attention, decode
 from moajax.schedule import Preset

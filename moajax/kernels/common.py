@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from moajax import moa
 
 
 def accumulation_dtype(dtype) -> np.dtype:
