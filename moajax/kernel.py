@@ -45,7 +45,7 @@ class Kernel:
     """A kernel defined in the algebra. ``dnf()``, ``derivation()``, ``expression()``, call."""
 
     def __init__(self, fn: Callable, example: dict | None = None, name: str | None = None,
-                 outputs: tuple | None = None):
+                 outputs: tuple | None = None, dims: dict | None = None):
         self.fn = fn
         self.name = name or fn.__name__
         self.example = dict(example or {})
@@ -55,7 +55,7 @@ class Kernel:
         self.options: dict = {}
         for p in sig.parameters.values():
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                ann = p.annotation
+                ann = (dims or {}).get(p.name, p.annotation)
                 if isinstance(ann, str) and len(ann) >= 2 and ann[0] == ann[-1] and ann[0] in "'\"":
                     ann = ast.literal_eval(ann)  # from __future__ import annotations quotes it
                 if not isinstance(ann, str):
@@ -159,11 +159,15 @@ class Kernel:
 
 
 def kernel(fn: Callable | None = None, *, example: dict | None = None, name: str | None = None,
-           outputs: tuple | None = None, register: bool = True):
-    """Decorator: define a kernel from a function written with ``moajax.moa`` operations."""
+           outputs: tuple | None = None, dims: dict | None = None, register: bool = True):
+    """Decorator: define a kernel from a function written with ``moajax.moa`` operations.
+
+    Each array parameter names its dimensions, either in its annotation (``q: "t h"``) or
+    in ``dims={"q": "t h"}`` (for code that type checkers read). ``example`` gives a size per
+    dimension (used by ``moajax derive``); ``outputs`` names the outputs."""
 
     def wrap(f):
-        k = Kernel(f, example=example, name=name, outputs=outputs)
+        k = Kernel(f, example=example, name=name, outputs=outputs, dims=dims)
         if register:
             REGISTRY[k.name] = k
         return k

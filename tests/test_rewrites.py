@@ -28,14 +28,14 @@ def ref(dnf, args):
     return np.asarray(reference.to_jax(dnf)(*args))
 
 
-@kernel(example=dict(i=5, k=7), register=False)
-def lse(x: "i k"):
+@kernel(example=dict(i=5, k=7), dims={"x": "i k"}, register=False)
+def lse(x):
     """logsumexp per row: ⌈/x + log Σ exp(x − ⌈/x)."""
     return moa.logsumexp(x, axis=-1)
 
 
-@kernel(example=dict(i=5, k=7), register=False)
-def pooled(x: "i k", y: "k"):
+@kernel(example=dict(i=5, k=7), dims={"x": "i k", "y": "k"}, register=False)
+def pooled(x, y):
     """Σ_k exp(x − ⌈x)·tanh(y)·x ÷ Σ_k exp(x − ⌈x): a softmax-weighted pooling that is not attention."""
     w = moa.softmax(x, axis=-1)
     g = moa.omega(moa.mul, (1, 1))(x, moa.tanh(y))

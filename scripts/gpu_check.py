@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""GPU check on a real NVIDIA GPU (the lent H200, a Delta node): correctness, then timing.
+
+Correctness: moajax.dot_product_attention's Pallas (Triton) kernel against the float64 NumPy
+reference for float64/float32/bfloat16/float16, causal, GQA, head dim 72, T ≠ S.
+Timing (median of repeated runs after warm-up, device-synchronised): moajax vs
+jax.nn.dot_product_attention (XLA and cuDNN where available) at transformer sizes.
+Writes a markdown table to $OUT (or bench/results/) and prints it last.
+Run it through scripts/gpu_check.sh; it needs only jax with CUDA and numpy.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def main():
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    import references as R
+
+    dev = jax.devices()[0]
+    lines = [f"# GPU check: {getattr(dev, 'device_kind', dev)} — JAX {jax.__version__}, "
+             f"{datetime.datetime.now().isoformat(timespec='minutes')}", ""]
+    print(lines[0], flush=True)
+    rng = np.random.default_rng(0)
+
+    # ---- correctness
+    lines += ["## Correctness (Pallas kernel vs float64 NumPy reference)", "",
+              "| dtype | case | rel. error | bound | ok |", "|---|---|---:|---:|---|"]
+    bounds = {"float64": 1e-12, "float32": 2e-6, "bfloat16": 2e-2, "float16": 4e-3}
+    cases = [("plain", dict(B=2, T=256, S=256, N=4, K=4, H=64)),
+             ("causal GQA T≠S", dict(B=1, T=200, S=333, N=8, K=2, H=64, causal=True)),
+             ("head dim 72", dict(B=1, T=128, S=96, N=2, K=1, H=72))]
+    bad = 0
+    for dt, bound in bounds.items():
+        for label, c in cases:
+            try:
+                q = rng.standard_normal((c["B"], c["T"], c["N"], c["H"]))
+                k = rng.standard_normal((c["B"], c["S"], c["K"], c["H"]))
+                v = rng.standard_normal((c["B"], c["S"], c["K"], c["H"]))
+                args = [jnp.asarray(a, dt) for a in (q, k, v)]
+                out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=c.get("causal", False)))(*args)
+                ref = R.mha(*(np.asarray(a.astype(jnp.float64)) for a in args), is_causal=c.get("causal", False))
+                err = float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
+                ok = err <= bound
+            except Exception as e:  # a failure is a finding: record it
+                err, ok = float("nan"), False
+                traceback.print_exc()
+                label += f" FAILED {type(e).__name__}: {str(e)[:80]}"
+            bad += not ok
+            lines.append(f"| {dt} | {label} | {err:.2e} | {bound:.0e} | {'yes' if ok else 'NO'} |")
+            print(lines[-1], flush=True)
+
+    # ---- timing
+    def bench(f, *a, reps=20):
+        jax.block_until_ready(f(*a))
+        jax.block_until_ready(f(*a))
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    lines += ["", "## Timing (median of 20, after 2 warm-ups)", "",
+              "| dtype | B·T·N·H | causal | impl | ms | TFLOP/s | vs jax.nn xla |", "|---|---|---|---|---:|---:|---:|"]
+    impls = {
+        "moajax": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c),
+        "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla"),
+        "jax.nn cudnn": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn"),
+    }
+    for dt in ("bfloat16", "float32"):
+        for (B, T, N, H) in ((4, 2048, 16, 64), (1, 8192, 16, 128), (1, 16384, 8, 64)):
+            for causal in (False, True):
+                q = jnp.asarray(rng.standard_normal((B, T, N, H)), dt)
+                flops = 4 * B * T * T * N * H / (2 if causal else 1)
+                base = None
+                for name, f in impls.items():
+                    try:
+                        t = bench(jax.jit(lambda a, b, d, f=f: f(a, b, d, causal)), q, q, q)
+                    except Exception as e:
+                        lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | — | — | {type(e).__name__} |")
+                        print(lines[-1], flush=True)
+                        continue
+                    base = t if name == "jax.nn xla" else base
+                    rel = f"{base / t:.2f}×" if base else "—"
+                    lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | {rel} |")
+                    print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    out = Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "gpu_check.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
