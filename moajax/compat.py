@@ -21,10 +21,11 @@ def jax_version() -> tuple:
     return tuple(parts)
 
 
-def triton_compiler_params(num_warps: int, num_stages: int):
-    """Pallas' Triton-backend compiler params (selects Triton over Mosaic GPU)."""
-    from jax.experimental.pallas import triton as plgpu
+def triton_compiler_params(plgpu, num_warps: int, num_stages: int):
+    """Pallas' Triton-backend compiler params (selects Triton over Mosaic GPU).
 
+    ``plgpu`` is ``jax.experimental.pallas.triton``, passed in by pallas_kernels (the only
+    package that imports Pallas); the class was ``TritonCompilerParams`` before JAX 0.5."""
     cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
     return cls(num_warps=num_warps, num_stages=num_stages)
 

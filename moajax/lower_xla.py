@@ -98,16 +98,8 @@ def prepare_inputs(onf: ONF, arrays, canonical: bool = False) -> tuple[dict, dic
 
 class XlaBackend(Backend):
     def __init__(self, onf: ONF, arrays: dict, perms: dict):
-        from jax import lax
-
-        self.onf = onf
+        super().__init__(onf, perms)
         self.arrays = arrays
-        self.perms = perms
-        self.precision = lax.Precision.HIGHEST
-        self.lowp_dots = onf.knobs.lowp_dots
-        from moajax.tiles import var_order
-
-        self.rank = var_order(onf)
 
     def read(self, ev: TileEval, e: D.Read) -> Named:
         import jax.numpy as jnp

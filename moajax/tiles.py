@@ -84,10 +84,21 @@ def _same_range(r: Range, b: Range | None) -> bool:
 
 
 class Backend:
-    """What differs between XLA and Pallas: reads, contractions, loops."""
+    """What differs between XLA and Pallas: reads, contractions, loops.
 
-    lowp_dots = False
-    precision = None
+    Every backend contracts in full precision (float32 dots are IEEE float32, not TF32),
+    downcasts a float32 operand next to a 16-bit one only under ``knobs.lowp_dots``, lays
+    tiles out in the ONF's canonical variable order, and reads operand ``a`` with its
+    axes permuted by ``perms[a]`` (its physical layout: γ, or the XLA loop order)."""
+
+    def __init__(self, onf: ONF, perms: dict):
+        from jax import lax
+
+        self.onf = onf
+        self.perms = perms
+        self.precision = lax.Precision.HIGHEST
+        self.lowp_dots = onf.knobs.lowp_dots
+        self.rank = var_order(onf)
 
     def read(self, ev: "TileEval", read: D.Read) -> Named:  # pragma: no cover - interface
         raise NotImplementedError

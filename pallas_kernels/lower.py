@@ -104,17 +104,9 @@ class PallasBackend(Backend):
     """Reads from refs with pl.ds windows; contractions as tl.dot (2-D) or multiply-sum."""
 
     def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict):
-        from jax import lax
-
-        self.onf = onf
-        self.perms = perms
+        super().__init__(onf, perms)
         self.refs = refs
         self.shapes = shapes
-        self.lowp_dots = onf.knobs.lowp_dots
-        self.precision = lax.Precision.HIGHEST
-        from moajax.tiles import var_order
-
-        self.rank = var_order(onf)
 
     def whole(self, axis) -> int:
         return _whole(axis)
@@ -259,7 +251,9 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
     check(onf)
     dnf = onf.dnf
     defs = {n: st for st in onf.program.stages for n in st.defines}
-    params = compat.triton_compiler_params(onf.knobs.num_warps, onf.knobs.num_stages)
+    from jax.experimental.pallas import triton as plgpu
+
+    params = compat.triton_compiler_params(plgpu, onf.knobs.num_warps, onf.knobs.num_stages)
 
     def run_kernel(arrays: dict, perms: dict, memory: dict, targets: list):
         """One pallas_call computing ``targets``: [(name, vars, dtype, roots)] over vars' grid."""
