@@ -192,13 +192,7 @@ class XlaBackend(Backend):
     def contract(self, a: Named, b: Named, v: Var, out_dtype) -> Named:
         import jax.numpy as jnp
 
-        da, db = a.data, b.data
-        if da.dtype != db.dtype:
-            low = da.dtype if da.dtype.itemsize < db.dtype.itemsize else db.dtype
-            if self.lowp_dots and low.itemsize == 2:
-                da, db = da.astype(low), db.astype(low)
-            else:
-                da, db = da.astype(out_dtype), db.astype(out_dtype)
+        da, db = self.operands(a, b, out_dtype)
         allv = list(a.vars) + [x for x in b.vars if x not in a.vars]
         letters = {x: string.ascii_letters[i] for i, x in enumerate(allv)}
         rank = self.rank

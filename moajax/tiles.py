@@ -106,6 +106,17 @@ class Backend:
     def contract(self, a: Named, b: Named, var: Var, out_dtype) -> Named:  # pragma: no cover
         raise NotImplementedError
 
+    def operands(self, a: Named, b: Named, out_dtype):
+        """The two contraction operands in one dtype: 16-bit both when ``lowp_dots`` and one
+        operand is 16-bit, else both in the accumulation dtype."""
+        da, db = a.data, b.data
+        if da.dtype != db.dtype:
+            low = da.dtype if da.dtype.itemsize < db.dtype.itemsize else db.dtype
+            if self.lowp_dots and low.itemsize == 2:
+                return da.astype(low), db.astype(low)
+            return da.astype(out_dtype), db.astype(out_dtype)
+        return da, db
+
     def fori_loop(self, n, body, init):
         from jax import lax
 

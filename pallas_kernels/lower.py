@@ -179,13 +179,7 @@ class PallasBackend(Backend):
         import jax.numpy as jnp
         from jax import lax
 
-        da, db = a.data, b.data
-        if da.dtype != db.dtype:
-            low = da.dtype if da.dtype.itemsize < db.dtype.itemsize else db.dtype
-            if self.lowp_dots and low.itemsize == 2:
-                da, db = da.astype(low), db.astype(low)
-            else:
-                da, db = da.astype(out_dtype), db.astype(out_dtype)
+        da, db = self.operands(a, b, out_dtype)
         shared = set(a.vars) & set(b.vars) - {v}
         two_d = da.ndim == 2 and db.ndim == 2 and not shared and min(da.shape + db.shape) >= 16
         if two_d:
