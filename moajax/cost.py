@@ -11,7 +11,9 @@ For a DNF scheduled by an ONF (the shapes and dtypes are the DNF's) it counts
 * ``bytes_moved``: modelled main-memory traffic — inputs as the tiling streams them
   (re-read by every program that needs them, unless that working set fits in the last-level
   cache), outputs written, memory stages written and read back;
-* ``onchip_bytes`` per program, ``scratch_bytes`` in main memory, ``atomics``, ``launches``;
+* ``onchip_bytes`` per program, ``scratch_bytes`` in main memory, ``launches``, and
+  ``atomics``: an output accumulated atomically over a grid axis (scatter-add) costs one
+  atomic read-modify-write per element per program that owns a tile of that axis;
 * ``time_s``: a roofline, max(compute, memory) + launch overheads, for a machine profile.
 """
 
@@ -300,12 +302,22 @@ def estimate(onf: ONF, machine=None) -> Cost:
             streamed += pts * _itemsize(dt) * reuse
     streamed += sum(math.prod(o.shape) * _itemsize(o.dtype) for o in dnf.outputs)
     streamed += scratch  # memory stages are written once (their reads are counted above)
+    atomics = 0
+    for st in onf.program.stages:
+        v = onf.scatter_var(st) if isinstance(st, Stage) else None
+        if v is not None:
+            # every program owning a tile of v adds its partial into each element: one atomic
+            # read-modify-write per element and program (in place of the single final write)
+            n = onf.axis_of(v).ntiles * _points(onf, st.vars)
+            atomics += n
+            item = _itemsize(st.accumulated.dtype)
+            streamed += 2 * n * item - math.prod(x.extent for x in st.vars) * _itemsize(st.dtype(st.name))
     launches = len(kernels)
     cost = Cost(
         flops=flops, matmul_flops=matmul, transcendentals=trans, input_elements=in_el,
         output_elements=out_el, intermediate_elements=inter_el, bytes_moved=streamed,
         bytes_compulsory=compulsory, scratch_bytes=scratch, onchip_bytes=onchip_bytes(onf),
-        atomics=0, launches=launches,
+        atomics=atomics, launches=launches,
     )
     if machine is None:
         return cost

@@ -248,7 +248,10 @@ def lower(onf: ONF) -> Callable:
         outs = []
         for o in dnf.outputs:
             loops = [v for v in o.vars if v.name in onf.knobs.cpu_loop]
-            ranges = _full_ranges(onf, o.vars)
+            # an atomically accumulated output: the vectorised grid holds every program's
+            # partial at once, so the scatter-add is the sum over the whole grid axis
+            scatter = onf.scatter_var(onf.program.stage_of(out_stage[o.name]))
+            ranges = _full_ranges(onf, tuple(o.vars) + ((scatter,) if scatter is not None else ()))
 
             def program(ranges, o=o):
                 ev = TileEval(onf, backend, ranges, dict(values), stage_defs=_local_defs(defs, values))

@@ -12,6 +12,10 @@ An ONF pairs a DNF (what is computed, fixed) with a schedule (how):
   over tiles inside a program) or ``whole`` (one tile).
 * **γ** per input operand ("C" row-major, "F" column-major), **knobs** for the backends
   (num_warps, num_stages, CPU loop mapping), and the target machine profile.
+* **accumulate** — who owns an output whose top reduction runs over a grid axis: with
+  "atomic", every program adds its partial sum into the output in memory (scatter-add; the
+  papers' fused backward accumulates dK and dV this way). Without it a program must own
+  every element it writes, so a reduction may not cross programs.
 
 ``ONF.validate`` raises ``ONFError`` naming the problem; ``pretty()`` prints the schedule.
 """
@@ -31,6 +35,7 @@ class ONFError(ValueError):
 
 
 ROLES = ("grid", "sequential", "whole")
+ACCUMULATE = ("atomic",)
 TAILS = ("pad", "refuse")
 GAMMAS = ("C", "F")
 PLACES = ("local", "memory")
@@ -59,6 +64,13 @@ class Stage:
     @property
     def reduction(self) -> D.Red | None:
         return self.body if isinstance(self.body, D.Red) else None
+
+    @property
+    def accumulated(self) -> D.Red | None:
+        """The top reduction of the stage, looking through a final dtype conversion (a 16-bit
+        output whose partials add up in float32)."""
+        b = self.body.arg if isinstance(self.body, D.Convert) else self.body
+        return b if isinstance(b, D.Red) else None
 
     def exprs(self) -> tuple:
         return (self.body,)
@@ -247,6 +259,7 @@ class ONF:
     knobs: Knobs = Knobs()
     target: str = "generic"
     history: tuple = ()
+    accumulate: tuple = ()  # ((stage name, "atomic"), ...)
 
     # ---- lookups
     def axis(self, name: str) -> Axis:
@@ -264,6 +277,17 @@ class ONF:
 
     def gamma_of(self, name: str) -> str:
         return dict(self.gamma).get(name, "C")
+
+    def accumulation(self, stage: str) -> str | None:
+        """How programs combine their partials of ``stage`` ("atomic"), or None (one owner)."""
+        return dict(self.accumulate).get(stage)
+
+    def scatter_var(self, stage) -> Var | None:
+        """The grid variable an atomically accumulated stage's top reduction runs over."""
+        if self.accumulation(stage.name) is None or not isinstance(stage, Stage) or stage.accumulated is None:
+            return None
+        v = stage.accumulated.var
+        return v if self.axis_of(v).role == "grid" else None
 
     @property
     def grid(self) -> tuple:
@@ -312,6 +336,8 @@ class ONF:
         lines.append(f"  carry:  {', '.join(f'{k} {v}' for k, v in self.carry.items()) or '—'}")
         st = self.store
         lines.append(f"  store:  {', '.join(f'{k} {v}' for k, v in st.items()) or '—'}")
+        if self.accumulate:
+            lines.append("  accumulate: " + ", ".join(f"{k} {v}" for k, v in self.accumulate))
         lines.append(f"  knobs:  {self.knobs.text()}")
         lines.append("  program:")
         ctx = D.ShowContext()
@@ -386,11 +412,33 @@ class ONF:
                 ok = ok and isinstance(x, D.Ref) and self.program.stage_of(x.stage).place == "memory"
         return ok
 
+    def _validate_accumulate(self):
+        outputs = {sname for _, sname in self.program.outputs}
+        for name, how in self.accumulate:
+            if how not in ACCUMULATE:
+                raise ONFError(f"{self.dnf.name}: accumulation {how!r} of {name!r}; accumulations are {ACCUMULATE}")
+            try:
+                st = self.program.stage_of(name)
+            except KeyError:
+                raise ONFError(f"{self.dnf.name}: accumulate names unknown stage {name!r}") from None
+            if not (isinstance(st, Stage) and st.name == name):
+                raise ONFError(f"{self.dnf.name}: {name!r} is not a plain stage; only a stage's top reduction accumulates")
+            if st.place != "memory" and name not in outputs:
+                raise ONFError(f"{self.dnf.name}: {name!r} accumulates {how}ally, so it must live in memory (an output or a memory stage)")
+            red = st.accumulated
+            if red is None or red.monoid != "add" or self.axis_of(red.var).role != "grid":
+                raise ONFError(
+                    f"{self.dnf.name}: {name!r} accumulates {how}ally, but its top level is not a +-reduction "
+                    "over a grid axis (nothing crosses programs)"
+                )
+
     def _validate_program(self):
+        self._validate_accumulate()
         seen: set[str] = set()
         for s in self.program.stages:
             if s.place not in PLACES:
                 raise ONFError(f"{self.dnf.name}: stage {s.name!r} has place {s.place!r}; places are {PLACES}")
+            scatter = s.accumulated if isinstance(s, Stage) and self.scatter_var(s) is not None else None
             for e in s.exprs():
                 if e is None:
                     continue
@@ -405,7 +453,8 @@ class ONF:
                                 f"{self.dnf.name}: stage {s.name!r} reads {x.stage!r} at "
                                 f"⟨{' '.join(map(str, x.index))}⟩; only its own index ⟨{' '.join(v.name for v in want)}⟩ is supported"
                             )
-                    if isinstance(x, D.Red) and self.axis_of(x.var).role == "grid" and not self._cross_program(x):
+                    if (isinstance(x, D.Red) and self.axis_of(x.var).role == "grid" and not self._cross_program(x)
+                            and x is not scatter):
                         raise ONFError(
                             f"{self.dnf.name}: axis {x.var.name!r} is reduced in stage {s.name!r} but is a grid axis; "
                             "a program cannot reduce across programs (make it sequential or whole)"

@@ -10,6 +10,8 @@
                    then the monoid combine (for online stages: max, and Σ aₚ·e^{mₚ − m}).
     materialize    a labelled subexpression becomes a stage (kept on chip, or in memory):
                    the store-vs-recompute choice.
+    accumulate     an output X[v] = c · Σ_r g (c not using r) → X[v] = Σ_r c·g, added into
+                   memory by every program that owns a tile of r ("atomic": scatter-add).
     tile / with_gamma / with_knobs   schedule-only changes (the program is untouched).
 
 Every rewrite is checked in the tests by running the ONF against the DNF reference.
@@ -162,15 +164,20 @@ def hoist(onf: ONF) -> ONF:
         memo[key] = ref
         return ref
 
-    def go(e: D.Expr, loops: tuple) -> D.Expr:
+    def go(e: D.Expr, loops: tuple, own: frozenset) -> D.Expr:
         if not e.children:
             return e
         if isinstance(e, D.Red):
-            out = D.Red(e.monoid, e.var, go(e.body, loops + (e.var,)))
+            out = D.Red(e.monoid, e.var, go(e.body, loops + (e.var,), own))
             if loops and not (out.free & set(loops)):
                 return stage_for(out)  # invariant in every enclosing loop: once per row
+            if loops and not (out.free & own) and D.canonical(out) in memo:
+                # a row statistic an earlier stage already computes (the softmax max and
+                # denominator inside dK = Σ_t …, hoisted for dQ): read it, never recompute it
+                # per element. (A new stage over loop variables would be a stored row.)
+                return memo[D.canonical(out)]
             return out
-        return D.rebuild(e, [go(c, loops) for c in e.children])
+        return D.rebuild(e, [go(c, loops, own) for c in e.children])
 
     def top_level(e: D.Expr) -> D.Expr:
         # reductions not nested in another reduction become stages of their own
@@ -185,7 +192,7 @@ def hoist(onf: ONF) -> ONF:
         if not isinstance(s, Stage):
             out_stages.append(s)
             continue
-        body = go(s.body, ())
+        body = go(s.body, (), frozenset(s.vars))
         if isinstance(body, D.Red):
             body = factor_out_invariants(body)
         if isinstance(body, D.Red):
@@ -388,6 +395,49 @@ def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
     return onf.replace(program=Program(tuple(stages), onf.program.outputs), note=f"materialize({label}, {place})")
 
 
+# ----------------------------------------------------------------------------- accumulation
+
+
+def accumulate(onf: ONF, output: str, how: str = "atomic") -> ONF:
+    """Let the programs that own tiles of r add their partials of ``output`` = c · Σ_r g into
+    memory (``how`` = "atomic"). Factors c that do not use r move back inside the sum
+    (distributivity: Σ_r c·g = c · Σ_r g), so each partial is final up to the addition."""
+    outs = dict(onf.program.outputs)
+    if output not in outs:
+        raise ONFError(f"{onf.dnf.name}: accumulate: unknown output {output!r}; outputs are {sorted(outs)}")
+    st = onf.program.stage_of(outs[output])
+    if not isinstance(st, Stage):
+        raise ONFError(f"{onf.dnf.name}: accumulate: output {output!r} is computed by an online stage")
+    stages = list(onf.program.stages)
+    body = st.body
+    out_dtype = body.dtype
+    if isinstance(body, D.Convert):  # a 16-bit output: partials add up in the wider dtype
+        body = body.arg
+    if not (isinstance(body, D.Red) and body.monoid == "add"):
+        num, den = mul_div_factors(body)
+        refs = [f for f in num if isinstance(f, D.Ref) and isinstance(onf.program.stage_of(f.stage), Stage)
+                and onf.program.stage_of(f.stage).reduction is not None
+                and onf.program.stage_of(f.stage).reduction.monoid == "add"
+                and onf.program.stage_of(f.stage).place == "local"]
+        if len(refs) != 1:
+            raise ONFError(f"{onf.dnf.name}: accumulate: output {output!r} is not c · Σ_r g (one sum times factors)")
+        ref = refs[0]
+        inner = onf.program.stage_of(ref.stage)
+        red = D.substitute(inner.body, {a: Ix.of(b.as_var()) for a, b in zip(inner.vars, ref.index)})
+        rest_n = [f for f in num if f is not ref]
+        if any(red.var in f.free for f in rest_n + den):
+            raise ONFError(f"{onf.dnf.name}: accumulate: a factor of {output!r} uses the summed variable {red.var.name!r}")
+        body = D.Red("add", red.var, _quotient([red.body] + rest_n, den, body.dtype))
+        used = any(isinstance(x, D.Ref) and x.stage == inner.name
+                   for o in stages if o is not st and o is not inner for e in o.exprs() if e is not None for x in D.walk(e))
+        stages = [o for o in stages if used or o is not inner]
+    stages = [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place) if o is st else o for o in stages]
+    acc = dict(onf.accumulate)
+    acc[st.name] = how
+    return onf.replace(program=Program(tuple(stages), onf.program.outputs), accumulate=tuple(sorted(acc.items())),
+                       note=f"accumulate({output}, {how})")
+
+
 # ----------------------------------------------------------------------------- schedule-only changes
 
 
@@ -416,5 +466,5 @@ def retarget(onf: ONF, target: str) -> ONF:
     return onf.replace(target=target)
 
 
-__all__ = ["hoist", "fuse_online", "split_k", "materialize", "tile", "with_gamma", "with_knobs",
+__all__ = ["hoist", "fuse_online", "split_k", "materialize", "accumulate", "tile", "with_gamma", "with_knobs",
            "retarget", "factor_out_invariants", "mul_div_factors", "Knobs"]

@@ -179,6 +179,63 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     return o.replace(knobs=dataclasses.replace(o.knobs, cpu_loop=loop))
 
 
+def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
+    """Outputs over different index variables (a backward: dQ[t h], dK[s h], dV[s e]) under
+    the papers' ONF: the programs own tiles of the first output's row variable r; an output
+    that does not use r is c · Σ_r g and every program adds its partial (atomic scatter-add);
+    the other main loops are sequential, batch-like variables of every output grid by 1."""
+    outs = onf.dnf.outputs
+    r = outs[0].vars[0]
+    for o in outs:
+        if r not in o.vars:
+            try:
+                onf = W.accumulate(onf, o.name, "atomic")
+            except ONFError as err:
+                raise ONFError(f"{onf.dnf.name}: output {o.name!r} does not use the row variable {r.name!r} "
+                               f"and cannot be accumulated over it ({err})") from None
+    shared = set(outs[0].vars)
+    for o in outs[1:]:
+        shared &= set(o.vars)
+    batch = [v for v in outs[0].vars if v in shared and v != r and all(v != o.vars[-1] for o in outs)]
+    loops = [v for v in _main_loops(onf) if v != r and v not in batch]
+    gpu = machine.is_gpu
+    rest = sorted((v for v in onf.program.vars() if v != r and v not in batch and v not in loops),
+                  key=lambda v: v.name)
+
+    def lift(bt, bs):
+        axes = [Axis(r.name, r.extent, min(bt, next_pow2(r.extent) if gpu else r.extent), "grid")]
+        axes += [Axis(v.name, v.extent, 1, "grid") for v in batch]
+        for v in loops:
+            t = min(bs, next_pow2(v.extent)) if gpu else min(bs, v.extent)
+            axes.append(Axis(v.name, v.extent, t, "sequential" if t < v.extent else "whole"))
+        seen = {a.name for a in axes}
+        for v in rest:
+            if v.name not in seen:
+                seen.add(v.name)
+                axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
+        return onf.replace(axes=tuple(axes))
+
+    if gpu:
+        from moajax.cost import onchip_bytes
+
+        item = min(np.dtype(outs[0].dtype).itemsize, 8)
+        width = max([next_pow2(v.extent) for v in rest] or [16])
+        cands = GPU_TILES[(item, 64 if width <= 64 else 128)] if width <= 128 else [(32, 16, 8, 2), (16, 16, 8, 1)]
+        for bt, bs, warps, stages in cands:
+            o = lift(bt, bs)
+            o = o.replace(knobs=dataclasses.replace(o.knobs, num_warps=warps, num_stages=stages, lowp_dots=item == 2))
+            if onchip_bytes(o) <= machine.onchip_limit_bytes:
+                return o
+        return o
+    other = int(np.prod([v.extent for v in batch])) if batch else 1
+    bs, budget = 256, max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
+    bt = next_pow2(r.extent)
+    while bt > 128 and other * bt * bs * 4 > budget:
+        bt //= 2
+    o = lift(min(bt, r.extent), bs)
+    return o.replace(knobs=dataclasses.replace(o.knobs, cpu_loop=(r.name,) if bt < r.extent else ()))
+
+
 def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
     """The default ONF of ``dnf`` for ``machine``, with a preset's (or keyword) choices applied."""
     if preset is None:
@@ -204,11 +261,14 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
             onf = W.fuse_online(onf)
         except ONFError:
             pass  # nothing softmax-shaped: the passes are the program
-    loops, out_vars, inner, rows = _structure(onf)
-    if machine.is_gpu:
-        onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows)
+    if len({frozenset(o.vars) for o in dnf.outputs}) > 1:
+        onf = _scatter_schedule(onf, machine)
     else:
-        onf = _cpu_tiles(onf, machine, loops, out_vars, inner, rows)
+        loops, out_vars, inner, rows = _structure(onf)
+        if machine.is_gpu:
+            onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows)
+        else:
+            onf = _cpu_tiles(onf, machine, loops, out_vars, inner, rows)
     roles = dict(preset.roles)
     for name, t in preset.tiles:
         onf = W.tile(onf, name, int(t), roles.pop(name, None))

@@ -34,6 +34,11 @@ def check(onf: ONF) -> ONF:
     """Raise ONFError for anything the Triton backend cannot express; returns the ONF."""
     onf.validate()
     name = onf.dnf.name
+    if onf.accumulate:
+        raise ONFError(
+            f"{name}: the Pallas lowering has no atomic accumulation yet ({', '.join(n for n, _ in onf.accumulate)}); "
+            "run this ONF on the XLA backend"
+        )
     for a in onf.axes:
         size = a.tile if a.role != "whole" else max(a.tile, a.extent)
         if size != 1 and not _is_pow2(size):

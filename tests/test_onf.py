@@ -182,3 +182,34 @@ def test_presets_and_derive():
         schedule.derive(d, cpu, Preset.of(store={"score": "disk"}))
     with pytest.raises(ValueError, match="target must be"):
         Preset.of(target="tpu")
+
+
+def test_accumulate_errors():
+    from moajax.kernels import attention_backward
+
+    bwd = attention_backward.dnf((8, 4), (12, 4), (12, 6), (8, 6))
+    o = schedule.derive(bwd, machines.local())
+    assert dict(o.accumulate) == {"dk": "atomic", "dv": "atomic"}
+    # without the accumulation, dK's sum over the rows would cross programs
+    with pytest.raises(ONFError, match="axis 't' is reduced in stage 'dk' but is a grid axis"):
+        o.replace(accumulate=(("dv", "atomic"),)).validate()
+    with pytest.raises(ONFError, match="accumulation 'sometimes' of 'dk'"):
+        o.replace(accumulate=(("dk", "sometimes"),)).validate()
+    with pytest.raises(ONFError, match="accumulate names unknown stage 'zz'"):
+        o.replace(accumulate=(("zz", "atomic"),)).validate()
+    # the summed variable must be a grid axis: a sequential one never crosses programs
+    seq = W.tile(W.tile(o, "t", 4, "sequential"), "s", 12, "whole")
+    with pytest.raises(ONFError, match="not a \\+-reduction over a grid axis"):
+        seq.validate()
+    # dQ is not a sum over the rows, and a local stage cannot take partials from programs
+    with pytest.raises(ONFError, match="not a \\+-reduction over a grid axis"):
+        o.replace(accumulate=o.accumulate + (("dq", "atomic"),)).validate()
+    local = next(s.name for s in o.program.stages if isinstance(s, O.Stage) and s.place == "local"
+                 and s.name not in ("dq", "dk", "dv"))
+    with pytest.raises(ONFError, match=f"{local!r} accumulates atomically, so it must live in memory"):
+        o.replace(accumulate=o.accumulate + ((local, "atomic"),)).validate()
+    with pytest.raises(ONFError, match="accumulate: unknown output 'zz'"):
+        W.accumulate(o, "zz")
+    fwd = W.fuse_online(W.hoist(O.initial(attention.dnf((8, 4), (12, 4), (12, 6)))))
+    with pytest.raises(ONFError, match="output 'out' is not c · Σ_r g"):
+        W.accumulate(fwd, "out")

@@ -79,6 +79,23 @@ def test_hoist_makes_row_statistics():
     assert isinstance(out, D.Call) and out.op == "div"
 
 
+def test_hoist_reuses_row_statistics_inside_sums_over_rows():
+    from moajax.kernels import attention_backward
+
+    dnf = attention_backward.dnf((6, 3), (9, 3), (9, 5), (6, 5))
+    o = W.hoist(O.initial(dnf))
+    # dK = Σ_t (…P(t, s)…) reads the row max and denominator hoisted for dQ: they are not
+    # recomputed for every (s, h) element of dK
+    dk = next(s.body for s in o.program.stages if isinstance(s, O.Stage) and s.reduction is not None
+              and s.reduction.var.name == "t" and {v.name for v in s.vars} == {"s", "h"})  # Σ_t of dK
+    refs = {x.stage for x in D.walk(dk) if isinstance(x, D.Ref)}
+    assert {"max_s", "sum_s"} <= refs, o.pretty()
+    assert not any(isinstance(x, D.Red) and x.monoid == "max" for x in D.walk(dk))
+    # but a reduction over loop variables that no stage computes yet stays inline (a new
+    # stage over a loop variable would be a stored row)
+    assert [s.name for s in o.program.stages].count("max_s") == 1
+
+
 def test_sink_moves_the_scale_onto_the_query():
     dnf = attention.dnf((6, 3), (9, 3), (9, 5))
     o = W.fuse_online(W.hoist(O.initial(dnf)))

@@ -34,8 +34,8 @@ def _with_cell(score: moa.Array, x: moa.Array, axes: tuple, fn):
     raise ValueError(f"unsupported cell axes {axes}")
 
 
-def attention_cell(q, k, v, *, scale: float, is_causal: bool, bias=None, bias_axes=(), mask=None, mask_axes=()):
-    """The per-head definition: q [t h], k [s h], v [s e] (already in the accumulation dtype)."""
+def attention_probs(q, k, *, scale: float, is_causal: bool, bias=None, bias_axes=(), mask=None, mask_axes=()):
+    """P = softmax(scale · Q +.× ⍉K [+ bias] [masked]) for q [t h], k [s h] (accumulation dtype)."""
     score = moa.name("score", (q @ moa.transpose(k)) * scale)
     if bias is not None:
         score = _with_cell(score, bias, bias_axes, moa.add)
@@ -44,8 +44,27 @@ def attention_cell(q, k, v, *, scale: float, is_causal: bool, bias=None, bias_ax
         score = _with_cell(score, mask, mask_axes, lambda s, m: moa.where(m, s, big))
     if is_causal:
         score = moa.where(causal_keep(q.shape[0], k.shape[0], (q.dims[0], k.dims[0])), score, big)
-    return moa.softmax(score, axis=-1) @ v
+    return moa.softmax(score, axis=-1)
 
+
+def attention_cell(q, k, v, *, scale: float, is_causal: bool, **extras):
+    """The per-head definition: q [t h], k [s h], v [s e] (already in the accumulation dtype)."""
+    return attention_probs(q, k, scale=scale, is_causal=is_causal, **extras) @ v
+
+
+def attention_grads(q, k, v, d_out, probs, *, scale: float):
+    """Paper II, algorithm 1, as array math over the probabilities P [t s]:
+
+        dV = ⍉P +.× dO      dP = dO +.× ⍉V      Δ = +/ (P × dP) along s
+        dS = scale · P × (dP −Ω⟨1 0⟩ Δ)      dQ = dS +.× K      dK = ⍉dS +.× Q
+
+    Δ is the paper's corr (= +/ dO × Out); every transpose is a reordered read. A masked
+    score has P = 0 exactly, so its dS is 0 (it is a constant of the forward)."""
+    dv = moa.transpose(probs) @ d_out
+    dp = moa.name("dprobs", d_out @ moa.transpose(v))
+    delta = moa.name("delta", moa.sum(probs * dp, axis=-1))
+    ds = moa.name("dscore", probs * moa.omega(moa.sub, (1, 0))(dp, delta) * scale)
+    return ds @ k, moa.transpose(ds) @ q, dv
 
 @kernel(example=dict(t=8, s=12, h=4, e=6))
 def attention(query: "t h", key: "s h", value: "s e", *, scale: float | None = None, is_causal: bool = False):
@@ -54,6 +73,33 @@ def attention(query: "t h", key: "s h", value: "s e", *, scale: float | None = N
     q, k, v = moa.cast(query, acc), moa.cast(key, acc), moa.cast(value, acc)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     return moa.cast(attention_cell(q, k, v, scale=scale, is_causal=is_causal), query.dtype)
+
+
+def _per_head(query, key, value, d_out, scale):
+    acc = accumulation_dtype(query.dtype)
+    q, k, v, g = (moa.cast(a, acc) for a in (query, key, value, d_out))
+    return q, k, v, g, 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+
+
+@kernel(example=dict(t=8, s=12, h=4, e=6), outputs=("dq", "dk", "dv"))
+def attention_backward(query: "t h", key: "s h", value: "s e", d_out: "t e", *,
+                       scale: float | None = None, is_causal: bool = False):
+    """(dQ, dK, dV) of Σ Out × dO, Out = softmax(scale · Q +.× ⍉K) +.× V (paper II, alg. 1)."""
+    q, k, v, g, scale = _per_head(query, key, value, d_out, scale)
+    p = attention_probs(q, k, scale=scale, is_causal=is_causal)
+    dq, dk, dv = attention_grads(q, k, v, g, p, scale=scale)
+    return moa.cast(dq, query.dtype), moa.cast(dk, key.dtype), moa.cast(dv, value.dtype)
+
+
+@kernel(example=dict(t=8, s=12, h=4, e=6), outputs=("out", "dq", "dk", "dv"))
+def attention_forward_backward(query: "t h", key: "s h", value: "s e", d_out: "t e", *,
+                               scale: float | None = None, is_causal: bool = False):
+    """Out and (dQ, dK, dV) from one P (paper II, alg. 2: the softmax row is computed once)."""
+    q, k, v, g, scale = _per_head(query, key, value, d_out, scale)
+    p = attention_probs(q, k, scale=scale, is_causal=is_causal)
+    dq, dk, dv = attention_grads(q, k, v, g, p, scale=scale)
+    return (moa.cast(p @ v, query.dtype), moa.cast(dq, query.dtype), moa.cast(dk, key.dtype),
+            moa.cast(dv, value.dtype))
 
 
 @kernel(example=dict(s=16, h=4, e=6))
