@@ -398,40 +398,57 @@ def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
 # ----------------------------------------------------------------------------- accumulation
 
 
+def _at(st: Stage, ref: D.Ref) -> D.Expr:
+    """The body of ``st`` read at ``ref``'s index (a stage inlined at one use)."""
+    return D.substitute(st.body, {a: Ix.of(b.as_var()) for a, b in zip(st.vars, ref.index)})
+
+
+def _drop_unused(stages: list, keep: set) -> list:
+    """Stages nothing reads any more (and that are not outputs), removed."""
+    while True:
+        read = {x.stage for o in stages for e in o.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Ref)}
+        dead = [o for o in stages if isinstance(o, Stage) and o.name not in read and o.name not in keep]
+        if not dead:
+            return stages
+        stages = [o for o in stages if o not in dead]
+
+
 def accumulate(onf: ONF, output: str, how: str = "atomic") -> ONF:
     """Let the programs that own tiles of r add their partials of ``output`` = c · Σ_r g into
     memory (``how`` = "atomic"). Factors c that do not use r move back inside the sum
-    (distributivity: Σ_r c·g = c · Σ_r g), so each partial is final up to the addition."""
+    (distributivity: Σ_r c·g = c · Σ_r g), so each partial is final up to the addition; a
+    16-bit output's partials add up in the accumulation dtype."""
     outs = dict(onf.program.outputs)
     if output not in outs:
         raise ONFError(f"{onf.dnf.name}: accumulate: unknown output {output!r}; outputs are {sorted(outs)}")
     st = onf.program.stage_of(outs[output])
     if not isinstance(st, Stage):
         raise ONFError(f"{onf.dnf.name}: accumulate: output {output!r} is computed by an online stage")
-    stages = list(onf.program.stages)
+
+    def local(ref):
+        o = onf.program.stage_of(ref.stage) if isinstance(ref, D.Ref) else None
+        return o if isinstance(o, Stage) and o.place == "local" else None
+
     body = st.body
     out_dtype = body.dtype
-    if isinstance(body, D.Convert):  # a 16-bit output: partials add up in the wider dtype
+    if isinstance(body, D.Convert):
         body = body.arg
+    while local(body) is not None and local(body).reduction is None:
+        body = _at(local(body), body)  # c · Σ split over local stages by hoist: inline them
     if not (isinstance(body, D.Red) and body.monoid == "add"):
         num, den = mul_div_factors(body)
-        refs = [f for f in num if isinstance(f, D.Ref) and isinstance(onf.program.stage_of(f.stage), Stage)
-                and onf.program.stage_of(f.stage).reduction is not None
-                and onf.program.stage_of(f.stage).reduction.monoid == "add"
-                and onf.program.stage_of(f.stage).place == "local"]
-        if len(refs) != 1:
+        sums = [f for f in num if local(f) is not None and local(f).reduction is not None
+                and local(f).reduction.monoid == "add"]
+        if len(sums) != 1:
             raise ONFError(f"{onf.dnf.name}: accumulate: output {output!r} is not c · Σ_r g (one sum times factors)")
-        ref = refs[0]
-        inner = onf.program.stage_of(ref.stage)
-        red = D.substitute(inner.body, {a: Ix.of(b.as_var()) for a, b in zip(inner.vars, ref.index)})
-        rest_n = [f for f in num if f is not ref]
-        if any(red.var in f.free for f in rest_n + den):
+        red = _at(local(sums[0]), sums[0])
+        rest = [f for f in num if f is not sums[0]]
+        if any(red.var in f.free for f in rest + den):
             raise ONFError(f"{onf.dnf.name}: accumulate: a factor of {output!r} uses the summed variable {red.var.name!r}")
-        body = D.Red("add", red.var, _quotient([red.body] + rest_n, den, body.dtype))
-        used = any(isinstance(x, D.Ref) and x.stage == inner.name
-                   for o in stages if o is not st and o is not inner for e in o.exprs() if e is not None for x in D.walk(e))
-        stages = [o for o in stages if used or o is not inner]
-    stages = [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place) if o is st else o for o in stages]
+        body = D.Red("add", red.var, _quotient([red.body] + rest, den, body.dtype))
+    stages = [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place) if o is st else o
+              for o in onf.program.stages]
+    stages = _drop_unused(stages, {sname for _, sname in onf.program.outputs})
     acc = dict(onf.accumulate)
     acc[st.name] = how
     return onf.replace(program=Program(tuple(stages), onf.program.outputs), accumulate=tuple(sorted(acc.items())),

@@ -148,3 +148,18 @@ def test_pallas_refuses_atomic_accumulation():
     onf = schedule.derive(attention_backward.dnf(*args), machines.load("delta-a100"))
     with pytest.raises(ONFError, match="no atomic accumulation"):
         pallas_kernels.lower(onf, interpret=True)
+
+
+def test_bfloat16_backward_accumulates_in_float32():
+    args = [jnp.asarray(a, jnp.bfloat16) for a in attention_case()]
+    onf = schedule.derive(attention_forward_backward.dnf(*args), machines.local(), Preset.of(tiles={"t": 2}))
+    # the 16-bit outputs are float32 sums converted once: the partials add up in float32
+    assert dict(onf.accumulate) == {"dk": "atomic", "dv": "atomic"}
+    assert "dk[s, h] = bfloat16(Σ_{t<8}" in onf.pretty()
+    got = lower_xla.lower(onf)(*args)
+    ref64 = [np.asarray(a.astype(jnp.float32), np.float64) for a in args]
+    expect = (R.attention(*ref64[:3]),) + R.attention_backward(*ref64)
+    for g, w in zip(got, expect):
+        assert g.dtype == jnp.bfloat16
+        # one bfloat16 rounding of each output (2^-8 relative) dominates the float32 sums
+        assert rel_err(g.astype(jnp.float32), w) <= 2 ** -8

@@ -26,7 +26,9 @@ def silu_grad(u: moa.Array) -> moa.Array:
 
 @kernel(example=dict(n=8, d=6, f=12), outputs=("f", "dz", "dw_gate", "dw_up", "dw_down"))
 def swiglu_forward_backward(z: "n d", w_gate: "d f", w_up: "d f", w_down: "f d", g: "n d"):
-    """F = H +.× W_d and, with G = ∂L/∂F (paper IV; every transpose a reordered read):
+    """F = H +.× W_d with (dZ, dW_g, dW_u, dW_d) for G = ∂L/∂F (paper IV).
+
+    Every transpose is a reordered read:
     GH = G +.× ⍉W_d,  GV = GH ⊙ silu(U),  GU = GH ⊙ V ⊙ silu′(U),
     dZ = GU +.× ⍉W_g + GV +.× ⍉W_u,  dW_g = ⍉Z +.× GU,  dW_u = ⍉Z +.× GV,  dW_d = ⍉H +.× G."""
     acc = accumulation_dtype(z.dtype)

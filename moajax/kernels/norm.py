@@ -19,7 +19,8 @@ def rmsnorm(x: "n d", weight: "d", *, eps: float = 1e-6):
 
 @kernel(example=dict(n=8, d=16), outputs=("z", "dx", "dweight"))
 def rmsnorm_forward_backward(x: "n d", weight: "d", g: "n d", *, eps: float = 1e-6):
-    """z = w ⊙ x̂, x̂ = x ÷ r; with g = ∂L/∂z (paper IV):
+    """z = w ⊙ x̂ with (dx, dw) for g = ∂L/∂z, x̂ = x ÷ r (paper IV).
+
     corr = +/ (g ⊙ w ⊙ x̂) along d,  dx = (g ⊙ w − x̂ × corr ÷ D) ÷ r,  dw = +/ (g ⊙ x̂) along n."""
     acc = accumulation_dtype(x.dtype)
     xa, w, ga = moa.cast(x, acc), moa.cast(weight, acc), moa.cast(g, acc)
