@@ -48,6 +48,8 @@ def cmd_gpu_report(args) -> int:
         print(f"moajax gpu-report: cannot compile offline: {reason}", file=sys.stderr)
         return 2
     cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes))
+    cases += gpu_report.backward_cases(tuple(h for h in args.head_dims if h in (64, 128)) or (64,),
+                                       tuple(args.dtypes))
     reg = _kernels()
     for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
         for m in machines.available().values():
@@ -61,21 +63,24 @@ def cmd_gpu_report(args) -> int:
         if args.arch and m.arch not in args.arch:
             continue
         try:
-            r = gpu_report.onf_report(onf, m.arch)
+            reports = gpu_report.onf_reports(onf, m.arch)
         except Exception as e:  # a failure is a finding: report it, do not hide it
             bad += 1
             lines.append(f"| {m.name} | {m.arch} | {label} | — | — | — | — | — | — | — | — | — | FAILED: {str(e)[:120]} |")
             print(lines[-1], flush=True)
             continue
         tiles = "×".join(str(a.tile) for a in onf.axes if a.role in ("grid", "sequential") and a.tile > 1) or "1"
-        ok = r.spill_stores == 0 and r.spill_loads == 0 and r.smem_bytes <= m.shared_memory_per_block
-        bad += not ok
-        lines.append(
-            f"| {m.name} | {m.arch} | {label} | {tiles} | {onf.knobs.num_warps} | {onf.knobs.num_stages} | "
-            f"{r.smem_bytes} | {onchip_bytes(onf)} | {m.shared_memory_per_block} | {r.registers} | "
-            f"{r.spill_stores}/{r.spill_loads} | {r.atomics} | {'yes' if ok else 'NO'} |"
-        )
-        print(lines[-1], flush=True)
+        # one row per kernel of a multi-kernel ONF (the backward's scatter-add kernels), else the final one
+        for r in reports if len(reports) > 1 and onf.accumulate else reports[-1:]:
+            name = label if len(reports) == 1 or not onf.accumulate else f"{label} {r.kernel.removeprefix('moajax_')}"
+            ok = r.spill_stores == 0 and r.spill_loads == 0 and r.smem_bytes <= m.shared_memory_per_block
+            bad += not ok
+            lines.append(
+                f"| {m.name} | {m.arch} | {name} | {tiles} | {onf.knobs.num_warps} | {onf.knobs.num_stages} | "
+                f"{r.smem_bytes} | {onchip_bytes(onf)} | {m.shared_memory_per_block} | {r.registers} | "
+                f"{r.spill_stores}/{r.spill_loads} | {r.atomics} | {'yes' if ok else 'NO'} |"
+            )
+            print(lines[-1], flush=True)
     if args.out:
         import datetime
         from pathlib import Path

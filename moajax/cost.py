@@ -83,15 +83,14 @@ class _Counter:
         self.flops = 0.0
         self.matmul = 0.0
         self.trans = 0.0
-        self.seen: set = set()
+        self.seen: dict = {}
 
     def expr(self, e: D.Expr, extra=()):
         # a subexpression is evaluated over exactly its own free variables (the evaluator
         # broadcasts, never materialises, what it does not depend on)
-        key = id(e)
-        if key in self.seen:
+        if self.seen.get(id(e)) is e:
             return
-        self.seen.add(key)
+        self.seen[id(e)] = e  # kept alive: a factor built on the fly must not share a recycled id
         pts = _points(self.onf, set(e.free))
         if isinstance(e, D.Call):
             for c in e.children:
@@ -219,6 +218,7 @@ def onchip_bytes(onf: ONF) -> int:
         elif _itemsize(r.dtype) >= 4:
             total += size * _itemsize(r.dtype)
     staging = 0
+    seq_or_grid = {v for st in stages for v in st.index_vars if onf.axis_of(v).role != "whole"}
     for st in stages:
         if isinstance(st, OnlineStage):
             p = math.prod(_tile(onf, v) for v in set(st.max_vars) | {st.var})
@@ -231,6 +231,12 @@ def onchip_bytes(onf: ONF) -> int:
                 # a contraction's result tile is staged once for the dot's layout conversion
                 if isinstance(x, D.Red) and x.monoid == "add" and isinstance(x.body, D.Call) and x.body.op == "mul":
                     staging = max(staging, math.prod(_tile(onf, v) for v in x.free) * _itemsize(x.dtype))
+                    if onf.scatter_var(st) is not None and x is st.accumulated:
+                        # a scatter-added partial contracts a computed tile (dS, P: rows ×
+                        # keys), staged twice in the dot's operand dtype
+                        p = math.prod(_tile(onf, v) for v in {x.var} | (set(st.vars) & seq_or_grid))
+                        item = 2 if onf.knobs.lowp_dots else _itemsize(x.dtype)
+                        staging = max(staging, 2 * p * item + math.prod(_tile(onf, v) for v in x.free) * _itemsize(x.dtype))
     return int(total + staging)
 
 

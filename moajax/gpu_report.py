@@ -146,7 +146,10 @@ def ptxas_info(ptx: str, arch: str) -> dict:
 
 
 def count_atomics(ptx: str) -> int:
-    return len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, flags=re.M))
+    """Atomic instructions (``atom.``/``red.``) in the PTX text; Triton's inline asm puts
+    several instructions on one line (``mov.u32 %r1, 0x0; atom.global.gpu.acq_rel.add.f32 …``)."""
+    code = "\n".join(line.split("//", 1)[0] for line in ptx.splitlines())
+    return len(re.findall(r"(?:^|[\s;])(?:@!?%p\d+\s+)?(?:atom|red)\.[a-z]", code, flags=re.M))
 
 
 def report(kernel: TritonKernel, arch: str) -> PtxReport:
@@ -159,12 +162,11 @@ def report(kernel: TritonKernel, arch: str) -> PtxReport:
 # ----------------------------------------------------------------------------- the CLI's matrix
 
 
-def default_cases(head_dims=(64, 72, 128), dtypes=("float16", "bfloat16", "float32", "float64")):
-    """(label, machine name, ONF) for the attention forward's default ONF on each configured GPU."""
+def _cases(label: str, dnf_for, head_dims, dtypes) -> list:
+    """(label, machine, default ONF) for every configured GPU × dtype × head dim."""
     import numpy as np
 
     from moajax import machines, schedule
-    from moajax.kernels.attention import mha_dnf
 
     out = []
     for m in machines.available().values():
@@ -172,13 +174,30 @@ def default_cases(head_dims=(64, 72, 128), dtypes=("float16", "bfloat16", "float
             continue
         for dt in dtypes:
             for h in head_dims:
-                dnf = mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), np.dtype(dt))
-                out.append((f"mha {dt} H={h}", m, schedule.derive(dnf, m)))
+                out.append((f"{label} {dt} H={h}", m, schedule.derive(dnf_for(np.dtype(dt), h), m)))
     return out
 
 
-def onf_report(onf, arch: str) -> PtxReport:
-    """Compile the final kernel of an ONF's Pallas lowering for ``arch``."""
+def default_cases(head_dims=(64, 72, 128), dtypes=("float16", "bfloat16", "float32", "float64")):
+    """The attention forward (jax.nn layout, B=1, T=S=1024, N=8)."""
+    from moajax.kernels.attention import mha_dnf
+
+    return _cases("mha", lambda dt, h: mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), dt),
+                  head_dims, dtypes)
+
+
+def backward_cases(head_dims=(64, 128), dtypes=("bfloat16", "float32", "float64")):
+    """The fused forward+backward (one head, T=S=1024): its default ONF scatter-adds dK, dV."""
+    import jax
+
+    from moajax.kernels import attention_forward_backward
+
+    return _cases("fwd+bwd", lambda dt, h: attention_forward_backward.dnf(
+        *[jax.ShapeDtypeStruct((1024, h), dt) for _ in range(4)]), head_dims, dtypes)
+
+
+def onf_reports(onf, arch: str) -> list[PtxReport]:
+    """Compile every kernel of an ONF's Pallas lowering for ``arch`` (in launch order)."""
     import jax
 
     import pallas_kernels
@@ -188,4 +207,9 @@ def onf_report(onf, arch: str) -> PtxReport:
     ks = triton_kernels(fn, *args)
     if not ks:
         raise RuntimeError(f"{onf.dnf.name}: the CUDA lowering emitted no Triton kernel")
-    return report(ks[-1], arch)
+    return [report(k, arch) for k in ks]
+
+
+def onf_report(onf, arch: str) -> PtxReport:
+    """Compile the final kernel of an ONF's Pallas lowering for ``arch``."""
+    return onf_reports(onf, arch)[-1]

@@ -81,9 +81,15 @@ def index_array(ix: Ix) -> Named:
 
 
 def product_factors(e: D.Expr) -> list[D.Expr]:
-    """e = f₁ × f₂ × … (flattening nested products)."""
+    """e = f₁ × f₂ × … (flattening nested products; a ÷ b is a × (1 ÷ b), so that a divisor
+    over fewer variables — a per-row denominator inside Σ_t — stays its own small factor
+    and the rest of the product remains a contraction)."""
     if isinstance(e, D.Call) and e.op == "mul":
         return product_factors(e.children[0]) + product_factors(e.children[1])
+    if isinstance(e, D.Call) and e.op == "div" and e.dtype.kind == "f":
+        num, den = e.children
+        if not (den.free >= num.free):  # only when the divisor is the smaller factor
+            return product_factors(num) + [D.Call("div", (D.Lit(1.0, den.dtype), den))]
     if isinstance(e, D.Tag):
         return product_factors(e.body)
     return [e]
@@ -96,15 +102,17 @@ class Evaluator:
         from jax import lax
 
         self.arrays = arrays
-        self.memo: dict[int, Named] = {}
+        self.memo: dict[int, tuple] = {}
         self.precision = lax.Precision.HIGHEST if precision is None else precision
 
     def __call__(self, e: D.Expr) -> Named:
         hit = self.memo.get(id(e))
-        if hit is not None:
-            return hit
+        if hit is not None and hit[0] is e:
+            return hit[1]
         out = self._eval(e)
-        self.memo[id(e)] = out
+        # keep e with its value: a node built during evaluation (a reciprocal factor) must
+        # not be collected and its id reused by another node while the memo lives
+        self.memo[id(e)] = (e, out)
         return out
 
     def _eval(self, e):

@@ -118,6 +118,18 @@ GPU_TILES = {
 }
 
 
+# The same for ONFs whose programs scatter-add (the fused backward: a row tile computes its
+# score tile, dP and dS and adds into dK, dV): swept on sm_80 with ptxas for 0 spill bytes.
+GPU_SCATTER_TILES = {
+    (2, 64): [(32, 32, 8, 2), (16, 16, 8, 2)],
+    (2, 128): [(32, 32, 8, 2), (16, 16, 8, 2)],
+    (4, 64): [(32, 32, 8, 2), (16, 16, 8, 2)],
+    (4, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],
+    (8, 64): [(32, 16, 8, 2), (16, 16, 8, 2), (16, 16, 8, 1)],
+    (8, 128): [(16, 16, 8, 2), (16, 16, 8, 1)],
+}
+
+
 def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     from moajax.cost import onchip_bytes
 
@@ -220,7 +232,7 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
 
         item = min(np.dtype(outs[0].dtype).itemsize, 8)
         width = max([next_pow2(v.extent) for v in rest] or [16])
-        cands = GPU_TILES[(item, 64 if width <= 64 else 128)] if width <= 128 else [(32, 16, 8, 2), (16, 16, 8, 1)]
+        cands = GPU_SCATTER_TILES[(item, 64 if width <= 64 else 128)] if width <= 128 else [(16, 16, 8, 1)]
         for bt, bs, warps, stages in cands:
             o = lift(bt, bs)
             o = o.replace(knobs=dataclasses.replace(o.knobs, num_warps=warps, num_stages=stages, lowp_dots=item == 2))

@@ -359,6 +359,10 @@ class TileEval:
 
             acc = self.backend.fori_loop(axis.ntiles, step, init)
             return Named(acc, out_vars)
+        if axis.role == "grid" and v in self.ranges:
+            # a stage accumulated across programs (ONF.accumulate): this program's partial
+            # sum is over its own tile of v (the XLA backend's tile is the whole grid)
+            return self.tile_reduce(mono, v, body)
         rng = Range(0, self.backend.whole(axis), v.extent)
         sub = self if _same_range(rng, self.ranges.get(v)) else self.child(v, rng)
         return sub.tile_reduce(mono, v, body)

@@ -1,7 +1,9 @@
 """ONF → Pallas (Triton backend): the GPU lowering.
 
 One ``pallas_call`` per kernel of the ONF: each stage placed in memory gets its own (it
-writes a main-memory array), and the final program computes the outputs. The grid is the
+writes a main-memory array), and the final programs compute the outputs. An output the ONF
+accumulates atomically over a grid axis (``ONF.accumulate``) is zero-initialised and every
+program ``atomic_add``s its partial sum into it (scatter-add). The grid is the
 ONF's grid axes, flattened into one launch dimension (program id → tile index per axis by
 div/mod, so any number of grid axes fits Triton's grid); inside a program, the kernel body
 is the same tile evaluator as the XLA backend (``moajax.tiles``) with reads from the
@@ -34,11 +36,14 @@ def check(onf: ONF) -> ONF:
     """Raise ONFError for anything the Triton backend cannot express; returns the ONF."""
     onf.validate()
     name = onf.dnf.name
-    if onf.accumulate:
-        raise ONFError(
-            f"{name}: the Pallas lowering has no atomic accumulation yet ({', '.join(n for n, _ in onf.accumulate)}); "
-            "run this ONF on the XLA backend"
-        )
+    for st in onf.program.stages:
+        r = onf.scatter_var(st) if isinstance(st, Stage) else None
+        seq = [v.name for v in st.vars if onf.axis_of(v).role == "sequential"] if r is not None else []
+        if len(seq) > 1:
+            raise ONFError(
+                f"{name}: {st.name!r} is scatter-added over {r.name!r} while walking {seq} in sequence; "
+                "the Triton backend walks at most one of its own axes per program"
+            )
     for a in onf.axes:
         size = a.tile if a.role != "whole" else max(a.tile, a.extent)
         if size != 1 and not _is_pow2(size):
@@ -54,7 +59,8 @@ def check(onf: ONF) -> ONF:
                     raise ONFError(f"{name}: axis {x.var.name!r} is whole but its tile {a.tile} < extent {x.var.extent}")
     seq = {a.name for a in onf.axes if a.role == "sequential"}
     for st in onf.program.stages:
-        if isinstance(st, Stage) and st.place == "local" and any(v.name in seq for v in st.vars):
+        if (isinstance(st, Stage) and st.place == "local" and any(v.name in seq for v in st.vars)
+                and onf.scatter_var(st) is None):  # a scatter-added output is written tile by tile
             raise ONFError(
                 f"{name}: stage {st.name!r} stores a row over the sequential axis "
                 f"{[v.name for v in st.vars if v.name in seq]} on chip; Triton has no indexable on-chip "
@@ -231,6 +237,22 @@ def _ranges_for(onf: ONF, vars_, pid) -> dict:
     return ranges
 
 
+def _out_index(ev: TileEval, vars_) -> tuple:
+    """The window of the output a program writes: its ranges of the output's variables."""
+    from jax.experimental import pallas as pl
+
+    idx = []
+    for v in vars_:
+        r = ev.ranges[v]
+        if r.size == 1:
+            idx.append(r.start)
+        elif isinstance(r.start, (int, np.integer)) and r.start == 0:
+            idx.append(slice(None))
+        else:
+            idx.append(pl.ds(r.start, r.size))
+    return tuple(idx)
+
+
 def _padded_shape(onf: ONF, vars_) -> tuple:
     out = []
     for v in vars_:
@@ -287,16 +309,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
                 if isinstance(val, InMemory):
                     val = ev.window(val)
                 data = broadcast_to_vars(val, tvars, ev.ranges)
-                idx = []
-                for v in tvars:
-                    r = ev.ranges[v]
-                    if r.size == 1:
-                        idx.append(r.start)
-                    elif isinstance(r.start, (int, np.integer)) and r.start == 0:
-                        idx.append(slice(None))
-                    else:
-                        idx.append(pl.ds(r.start, r.size))
-                oref[tuple(idx)] = data.astype(oref.dtype)
+                oref[_out_index(ev, tvars)] = data.astype(oref.dtype)
 
         call = pl.pallas_call(
             kernel,
@@ -308,6 +321,61 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             name=f"moajax_{dnf.name}",
         )
         return call(*[arrays[n] for n in names], *[memory[m][1] for m in mem_names])
+
+    def run_scatter(arrays: dict, perms: dict, memory: dict, st: Stage, tvars: tuple, r):
+        """One pallas_call in which every program adds its partial Σ over its own tile of the
+        grid variable r into the (zero-initialised) output: ``atomic_add`` (red.global.add).
+        A sequential axis of the output is walked in tiles, one atomic add per tile."""
+        import jax.numpy as jnp
+
+        names, mem_names = list(arrays), list(memory)
+        body = st.accumulated
+        grid_vars = _grid_axes(onf, tvars) + [r]
+        n_prog = int(math.prod(onf.axis_of(v).ntiles for v in grid_vars))
+        shape = _padded_shape(onf, tvars)
+        shapes = {n: tuple(arrays[n].shape) for n in names}
+        seq = [v for v in tvars if onf.axis_of(v).role == "sequential"]
+
+        def kernel(*refs):
+            in_refs = dict(zip(names, refs[: len(names)]))
+            mem_refs = refs[len(names): len(names) + len(mem_names)]
+            o_ref = refs[-1]
+            pid = pl.program_id(0)
+            backend = PallasBackend(onf, in_refs, shapes, perms)
+            stages = {m: InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
+            ev = TileEval(onf, backend, _ranges_for(onf, tuple(tvars) + (r,), pid), stages,
+                          stage_defs={n: d for n, d in defs.items() if n not in memory})
+            ev.run_stages([x.stage for x in D.walk(body) if isinstance(x, D.Ref)])
+
+            def add(ctx):
+                data = broadcast_to_vars(ctx.eval(body), tvars, ctx.ranges)
+                plgpu.atomic_add(o_ref, _out_index(ctx, tvars), data.astype(o_ref.dtype))
+
+            if not seq:
+                add(ev)
+                return
+            v = seq[0]
+            a = onf.axis_of(v)
+            ev.hoist_invariants([body], v)
+
+            def step(i, carry):
+                add(ev.child(v, Range(i * a.tile, a.tile, v.extent)))
+                return carry
+
+            backend.fori_loop(a.ntiles, step, jnp.int32(0))
+
+        zeros = jnp.zeros(shape, body.dtype)
+        call = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(shape, body.dtype),
+            grid=(n_prog,),
+            input_output_aliases={len(names) + len(mem_names): 0},
+            compiler_params=params,
+            interpret=interpret,
+            debug=debug,
+            name=f"moajax_{dnf.name}_{st.name}",
+        )
+        return call(*[arrays[n] for n in names], *[memory[m][1] for m in mem_names], zeros)
 
     def fn(*inputs):
         import jax.numpy as jnp
@@ -328,7 +396,12 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
         results = []
         for o in dnf.outputs:
             sname = dict(onf.program.outputs)[o.name]
-            out = run_kernel(arrays, perms, dict(memory), [(sname, tuple(o.vars), o.dtype, [sname])])[0]
+            st = onf.program.stage_of(sname)
+            r = onf.scatter_var(st) if isinstance(st, Stage) else None
+            if r is not None:
+                out = run_scatter(arrays, perms, dict(memory), st, tuple(o.vars), r)
+            else:
+                out = run_kernel(arrays, perms, dict(memory), [(sname, tuple(o.vars), o.dtype, [sname])])[0]
             out = out[tuple(slice(0, v.extent) for v in o.vars)]
             results.append(out.astype(o.dtype))
         return results[0] if len(results) == 1 else tuple(results)

@@ -33,8 +33,35 @@ def test_default_onf_compiles_without_spills(machine, dtype, head_dim):
 
 
 def test_atomic_count_parser():
-    ptx = "\tatom.global.add.f32 %f1, [%rd1], %f2;\n\t@%p1 red.global.add.f32 [%rd2], %f3;\n\tld.global.f32 %f4, [%rd3];\n"
-    assert gpu_report.count_atomics(ptx) == 2
+    ptx = ("\tatom.global.add.f32 %f1, [%rd1], %f2;\n\t@%p1 red.global.add.f32 [%rd2], %f3;\n"
+           "\tld.global.f32 %f4, [%rd3];\n"
+           # Triton's inline asm: several instructions on one line
+           "\tmov.u32 %r125, 0x0; @%p7 atom.global.gpu.acq_rel.add.f32 %r125, [ %rd59 + 0 ], %r126;\n"
+           "\t// atom.global.add in a comment is not an instruction\n\tmov.u32 %red1, %r2;\n")
+    assert gpu_report.count_atomics(ptx) == 3
+
+
+@needs_compiler
+@pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_fused_backward_onf_compiles_with_atomics_and_no_spills(machine, dtype, head_dim):
+    # the papers' fused forward+backward ONF: row-tile programs; dK and dV are scatter-added
+    # (atom.global.add) by their own kernels, Out and dQ are owned and written plainly
+    import jax
+
+    import pallas_kernels
+    from moajax.kernels import attention_forward_backward
+
+    args = [jax.ShapeDtypeStruct((1024, head_dim), np.dtype(dtype)) for _ in range(4)]
+    onf = schedule.derive(attention_forward_backward.dnf(*args), machine)
+    reports = [gpu_report.report(k, machine.arch) for k in gpu_report.triton_kernels(pallas_kernels.lower(onf), *args)]
+    scatter = [r for r in reports if r.kernel.endswith(("_dk", "_dv"))]
+    assert len(reports) == 4 and len(scatter) == 2, reports
+    assert all(r.atomics > 0 for r in scatter) and all(r.atomics == 0 for r in reports if r not in scatter), reports
+    for r in reports:
+        assert r.spill_stores == 0 and r.spill_loads == 0, r
+        assert r.smem_bytes <= machine.shared_memory_per_block and onchip_bytes(onf) >= r.smem_bytes, r
 
 
 @needs_compiler
