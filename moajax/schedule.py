@@ -130,21 +130,45 @@ GPU_SCATTER_TILES = {
 }
 
 
-def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
+def _gpu_candidates(table: dict, onf: ONF, widths) -> list:
+    """The (rows, keys, warps, stages) candidates for this dtype width and padded head dim."""
+    item = min(np.dtype(onf.dnf.outputs[0].dtype).itemsize, 8)
+    width = max([next_pow2(w) for w in widths] or [16])
+    if width > 128:
+        return [(32, 16, 8, 2), (16, 16, 8, 1)]
+    return table[(item, 64 if width <= 64 else 128)]
+
+
+def _first_fit(onf: ONF, machine: Machine, cands, lift) -> ONF:
+    """The first candidate whose lifting (``lift(rows, keys)``) fits the machine's shared
+    memory by the cost model's conservative estimate (else the last, for validate to name)."""
     from moajax.cost import onchip_bytes
 
-    dtype = onf.dnf.outputs[0].dtype
-    item = min(np.dtype(dtype).itemsize, 8)
-    width = max([next_pow2(v.extent) for v in inner + out_vars[-1:]] or [16])
-    bucket = 64 if width <= 64 else 128
-    cands = GPU_TILES[(item, bucket)] if width <= 128 else [(32, 16, 8, 2), (16, 16, 8, 1)]
-    o = onf
+    lowp = np.dtype(onf.dnf.outputs[0].dtype).itemsize == 2
     for bt, bs, warps, stages in cands:
-        o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=True)
-        o = o.replace(knobs=dataclasses.replace(o.knobs, num_warps=warps, num_stages=stages, lowp_dots=item == 2))
+        o = lift(bt, bs)
+        o = o.replace(knobs=dataclasses.replace(o.knobs, num_warps=warps, num_stages=stages, lowp_dots=lowp))
         if onchip_bytes(o) <= machine.onchip_limit_bytes:
             return o
     return o
+
+
+def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int:
+    # CPU (XLA): the grid is vectorised except the row axis, which an outer loop walks in
+    # tiles; a score tile (every batch-like program × rows × keys, float32) of about 1/8 of
+    # the last-level cache keeps the softmax passes in cache while the dots stay large.
+    # Measured on the 2-core EPYC (bench/results/attention_forward_cpu.md): 512 × 256 at
+    # 8 heads beats 256 × 256 by 1.6× and 4096 × 256 (no loop) by 1.4×.
+    budget = max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
+    bt = next_pow2(rows_ext)
+    while bt > 128 and other * bt * bs * 4 > budget:
+        bt //= 2
+    return min(bt, rows_ext)
+
+
+def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
+    cands = _gpu_candidates(GPU_TILES, onf, [v.extent for v in inner + out_vars[-1:]])
+    return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=True))
 
 
 def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool) -> ONF:
@@ -170,22 +194,13 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool) -> O
 
 
 def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
-    # CPU (XLA): the grid is vectorised except the row axis, which an outer loop walks in
-    # tiles; a score tile (every batch-like program × rows × keys, float32) of about 1/8 of
-    # the last-level cache keeps the softmax passes in cache while the dots stay large.
-    # Measured on the 2-core EPYC (bench/results/attention_forward_cpu.md): 512 × 256 at
-    # 8 heads beats 256 × 256 by 1.6× and 4096 × 256 (no loop) by 1.4×.
     rows_ext = rows[0].extent if rows else 1
     other = 1
     for v in out_vars:
         if v not in rows and v != out_vars[-1]:
             other *= v.extent
     bs = 256
-    budget = max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
-    bt = next_pow2(rows_ext)
-    while bt > 128 and other * bt * bs * 4 > budget:
-        bt //= 2
-    bt = min(bt, rows_ext)
+    bt = _cpu_rows(machine, rows_ext, other, bs)
     o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=False)
     loop = tuple(v.name for v in rows if bt < v.extent)
     return o.replace(knobs=dataclasses.replace(o.knobs, cpu_loop=loop))
@@ -228,23 +243,9 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
         return onf.replace(axes=tuple(axes))
 
     if gpu:
-        from moajax.cost import onchip_bytes
-
-        item = min(np.dtype(outs[0].dtype).itemsize, 8)
-        width = max([next_pow2(v.extent) for v in rest] or [16])
-        cands = GPU_SCATTER_TILES[(item, 64 if width <= 64 else 128)] if width <= 128 else [(16, 16, 8, 1)]
-        for bt, bs, warps, stages in cands:
-            o = lift(bt, bs)
-            o = o.replace(knobs=dataclasses.replace(o.knobs, num_warps=warps, num_stages=stages, lowp_dots=item == 2))
-            if onchip_bytes(o) <= machine.onchip_limit_bytes:
-                return o
-        return o
-    other = int(np.prod([v.extent for v in batch])) if batch else 1
-    bs, budget = 256, max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
-    bt = next_pow2(r.extent)
-    while bt > 128 and other * bt * bs * 4 > budget:
-        bt //= 2
-    o = lift(min(bt, r.extent), bs)
+        return _first_fit(onf, machine, _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest]), lift)
+    bt = _cpu_rows(machine, r.extent, int(np.prod([v.extent for v in batch])) if batch else 1)
+    o = lift(bt, 256)
     return o.replace(knobs=dataclasses.replace(o.knobs, cpu_loop=(r.name,) if bt < r.extent else ()))
 
 
