@@ -2,7 +2,8 @@
 """GPU check on a real NVIDIA GPU (the lent H200, a Delta node): correctness, then timing.
 
 Correctness: moajax.dot_product_attention's Pallas (Triton) kernel against the float64 NumPy
-reference for float64/float32/bfloat16/float16, causal, GQA, head dim 72, T ≠ S.
+reference for float64/float32/bfloat16/float16, causal, GQA, head dim 72, T ≠ S; and the fused
+forward+backward's atomic scatter-add ONF (paper II) against the float64 backward reference.
 Timing (median of repeated runs after warm-up, device-synchronised): moajax vs
 jax.nn.dot_product_attention (XLA and cuDNN where available) at transformer sizes.
 Writes a markdown table to $OUT (or bench/results/) and prints it last.
@@ -66,6 +67,34 @@ def main():
             lines.append(f"| {dt} | {label} | {err:.2e} | {bound:.0e} | {'yes' if ok else 'NO'} |")
             print(lines[-1], flush=True)
 
+    # ---- the fused forward+backward (paper II): dK, dV scatter-added with atomics on the GPU
+    import pallas_kernels
+    from moajax import machines, schedule
+    from moajax.kernels import attention_forward_backward
+
+    machine = machines.for_device(dev)
+    lines += ["", f"## Fused forward+backward, atomic scatter-add ONF ({machine.name} profile)", "",
+              "| dtype | T·S·H | causal | worst rel. error (out, dq, dk, dv) | bound | ok |", "|---|---|---|---:|---:|---|"]
+    for dt, bound in bounds.items():
+        for (T, S, H, causal) in ((512, 512, 64, False), (300, 700, 72, True)):
+            try:
+                a = [rng.standard_normal(s_) for s_ in ((T, H), (S, H), (S, H), (T, H))]
+                args = [jnp.asarray(x, dt) for x in a]
+                onf = schedule.derive(attention_forward_backward.dnf(*args, is_causal=causal), machine)
+                got = jax.jit(pallas_kernels.lower(onf))(*args)
+                a64 = [np.asarray(x.astype(jnp.float64)) for x in args]
+                want = (R.attention(*a64[:3], is_causal=causal),) + R.attention_backward(*a64, is_causal=causal)
+                err = max(float(np.max(np.abs(np.asarray(g, np.float64) - w)) / np.max(np.abs(w))) for g, w in zip(got, want))
+                ok = err <= bound
+                label = f"{T}·{S}·{H}"
+            except Exception as e:
+                err, ok = float("nan"), False
+                traceback.print_exc()
+                label = f"{T}·{S}·{H} FAILED {type(e).__name__}: {str(e)[:80]}"
+            bad += not ok
+            lines.append(f"| {dt} | {label} | {causal} | {err:.2e} | {bound:.0e} | {'yes' if ok else 'NO'} |")
+            print(lines[-1], flush=True)
+
     # ---- timing
     def bench(f, *a, reps=20):
         jax.block_until_ready(f(*a))
@@ -101,6 +130,29 @@ def main():
                     rel = f"{base / t:.2f}×" if base else "—"
                     lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | {rel} |")
                     print(lines[-1], flush=True)
+    # the fused forward+backward (one head, atomics) against jax.grad of jax.nn (XLA), float32
+    lines += ["", "| fused fwd+bwd | T·H | impl | ms | vs jax.grad(jax.nn xla) |", "|---|---|---|---:|---:|"]
+    for T, H in ((2048, 64), (8192, 64)):
+        q = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+        onf = schedule.derive(attention_forward_backward.dnf(q, q, q, q), machine)
+        ours = jax.jit(pallas_kernels.lower(onf))
+
+        def ref(a, b, c, g):
+            out, vjp = jax.vjp(lambda x, y, z: jax.nn.dot_product_attention(
+                x[None, :, None], y[None, :, None], z[None, :, None], implementation="xla")[0, :, 0], a, b, c)
+            return (out,) + vjp(g)
+
+        times = {}
+        for name, f in (("jax.grad jax.nn xla", jax.jit(ref)), ("moajax (atomic ONF)", ours)):
+            try:
+                times[name] = bench(f, q, q, q, q, reps=10)
+            except Exception as e:
+                lines.append(f"| fused fwd+bwd | {T}·{H} | {name} | — | {type(e).__name__} |")
+                continue
+            base = times.get("jax.grad jax.nn xla")
+            lines.append(f"| fused fwd+bwd | {T}·{H} | {name} | {times[name] * 1e3:.3f} | "
+                         f"{(base / times[name]) if base else float('nan'):.2f}× |")
+            print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     out = Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)
