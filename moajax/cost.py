@@ -64,6 +64,23 @@ class Cost:
         )
 
 
+def sequence(costs) -> Cost:
+    """Kernels launched one after another (a transformer block as its kernels): counts, bytes,
+    atomics, launches and times add; the on-chip footprint is the largest; the bound is the
+    one of the longest kernel. Every kernel counts the arrays it reads and writes, so an
+    array one kernel writes and the next reads is counted by both (as the papers do)."""
+    costs = list(costs)
+    if not costs:
+        raise ValueError("sequence: needs at least one Cost")
+    add = {f.name: sum(getattr(c, f.name) for c in costs) for f in dataclasses.fields(Cost)
+           if f.name not in ("onchip_bytes", "scratch_bytes", "time_s", "bound")}
+    timed = all(c.time_s is not None for c in costs)
+    longest = max(costs, key=lambda c: c.time_s or 0.0)
+    return Cost(**add, onchip_bytes=max(c.onchip_bytes for c in costs),
+                scratch_bytes=max(c.scratch_bytes for c in costs),
+                time_s=sum(c.time_s for c in costs) if timed else None, bound=longest.bound if timed else None)
+
+
 def _points(onf: ONF, vars_) -> int:
     n = 1
     for v in vars_:

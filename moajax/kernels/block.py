@@ -9,6 +9,12 @@ from moajax.kernels.mlp import swiglu
 from moajax.kernels.norm import rmsnorm
 
 
+@kernel(example=dict(t=6, d=8))
+def residual_add(x: "t d", y: "t d"):
+    """h = x + y: the block's residual connection (its gradient passes through unchanged)."""
+    return x + y
+
+
 @kernel(example=dict(t=6, d=8, n=2, h=4, f=12))
 def block(
     x: "t d", attn_norm: "d", wq: "d n h", wk: "d n h", wv: "d n h", wo: "n h d",
