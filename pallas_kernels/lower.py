@@ -318,7 +318,8 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             compiler_params=params,
             interpret=interpret,
             debug=debug,
-            name=f"moajax_{dnf.name}",
+            # one launch per output of a multi-output DNF: name each after what it writes
+            name=f"moajax_{dnf.name}" + (f"_{targets[0][0]}" if len(dnf.outputs) > 1 else ""),
         )
         return call(*[arrays[n] for n in names], *[memory[m][1] for m in mem_names])
 
