@@ -389,6 +389,10 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
         for st in onf.program.stages:
             if st.place != "memory":
                 continue
+            if isinstance(st, Stage) and onf.scatter_var(st) is not None:
+                memory[st.name] = (tuple(st.vars), run_scatter(arrays, perms, dict(memory), st, tuple(st.vars),
+                                                               onf.scatter_var(st)))
+                continue
             targets = [(n, st.result_vars(n), st.dtype(n), [st.name]) for n in st.defines]
             # every result of one stage shares the grid of its first result's variables
             outs = run_kernel(arrays, perms, dict(memory), [(n, vs_, dt, r) for n, vs_, dt, r in targets])

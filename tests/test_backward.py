@@ -210,3 +210,23 @@ def test_random_backward_schedules(T, S, H, E, bt, bs, causal, carry, seed):
         # inputs), so the error is measured against max(|w|, 1)
         err = float(np.max(np.abs(np.asarray(g) - w), initial=0.0)) / max(float(np.max(np.abs(w), initial=0.0)), 1.0)
         assert err <= F64, onf.pretty()
+
+
+def test_atomic_memory_stage_on_both_backends():
+    # a stage in main memory may be scatter-added too (a partial result another kernel reads)
+    from moajax import dnf as D
+    from moajax import onf as O
+
+    args = rmsnorm_case(9, 16)
+    onf = schedule.derive(rmsnorm_forward_backward.dnf(*args), machines.load("delta-a100"), Preset.of(tiles={"n": 4}))
+    dw = onf.program.stage_of("dweight")
+    summed = O.Stage("dw_sum", dw.vars, dw.body, "memory")
+    read = O.Stage("dweight", dw.vars, D.Call("mul", (D.Ref("dw_sum", dw.vars, dw.body.dtype), D.Lit(1.0, dw.body.dtype))))
+    stages = tuple(x for s in onf.program.stages for x in ((summed, read) if s is dw else (s,)))
+    mem = onf.replace(program=O.Program(stages, onf.program.outputs), accumulate=(("dw_sum", "atomic"),)).validate()
+    expect = want(rmsnorm_forward_backward, args)
+    # the Pallas lowering adds into dw_sum with an atomic read-modify-write
+    assert "atomic_rmw" in str(jax.make_jaxpr(pallas_kernels.lower(mem, interpret=True))(*args))
+    for got in (lower_xla.lower(mem)(*args), pallas_kernels.lower(mem, interpret=True)(*args)):
+        for g, w in zip(got, expect):
+            assert rel_err(g, w) <= F64
