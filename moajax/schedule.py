@@ -208,18 +208,30 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
 
 def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
     """Outputs over different index variables (a backward: dQ[t h], dK[s h], dV[s e]) under
-    the papers' ONF: the programs own tiles of the first output's row variable r; an output
-    that does not use r is c · Σ_r g and every program adds its partial (atomic scatter-add);
-    the other main loops are sequential, batch-like variables of every output grid by 1."""
+    the papers' ONF: the programs own tiles of a row variable r; an output that does not use
+    r is c · Σ_r g and every program adds its partial (atomic scatter-add); the other main
+    loops are sequential, batch-like variables of every output grid by 1. The row variable
+    is the first output variable (in output order) for which this is a valid ONF: one that
+    no other reduction sums over (t for attention's backward: s is the softmax's axis)."""
+    errors = []
+    seen: list = []
+    for o in onf.dnf.outputs:
+        for r in o.vars:
+            if r in seen or r.extent < 1:
+                continue
+            seen.append(r)
+            try:
+                return _scatter_over(onf, machine, r).validate()
+            except ONFError as err:
+                errors.append(f"{r.name}: {err}")
+    raise ONFError(f"{onf.dnf.name}: no output variable can own the programs (" + "; ".join(errors) + ")")
+
+
+def _scatter_over(onf: ONF, machine: Machine, r) -> ONF:
     outs = onf.dnf.outputs
-    r = outs[0].vars[0]
     for o in outs:
         if r not in o.vars:
-            try:
-                onf = W.accumulate(onf, o.name, "atomic")
-            except ONFError as err:
-                raise ONFError(f"{onf.dnf.name}: output {o.name!r} does not use the row variable {r.name!r} "
-                               f"and cannot be accumulated over it ({err})") from None
+            onf = W.accumulate(onf, o.name, "atomic")
     shared = set(outs[0].vars)
     for o in outs[1:]:
         shared &= set(o.vars)

@@ -230,3 +230,21 @@ def test_atomic_memory_stage_on_both_backends():
     for got in (lower_xla.lower(mem)(*args), pallas_kernels.lower(mem, interpret=True)(*args)):
         for g, w in zip(got, expect):
             assert rel_err(g, w) <= F64
+
+
+def test_the_row_variable_is_found_whatever_the_output_order():
+    # dweight[d] first: d is summed by the RMS, so the rows n (summed only by dweight, which
+    # is then scatter-added) own the programs
+    from moajax.kernel import kernel
+
+    @kernel(example=dict(n=8, d=16), outputs=("dweight", "z", "dx"), register=False)
+    def reordered(x: "n d", weight: "d", g: "n d"):
+        z, dx, dw = rmsnorm_forward_backward.define(x, weight, g)
+        return dw, z, dx
+
+    args = rmsnorm_case(8, 16)
+    onf = schedule.derive(reordered.dnf(*args), machines.local())
+    assert onf.axis("n").role == "grid" and dict(onf.accumulate) == {"dweight": "atomic"}
+    z, dx, dw = want(rmsnorm_forward_backward, args)
+    for g, w in zip(lower_xla.lower(onf)(*args), (dw, z, dx)):
+        assert rel_err(g, w) <= F64
