@@ -63,6 +63,8 @@ def cmd_gpu_report(args) -> int:
         if args.arch and m.arch not in args.arch:
             continue
         try:
+            if isinstance(onf, Exception):
+                raise onf
             reports = gpu_report.onf_reports(onf, m.arch)
         except Exception as e:  # a failure is a finding: report it, do not hide it
             bad += 1

@@ -215,11 +215,14 @@ def onchip_bytes(onf: ONF) -> int:
 
     Input tiles loaded inside a sequential loop are multi-buffered (``num_stages`` copies);
     the probabilities fed to the second contraction are staged twice in the dot's operand
-    dtype; with 4-byte (or wider) operands, tiles loaded once (the query rows) are staged too."""
+    dtype; with 4-byte (or wider) operands, tiles loaded once (the query rows) are staged too.
+    A kernel that scatter-adds (the fused backward) stages its loaded-once tiles in every
+    dtype and each partial result tile for the atomics (sm_90a's numbers, the largest)."""
     kernels = _kernel_stages(onf)
     _, stages = kernels[-1]
     seq_vars = {a.name for a in onf.axes if a.role == "sequential"}
-    total = 0
+    scatter = [st for st in stages if isinstance(st, Stage) and onf.scatter_var(st) is not None]
+    total = sum(math.prod(_tile(onf, v) for v in st.vars) * _itemsize(st.accumulated.dtype) for st in scatter)
     seen = set()
     for r in _reads(onf, stages):
         if not isinstance(r, D.Read):
@@ -232,7 +235,7 @@ def onchip_bytes(onf: ONF) -> int:
         in_loop = any(v.name in seq_vars for v in r.free)
         if in_loop:
             total += size * _itemsize(r.dtype) * onf.knobs.num_stages
-        elif _itemsize(r.dtype) >= 4:
+        elif _itemsize(r.dtype) >= 4 or scatter:
             total += size * _itemsize(r.dtype)
     staging = 0
     seq_or_grid = {v for st in stages for v in st.index_vars if onf.axis_of(v).role != "whole"}

@@ -163,10 +163,13 @@ def report(kernel: TritonKernel, arch: str) -> PtxReport:
 
 
 def _cases(label: str, dnf_for, head_dims, dtypes) -> list:
-    """(label, machine, default ONF) for every configured GPU × dtype × head dim."""
+    """(label, machine, default ONF — or the ONFError saying why none fits) for every
+    configured GPU × dtype × head dim."""
     import numpy as np
 
     from moajax import machines, schedule
+
+    from moajax.onf import ONFError
 
     out = []
     for m in machines.available().values():
@@ -174,7 +177,11 @@ def _cases(label: str, dnf_for, head_dims, dtypes) -> list:
             continue
         for dt in dtypes:
             for h in head_dims:
-                out.append((f"{label} {dt} H={h}", m, schedule.derive(dnf_for(np.dtype(dt), h), m)))
+                try:
+                    onf = schedule.derive(dnf_for(np.dtype(dt), h), m)
+                except ONFError as e:  # no default fits this GPU: a finding, reported as such
+                    onf = e
+                out.append((f"{label} {dt} H={h}", m, onf))
     return out
 
 

@@ -118,11 +118,12 @@ GPU_TILES = {
 }
 
 
-# The same for ONFs whose programs scatter-add (the fused backward: a row tile computes its
-# score tile, dP and dS and adds into dK, dV): swept on sm_80 with ptxas for 0 spill bytes.
+# The same for ONFs whose programs scatter-add (the fused backward: one kernel; a row tile
+# computes Out and dQ, and for each key tile its scores, dP and dS, adding into dK, dV):
+# swept with ptxas on sm_80, sm_86 and sm_90a for 0 spill bytes (bench/results/gpu_report.md).
 GPU_SCATTER_TILES = {
-    (2, 64): [(32, 32, 8, 2), (16, 16, 8, 2)],
-    (2, 128): [(32, 32, 8, 2), (16, 16, 8, 2)],
+    (2, 64): [(64, 32, 8, 2), (32, 32, 4, 2), (16, 16, 8, 2)],
+    (2, 128): [(64, 32, 8, 2), (32, 32, 8, 2), (16, 16, 8, 2)],
     (4, 64): [(32, 32, 8, 2), (16, 16, 8, 2)],
     (4, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],
     (8, 64): [(32, 16, 8, 2), (16, 16, 8, 2), (16, 16, 8, 1)],

@@ -276,107 +276,86 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
 
     params = compat.triton_compiler_params(plgpu, onf.knobs.num_warps, onf.knobs.num_stages)
 
-    def run_kernel(arrays: dict, perms: dict, memory: dict, targets: list):
-        """One pallas_call computing ``targets``: [(name, vars, dtype, roots)] over vars' grid."""
-        names = list(arrays)
-        mem_names = list(memory)
-        out_vars = targets[0][1]
-        grid_vars = _grid_axes(onf, out_vars)
+    def target(name: str, vars_: tuple, dtype) -> tuple:
+        """(name, vars, dtype, scatter stage or None, the grid variables its programs own)."""
+        st = defs[name]
+        r = onf.scatter_var(st) if isinstance(st, Stage) else None
+        grid = _grid_axes(onf, tuple(vars_) + ((r,) if r is not None else ()))
+        return (name, tuple(vars_), dtype, st if r is not None else None, tuple(grid))
+
+    def run_kernel(arrays: dict, perms: dict, memory: dict, targets: list, label: str):
+        """One pallas_call computing every target over their (shared) grid. A plain target is
+        written by the program that owns its tile; a scattered one (``ONF.accumulate``) is
+        zero-initialised and every program ``atomic_add``s its partial Σ over its own tile of
+        the grid variable — walking a sequential axis of the target in tiles, one add each."""
+        import jax.numpy as jnp
+
+        names, mem_names = list(arrays), list(memory)
+        grid_vars = list(targets[0][4])
         n_prog = int(math.prod(onf.axis_of(v).ntiles for v in grid_vars)) or 1
-        out_shapes = [
-            jax.ShapeDtypeStruct(tuple(_padded_shape(onf, [v for v in vs if True])), np.dtype(dt))
-            for _, vs, dt, _ in targets
-        ]
+        # the programs' own ranges: the grid, and the variables of the targets they own whole
+        own_vars = grid_vars + [v for t in targets if t[3] is None for v in t[1] if v not in grid_vars]
+        out_shapes, zeros, aliases = [], [], {}
+        for i, (_, tvars, dt, sst, _) in enumerate(targets):
+            dt = np.dtype(dt) if sst is None else sst.accumulated.dtype
+            out_shapes.append(jax.ShapeDtypeStruct(_padded_shape(onf, tvars), dt))
+            if sst is not None:
+                aliases[len(names) + len(mem_names) + len(zeros)] = i
+                zeros.append(jnp.zeros(out_shapes[-1].shape, dt))
         shapes = {n: tuple(arrays[n].shape) for n in names}
 
         def kernel(*refs):
             in_refs = dict(zip(names, refs[: len(names)]))
             mem_refs = refs[len(names): len(names) + len(mem_names)]
-            o_refs = refs[len(names) + len(mem_names):]
-            pid = pl.program_id(0)
-            ranges = _ranges_for(onf, out_vars, pid)
+            o_refs = refs[len(names) + len(mem_names) + len(zeros):]
             backend = PallasBackend(onf, in_refs, shapes, perms)
-            stages = {}
-            for mname, mref in zip(mem_names, mem_refs):
-                stages[mname] = InMemory(Named(mref, memory[mname][0]), {})
-            local_defs = {n: st for n, st in defs.items() if n not in memory}
-            ev = TileEval(onf, backend, ranges, stages, stage_defs=local_defs)
-            for (tname, tvars, _, roots), oref in zip(targets, o_refs):
-                ev.run_stages(roots)
-                if tname not in ev.stages:
-                    ev.compute_stage(defs[tname])
-                val = ev.stages[tname]
-                if isinstance(val, InMemory):
-                    val = ev.window(val)
-                data = broadcast_to_vars(val, tvars, ev.ranges)
-                oref[_out_index(ev, tvars)] = data.astype(oref.dtype)
+            stages = {m: InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
+            ev = TileEval(onf, backend, _ranges_for(onf, own_vars, pl.program_id(0)), stages,
+                          stage_defs={n: st for n, st in defs.items() if n not in memory})
+            for (tname, tvars, _, sst, _), oref in zip(targets, o_refs):
+                if sst is None:
+                    ev.run_stages([tname])
+                    if tname not in ev.stages:
+                        ev.compute_stage(defs[tname])
+                    val = ev.stages[tname]
+                    val = ev.window(val) if isinstance(val, InMemory) else val
+                    oref[_out_index(ev, tvars)] = broadcast_to_vars(val, tvars, ev.ranges).astype(oref.dtype)
+                    continue
+                body = sst.accumulated
+                ev.run_stages([x.stage for x in D.walk(body) if isinstance(x, D.Ref)])
+
+                def add(ctx, body=body, tvars=tvars, oref=oref):
+                    data = broadcast_to_vars(ctx.eval(body), tvars, ctx.ranges)
+                    plgpu.atomic_add(oref, _out_index(ctx, tvars), data.astype(oref.dtype))
+
+                seq = [v for v in tvars if onf.axis_of(v).role == "sequential"]
+                if not seq:
+                    sub = ev
+                    for v in tvars:  # the target's whole axes
+                        if v not in sub.ranges:
+                            sub = sub.child(v, Range(0, _whole(onf.axis_of(v)), v.extent))
+                    add(sub)
+                    continue
+                v, a = seq[0], onf.axis_of(seq[0])
+                ev.hoist_invariants([body], v)
+
+                def step(i, carry, v=v, a=a, add=add):
+                    add(ev.child(v, Range(i * a.tile, a.tile, v.extent)))
+                    return carry
+
+                backend.fori_loop(a.ntiles, step, jnp.int32(0))
 
         call = pl.pallas_call(
             kernel,
             out_shape=out_shapes,
             grid=(n_prog,),
+            input_output_aliases=aliases,
             compiler_params=params,
             interpret=interpret,
             debug=debug,
-            # one launch per output of a multi-output DNF: name each after what it writes
-            name=f"moajax_{dnf.name}" + (f"_{targets[0][0]}" if len(dnf.outputs) > 1 else ""),
+            name=f"moajax_{dnf.name}" + (f"_{label}" if label else ""),
         )
-        return call(*[arrays[n] for n in names], *[memory[m][1] for m in mem_names])
-
-    def run_scatter(arrays: dict, perms: dict, memory: dict, st: Stage, tvars: tuple, r):
-        """One pallas_call in which every program adds its partial Σ over its own tile of the
-        grid variable r into the (zero-initialised) output: ``atomic_add`` (red.global.add).
-        A sequential axis of the output is walked in tiles, one atomic add per tile."""
-        import jax.numpy as jnp
-
-        names, mem_names = list(arrays), list(memory)
-        body = st.accumulated
-        grid_vars = _grid_axes(onf, tvars) + [r]
-        n_prog = int(math.prod(onf.axis_of(v).ntiles for v in grid_vars))
-        shape = _padded_shape(onf, tvars)
-        shapes = {n: tuple(arrays[n].shape) for n in names}
-        seq = [v for v in tvars if onf.axis_of(v).role == "sequential"]
-
-        def kernel(*refs):
-            in_refs = dict(zip(names, refs[: len(names)]))
-            mem_refs = refs[len(names): len(names) + len(mem_names)]
-            o_ref = refs[-1]
-            pid = pl.program_id(0)
-            backend = PallasBackend(onf, in_refs, shapes, perms)
-            stages = {m: InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
-            ev = TileEval(onf, backend, _ranges_for(onf, tuple(tvars) + (r,), pid), stages,
-                          stage_defs={n: d for n, d in defs.items() if n not in memory})
-            ev.run_stages([x.stage for x in D.walk(body) if isinstance(x, D.Ref)])
-
-            def add(ctx):
-                data = broadcast_to_vars(ctx.eval(body), tvars, ctx.ranges)
-                plgpu.atomic_add(o_ref, _out_index(ctx, tvars), data.astype(o_ref.dtype))
-
-            if not seq:
-                add(ev)
-                return
-            v = seq[0]
-            a = onf.axis_of(v)
-            ev.hoist_invariants([body], v)
-
-            def step(i, carry):
-                add(ev.child(v, Range(i * a.tile, a.tile, v.extent)))
-                return carry
-
-            backend.fori_loop(a.ntiles, step, jnp.int32(0))
-
-        zeros = jnp.zeros(shape, body.dtype)
-        call = pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct(shape, body.dtype),
-            grid=(n_prog,),
-            input_output_aliases={len(names) + len(mem_names): 0},
-            compiler_params=params,
-            interpret=interpret,
-            debug=debug,
-            name=f"moajax_{dnf.name}_{st.name}",
-        )
-        return call(*[arrays[n] for n in names], *[memory[m][1] for m in mem_names], zeros)
+        return call(*[arrays[n] for n in names], *[memory[m][1] for m in mem_names], *zeros)
 
     def fn(*inputs):
         import jax.numpy as jnp
@@ -389,27 +368,26 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
         for st in onf.program.stages:
             if st.place != "memory":
                 continue
-            if isinstance(st, Stage) and onf.scatter_var(st) is not None:
-                memory[st.name] = (tuple(st.vars), run_scatter(arrays, perms, dict(memory), st, tuple(st.vars),
-                                                               onf.scatter_var(st)))
-                continue
-            targets = [(n, st.result_vars(n), st.dtype(n), [st.name]) for n in st.defines]
             # every result of one stage shares the grid of its first result's variables
-            outs = run_kernel(arrays, perms, dict(memory), [(n, vs_, dt, r) for n, vs_, dt, r in targets])
-            for (n, vs_, _, _), arr in zip(targets, outs):
-                memory[n] = (tuple(vs_), arr)
-        results = []
+            targets = [target(n, st.result_vars(n), st.dtype(n)) for n in st.defines]
+            targets = [t[:4] + (targets[0][4],) for t in targets]
+            label = st.name if len(dnf.outputs) > 1 or targets[0][3] is not None else ""
+            for t, arr in zip(targets, run_kernel(arrays, perms, dict(memory), targets, label)):
+                memory[t[0]] = (t[1], arr)
+        # the outputs: one launch per grid (the fused backward's Out, dQ, dK, dV share one)
+        outs = dict(onf.program.outputs)
+        groups: dict = {}
         for o in dnf.outputs:
-            sname = dict(onf.program.outputs)[o.name]
-            st = onf.program.stage_of(sname)
-            r = onf.scatter_var(st) if isinstance(st, Stage) else None
-            if r is not None:
-                out = run_scatter(arrays, perms, dict(memory), st, tuple(o.vars), r)
-            else:
-                out = run_kernel(arrays, perms, dict(memory), [(sname, tuple(o.vars), o.dtype, [sname])])[0]
-            out = out[tuple(slice(0, v.extent) for v in o.vars)]
-            results.append(out.astype(o.dtype))
-        return results[0] if len(results) == 1 else tuple(results)
+            t = target(outs[o.name], tuple(o.vars), o.dtype)
+            groups.setdefault(frozenset(t[4]), []).append((o, t))
+        results = {}
+        for members in groups.values():
+            label = "_".join(o.name for o, _ in members) if len(groups) > 1 else ""
+            arrs = run_kernel(arrays, perms, dict(memory), [t for _, t in members], label)
+            for (o, _), arr in zip(members, arrs):
+                results[o.name] = arr[tuple(slice(0, v.extent) for v in o.vars)].astype(o.dtype)
+        res = [results[o.name] for o in dnf.outputs]
+        return res[0] if len(res) == 1 else tuple(res)
 
     fn.__name__ = f"{dnf.name}_pallas"
     return fn
