@@ -388,11 +388,7 @@ class DNF:
             idx = " ".join(v.name for v in o.vars)
             lines.append(f"  output:  {o.name} ρ⟨{' '.join(map(str, o.shape))}⟩ {o.dtype.name}")
             lines.append(f"    ⟨{idx}⟩ψ {o.name} = {show(o.body, ctx)}")
-        if ctx.defs:
-            lines.append("  where")
-            for text in ctx.defs:
-                lines.append(f"    {text}")
-        return "\n".join(lines)
+        return "\n".join(lines + ctx.where())
 
     __str__ = pretty
 
@@ -454,6 +450,10 @@ class ShowContext:
     def __init__(self):
         self.names: dict = {}  # (label, α-canonical body) -> printed label
         self.defs: list[str] = []
+
+    def where(self) -> list[str]:
+        """The ``where`` block listing the collected definitions (empty if there are none)."""
+        return ["  where"] + [f"    {d}" for d in self.defs] if self.defs else []
 
 
 def show(e: Expr, ctx: ShowContext | None = None) -> str:

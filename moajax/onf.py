@@ -346,11 +346,7 @@ class ONF:
         for oname, sname in self.program.outputs:
             if oname != sname:
                 lines.append(f"    {oname} = {sname}")
-        if ctx.defs:
-            lines.append("  where")
-            for d in ctx.defs:
-                lines.append(f"    {d}")
-        return "\n".join(lines)
+        return "\n".join(lines + ctx.where())
 
     __str__ = pretty
 
