@@ -216,47 +216,78 @@ def onchip_bytes(onf: ONF) -> int:
     Input tiles loaded inside a sequential loop are multi-buffered (``num_stages`` copies);
     the probabilities fed to the second contraction are staged twice in the dot's operand
     dtype; with 4-byte (or wider) operands, tiles loaded once (the query rows) are staged too.
-    A kernel that scatter-adds (the fused backward) stages its loaded-once tiles in every
-    dtype and each partial result tile for the atomics (sm_90a's numbers, the largest)."""
-    kernels = _kernel_stages(onf)
-    _, stages = kernels[-1]
+    A kernel that scatter-adds (the fused backward) has a model of its own (``_scatter_onchip``)."""
+    _, stages = _kernel_stages(onf)[-1]
     seq_vars = {a.name for a in onf.axes if a.role == "sequential"}
-    scatter = [st for st in stages if isinstance(st, Stage) and onf.scatter_var(st) is not None]
-    total = sum(math.prod(_tile(onf, v) for v in st.vars) * _itemsize(st.accumulated.dtype) for st in scatter)
-    seen = set()
-    for r in _reads(onf, stages):
-        if not isinstance(r, D.Read):
-            continue
-        key = (r.array, r.index)
-        if key in seen:
-            continue
-        seen.add(key)
-        size = math.prod(_tile(onf, v) for v in r.free)
-        in_loop = any(v.name in seq_vars for v in r.free)
+    if any(isinstance(st, Stage) and onf.scatter_var(st) is not None for st in stages):
+        return _scatter_onchip(onf, stages, seq_vars)
+    total = 0
+    for size, item, in_loop in _loaded_tiles(onf, stages, seq_vars):
         if in_loop:
-            total += size * _itemsize(r.dtype) * onf.knobs.num_stages
-        elif _itemsize(r.dtype) >= 4 or scatter:
-            total += size * _itemsize(r.dtype)
+            total += size * item * onf.knobs.num_stages
+        elif item >= 4:
+            total += size * item
     staging = 0
-    seq_or_grid = {v for st in stages for v in st.index_vars if onf.axis_of(v).role != "whole"}
     for st in stages:
         if isinstance(st, OnlineStage):
             p = math.prod(_tile(onf, v) for v in set(st.max_vars) | {st.var})
             item = 2 if onf.knobs.lowp_dots else _itemsize(st.logit.dtype)
             total += 2 * p * item
-        for e in st.exprs():
-            if e is None:
-                continue
+        for x in _contractions(st):
+            # a contraction's result tile is staged once for the dot's layout conversion
+            staging = max(staging, math.prod(_tile(onf, v) for v in x.free) * _itemsize(x.dtype))
+    return int(total + staging)
+
+
+def _loaded_tiles(onf: ONF, stages, seq_vars):
+    """(elements, itemsize, loaded inside a sequential loop) of each distinct input tile read."""
+    seen = set()
+    for r in _reads(onf, stages):
+        if not isinstance(r, D.Read) or (r.array, r.index) in seen:
+            continue
+        seen.add((r.array, r.index))
+        yield (math.prod(_tile(onf, v) for v in r.free), _itemsize(r.dtype),
+               any(v.name in seq_vars for v in r.free))
+
+
+def _contractions(st):
+    """The +.× reductions (Σ of a product) in a stage's expressions."""
+    for e in st.exprs():
+        if e is not None:
             for x in D.walk(e):
-                # a contraction's result tile is staged once for the dot's layout conversion
                 if isinstance(x, D.Red) and x.monoid == "add" and isinstance(x.body, D.Call) and x.body.op == "mul":
-                    staging = max(staging, math.prod(_tile(onf, v) for v in x.free) * _itemsize(x.dtype))
-                    if onf.scatter_var(st) is not None and x is st.accumulated:
-                        # a scatter-added partial contracts a computed tile (dS, P: rows ×
-                        # keys), staged twice in the dot's operand dtype
-                        p = math.prod(_tile(onf, v) for v in {x.var} | (set(st.vars) & seq_or_grid))
-                        item = 2 if onf.knobs.lowp_dots else _itemsize(x.dtype)
-                        staging = max(staging, 2 * p * item + math.prod(_tile(onf, v) for v in x.free) * _itemsize(x.dtype))
+                    yield x
+
+
+def _scatter_onchip(onf: ONF, stages, seq_vars) -> int:
+    """Shared memory of a kernel that scatter-adds partials (the fused backward), an upper bound
+    calibrated on Triton's allocation over 370 tilings × {sm_80, sm_86, sm_90a} × {16, 32, 64}-bit
+    (bench/results/scatter_smem.md: the bound is ≥ ptxas everywhere, by 3 % at the closest):
+
+    - a tile loaded once feeds contractions as left and as right operand (Q in Q·Kᵀ and dSᵀ·Q),
+      so it is staged in both layouts: 2 copies;
+    - a tile loaded in the loop has ``num_stages`` pipeline buffers, and one more with 16-bit
+      operands (sm_90a's wgmma reads the second operand layout from shared memory too);
+    - the computed rows × keys operand of a scattered contraction (P in Pᵀ·dO, dS in dSᵀ·Q) is
+      staged twice in the dot's operand dtype.
+
+    The partial result tiles themselves go from registers to the atomics: no shared memory."""
+    total = 0
+    for size, item, in_loop in _loaded_tiles(onf, stages, seq_vars):
+        if in_loop:
+            total += size * item * (onf.knobs.num_stages + (1 if item == 2 else 0))
+        else:
+            total += 2 * size * item
+    seq_or_grid = {v for st in stages for v in st.index_vars if onf.axis_of(v).role != "whole"}
+    staging = 0
+    for st in stages:
+        if onf.scatter_var(st) is None:
+            continue
+        for x in _contractions(st):
+            if x is st.accumulated:
+                p = math.prod(_tile(onf, v) for v in {x.var} | (set(st.vars) & seq_or_grid))
+                item = 2 if onf.knobs.lowp_dots else _itemsize(x.dtype)
+                staging = max(staging, 2 * p * item)
     return int(total + staging)
 
 

@@ -198,3 +198,29 @@ def test_block_forward_backward_as_its_kernels():
     assert cost.sequence(timed).time_s == pytest.approx(2 * timed[0].time_s)
     with pytest.raises(ValueError, match="at least one Cost"):
         cost.sequence([])
+
+
+def test_scatter_onchip_bound_holds_on_the_committed_sweep():
+    # bench/results/scatter_smem.md: the shared memory Triton allocates for the fused backward
+    # over 144 tilings × {sm_80, sm_86, sm_90a}, compiled offline (scripts/sweep_scatter_smem.py).
+    # The schedule rejects tilings by this model, so it must stay ≥ the compiler in every row;
+    # re-derived here, so a change to the model cannot undercut the measurements unnoticed.
+    import dataclasses
+    from pathlib import Path
+
+    import jax
+
+    table = Path(__file__).resolve().parent.parent / "bench" / "results" / "scatter_smem.md"
+    rows = [line.strip("| \n").split(" | ") for line in table.read_text().splitlines()
+            if line.startswith("| float")]
+    assert len(rows) >= 400 and {r[6] for r in rows} == {"sm_80", "sm_86", "sm_90a"}
+    unbounded = dataclasses.replace(machines.load("h200"), shared_memory_per_block=1 << 30)
+    model = {}
+    for dt, h, bt, bs, w, s, arch, smem, *_ in rows:
+        key = (dt, int(h), int(bt), int(bs), int(w), int(s))
+        if key not in model:
+            dnf = attention_forward_backward.dnf(*[jax.ShapeDtypeStruct((1024, key[1]), dt) for _ in range(4)])
+            onf = schedule.derive(dnf, unbounded, Preset.of(tiles={"t": key[2], "s": key[3]},
+                                                            num_warps=key[4], num_stages=key[5]))
+            model[key] = cost.onchip_bytes(onf)
+        assert model[key] >= int(smem), (key, arch, model[key], smem)
