@@ -210,31 +210,29 @@ def _tile(onf: ONF, v: Var) -> int:
 
 
 def onchip_bytes(onf: ONF) -> int:
-    """Shared memory one program of the final kernel needs (an estimate, kept conservative and
-    checked against the compiler's own number by ``moajax gpu-report``).
+    """Shared memory one program of the final kernel needs: an upper bound, calibrated on
+    Triton's allocation (bench/results/smem_sweep.md; ≥ ptxas on sm_80, sm_86 and sm_90a in
+    every row, re-checked by tests/test_cost.py) and checked for each default ONF by
+    ``moajax gpu-report``.
 
-    Input tiles loaded inside a sequential loop are multi-buffered (``num_stages`` copies);
-    the probabilities fed to the second contraction are staged twice in the dot's operand
-    dtype; with 4-byte (or wider) operands, tiles loaded once (the query rows) are staged too.
-    A kernel that scatter-adds (the fused backward) has a model of its own (``_scatter_onchip``)."""
+    Input tiles loaded inside a sequential loop have ``num_stages`` pipeline buffers; tiles
+    loaded once (the query rows) are staged once; the probabilities of an online softmax, fed
+    to the second contraction, are staged once in the dot's operand dtype; other contractions
+    stage their result tile for the dot's layout conversion. A kernel that scatter-adds (the
+    fused backward) has a model of its own (``_scatter_onchip``)."""
     _, stages = _kernel_stages(onf)[-1]
     seq_vars = {a.name for a in onf.axes if a.role == "sequential"}
     if any(isinstance(st, Stage) and onf.scatter_var(st) is not None for st in stages):
         return _scatter_onchip(onf, stages, seq_vars)
-    total = 0
-    for size, item, in_loop in _loaded_tiles(onf, stages, seq_vars):
-        if in_loop:
-            total += size * item * onf.knobs.num_stages
-        elif item >= 4:
-            total += size * item
+    total = sum(size * item * (onf.knobs.num_stages if in_loop else 1)
+                for size, item, in_loop in _loaded_tiles(onf, stages, seq_vars))
     staging = 0
     for st in stages:
         if isinstance(st, OnlineStage):
             p = math.prod(_tile(onf, v) for v in set(st.max_vars) | {st.var})
-            item = 2 if onf.knobs.lowp_dots else _itemsize(st.logit.dtype)
-            total += 2 * p * item
+            total += p * (2 if onf.knobs.lowp_dots else _itemsize(st.logit.dtype))
+            continue
         for x in _contractions(st):
-            # a contraction's result tile is staged once for the dot's layout conversion
             staging = max(staging, math.prod(_tile(onf, v) for v in x.free) * _itemsize(x.dtype))
     return int(total + staging)
 

@@ -203,6 +203,32 @@ def backward_cases(head_dims=(64, 128), dtypes=("bfloat16", "float32", "float64"
         *[jax.ShapeDtypeStruct((1024, h), dt) for _ in range(4)]), head_dims, dtypes)
 
 
+def sweep_onf(kernel: str, dtype: str, h: int, rows: int, keys: int, warps: int, stages: int):
+    """One row of the shared-memory calibration sweep (scripts/sweep_smem.py): the attention
+    ``"forward"`` (jax.nn layout, B=1, T=S=1024, N=8) or the fused ``"fwd+bwd"`` (one head,
+    T=S=1024) with the given tiling, scheduled for a GPU without a shared-memory limit so that
+    tilings over every real limit are compiled too."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from moajax import machines, schedule
+    from moajax.kernels import attention_forward_backward
+    from moajax.kernels.attention import mha_dnf
+    from moajax.schedule import Preset
+
+    if kernel == "forward":
+        dnf = mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), np.dtype(dtype))
+    elif kernel == "fwd+bwd":
+        dnf = attention_forward_backward.dnf(*[jax.ShapeDtypeStruct((1024, h), dtype) for _ in range(4)])
+    else:
+        raise ValueError(f"sweep_onf: kernel must be 'forward' or 'fwd+bwd', got {kernel!r}")
+    unbounded = dataclasses.replace(machines.load("h200"), shared_memory_per_block=1 << 30)
+    return schedule.derive(dnf, unbounded, Preset.of(tiles={"t": rows, "s": keys}, num_warps=warps,
+                                                     num_stages=stages))
+
+
 def onf_reports(onf, arch: str) -> list[PtxReport]:
     """Compile every kernel of an ONF's Pallas lowering for ``arch`` (in launch order)."""
     import jax

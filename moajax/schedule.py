@@ -142,7 +142,8 @@ def _gpu_candidates(table: dict, onf: ONF, widths) -> list:
 
 def _first_fit(onf: ONF, machine: Machine, cands, lift) -> ONF:
     """The first candidate whose lifting (``lift(rows, keys)``) fits the machine's shared
-    memory by the cost model's conservative estimate (else the last, for validate to name)."""
+    memory by the cost model's upper bound (``cost.onchip_bytes``, calibrated against ptxas in
+    bench/results/smem_sweep.md), else the last, for validate to name."""
     from moajax.cost import onchip_bytes
 
     lowp = np.dtype(onf.dnf.outputs[0].dtype).itemsize == 2
