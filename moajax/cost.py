@@ -259,8 +259,8 @@ def _contractions(st):
 
 def _scatter_onchip(onf: ONF, stages, seq_vars) -> int:
     """Shared memory of a kernel that scatter-adds partials (the fused backward), an upper bound
-    calibrated on Triton's allocation over 370 tilings × {sm_80, sm_86, sm_90a} × {16, 32, 64}-bit
-    (bench/results/scatter_smem.md: the bound is ≥ ptxas everywhere, by 3 % at the closest):
+    calibrated on Triton's allocation over 144 tilings × {sm_80, sm_86, sm_90a} in 16, 32 and
+    64 bits (bench/results/smem_sweep.md: the bound is ≥ ptxas everywhere, by 3 % at the closest):
 
     - a tile loaded once feeds contractions as left and as right operand (Q in Q·Kᵀ and dSᵀ·Q),
       so it is staged in both layouts: 2 copies;
