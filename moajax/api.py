@@ -78,6 +78,30 @@ def _lowered(onf: ONF, backend: str):
     return pallas_kernels.lower(onf)
 
 
+def _differentiated_as(run, xla):
+    """``run`` (the platform dispatch, or a Pallas kernel) with the derivative of ``xla``.
+
+    JAX differentiates every branch of a platform dispatch and has no derivative rule for
+    a Pallas kernel over a grid, so ``jax.grad`` would fail inside the CUDA branch even on a
+    CPU. The cotangents come from the VJP of the XLA lowering of the same ONF instead
+    (the same DNF: same meaning); the residuals are the inputs. The fused Pallas backward
+    kernels are not tied in here yet (roadmap 1)."""
+    import jax
+
+    @jax.custom_vjp
+    def f(*args):
+        return run(*args)
+
+    def fwd(*args):
+        return run(*args), args
+
+    def bwd(args, g):
+        return jax.vjp(xla, *args)[1](g)  # a bool mask gets a float0 cotangent, as jax.vjp gives
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, onf=None,
                           implementation=None):
     """softmax(scale · Q Kᵀ + bias, masked) V — jax.nn.dot_product_attention's contract.
@@ -165,18 +189,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
 
+    xla = _lowered(cpu_onf, "xla")
     if implementation == "xla":
-        out = _lowered(cpu_onf, "xla")(*args)
+        out = xla(*args)
     elif implementation == "pallas":
-        out = _lowered(gpu_onf, "pallas")(*args)
+        out = _differentiated_as(_lowered(gpu_onf, "pallas"), xla)(*args)
     elif implementation == "pallas_interpret":
         import pallas_kernels
 
-        out = pallas_kernels.lower(gpu_onf, interpret=True)(*args)
+        out = _differentiated_as(pallas_kernels.lower(gpu_onf, interpret=True), xla)(*args)
     else:
-        out = compat.platform_dependent(
-            *args, cpu=_lowered(cpu_onf, "xla"), cuda=_lowered(gpu_onf, "pallas"), default=_lowered(cpu_onf, "xla")
-        )
+        out = _differentiated_as(
+            functools.partial(compat.platform_dependent, cpu=xla, cuda=_lowered(gpu_onf, "pallas"), default=xla), xla
+        )(*args)
     return out if batched else out[0]
 
 

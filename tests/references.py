@@ -130,9 +130,10 @@ def attention(q, k, v, *, scale=None, bias=None, mask=None, is_causal=False):
 
 
 def attention_backward(
-    q, k, v, dout, *, scale=None, bias=None, mask=None, is_causal=False
+    q, k, v, dout, *, scale=None, bias=None, mask=None, is_causal=False, return_dbias=False
 ):
-    """Gradient of sum(attention(q,k,v) * dout) w.r.t. (q, k, v).
+    """Gradient of sum(attention(q,k,v) * dout) w.r.t. (q, k, v) (and, with
+    ``return_dbias``, w.r.t. a full [T, S] bias: dS itself, appended).
 
     dV = P^T dO; dS = P * (dO V^T - rowsum(dO * O)); dQ = scale dS K;
     dK = scale dS^T Q; masked scores are constants so their dS is zero.
@@ -152,7 +153,7 @@ def attention_backward(
         dS = np.where(keep, dS, 0.0)
     dq = scale * (dS @ k)
     dk = scale * (dS.T @ q)
-    return dq, dk, dv
+    return (dq, dk, dv, dS) if return_dbias else (dq, dk, dv)
 
 
 # --------------------------------------------------------------------------
@@ -222,9 +223,10 @@ def mha(query, key, value, *, bias=None, mask=None, scale=None, is_causal=False)
 
 
 def mha_backward(
-    query, key, value, dout, *, bias=None, mask=None, scale=None, is_causal=False
+    query, key, value, dout, *, bias=None, mask=None, scale=None, is_causal=False, return_dbias=False
 ):
-    """Gradient of sum(mha(query,key,value) * dout) w.r.t. (query, key, value).
+    """Gradient of sum(mha(query,key,value) * dout) w.r.t. (query, key, value) (and, with
+    ``return_dbias``, w.r.t. a full [B, N, T, S] bias, appended).
 
     Per-(b, n) `attention_backward`; dkey/dvalue sum over the query heads
     sharing a kv head.
@@ -239,10 +241,11 @@ def mha_backward(
     dquery = np.zeros_like(query)
     dkey = np.zeros_like(key)
     dvalue = np.zeros_like(value)
+    dbias = np.zeros((B, N, T, S))
     for b in range(B):
         for n in range(N):
             kv = n // group
-            dq, dk, dv = attention_backward(
+            dq, dk, dv, dbias[b, n] = attention_backward(
                 query[b, :, n, :],
                 key[b, :, kv, :],
                 value[b, :, kv, :],
@@ -251,11 +254,12 @@ def mha_backward(
                 bias=None if b_full is None else b_full[b, n],
                 mask=None if m_full is None else m_full[b, n],
                 is_causal=is_causal,
+                return_dbias=True,
             )
             dquery[b, :, n, :] = dq
             dkey[b, :, kv, :] += dk
             dvalue[b, :, kv, :] += dv
-    return dquery, dkey, dvalue
+    return (dquery, dkey, dvalue, dbias) if return_dbias else (dquery, dkey, dvalue)
 
 
 # --------------------------------------------------------------------------
