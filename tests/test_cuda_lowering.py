@@ -69,3 +69,14 @@ def test_vmap_adds_a_grid_axis_on_cuda():
     (k3,) = triton_kernels(jax.vmap(f), q3, q3, q3)
     # the same kernel, launched over one more grid dimension of size 3
     assert k3.grid == (k1.grid[0], 3, 1) and k1.grid[1:] == (1, 1)
+
+
+def test_value_and_grad_lowers_for_cuda():
+    # jit(value_and_grad) of the one user call, lowered for CUDA on this CPU-only machine: the
+    # value comes from the Pallas forward kernel, the cotangents from the XLA lowering's VJP
+    # (differentiating the Pallas branch itself raised inside Pallas before)
+    q = jnp.ones((2, 64, 4, 64), jnp.bfloat16)
+    f = jax.value_and_grad(
+        lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32).sum(),
+        argnums=(0, 1, 2))
+    assert [k.name for k in triton_kernels(f, q, q, q)] == ["moajax_mha"]
