@@ -20,7 +20,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,14 +85,7 @@ def main():
     # (dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q): 12·T·S·N·H
     flop_factor = 12 if args.grad else 4
 
-    def timed(fn, *a, reps):
-        jax.block_until_ready(fn(*a))  # warm-up (compile + first run)
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
+    from moajax.timing import median_seconds as timed  # one warm-up (compile + first run)
 
     gn = 4096
     ga = jnp.asarray(rng.standard_normal((gn, gn)), jnp.float32)

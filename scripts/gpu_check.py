@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -33,6 +31,7 @@ def main():
 
     import moajax
     import references as R
+    from moajax.timing import median_seconds
 
     dev = jax.devices()[0]
     lines = [f"# GPU check: {getattr(dev, 'device_kind', dev)} — JAX {jax.__version__}, "
@@ -97,14 +96,7 @@ def main():
 
     # ---- timing
     def bench(f, *a, reps=20):
-        jax.block_until_ready(f(*a))
-        jax.block_until_ready(f(*a))
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
+        return median_seconds(f, *a, reps=reps, warmups=2)
 
     lines += ["", "## Timing (median of 20, after 2 warm-ups)", "",
               "| dtype | B·T·N·H | causal | impl | ms | TFLOP/s | vs jax.nn xla |", "|---|---|---|---|---:|---:|---:|"]

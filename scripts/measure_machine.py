@@ -12,8 +12,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 
@@ -38,15 +36,9 @@ def _cache_bytes(level: int) -> int:
 
 
 def _timed(fn, *args, reps=7):
-    import jax
+    from moajax.timing import median_seconds
 
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return median_seconds(fn, *args, reps=reps)
 
 
 def measure(gemm_n: int = 2048, copy_mb: int = 512):

@@ -33,3 +33,16 @@ def test_local_and_device():
     m = machines.for_device()
     assert m.kind == "cpu" and m is machines.local()
     assert m.peak(np.float32) > 0
+
+
+def test_median_seconds_warms_up_then_times_each_run():
+    from moajax.timing import median_seconds
+
+    calls = []
+
+    def f(x):
+        calls.append(x)
+        return x
+
+    t = median_seconds(f, 1.0, reps=3, warmups=2)
+    assert len(calls) == 5 and 0.0 <= t < 1.0
