@@ -1,4 +1,4 @@
-"""The ``moajax`` command line: ``moajax derive [--list | KERNEL]``."""
+"""The ``moajax`` command line: ``moajax derive [--list | KERNEL]``, ``moajax measure [--out PATH]``."""
 
 from __future__ import annotations
 
@@ -100,6 +100,22 @@ def cmd_gpu_report(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_measure(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from moajax import machines, measure
+
+    m = measure.measure(gemm_n=512, copy_mb=64) if args.quick else measure.measure()
+    text = measure.to_toml(dataclasses.replace(m, name=args.name))
+    out = Path(args.out) if args.out else machines.cache_dir() / "local.toml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"moajax measure: wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="moajax", description="Mathematics of Arrays kernels for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +130,11 @@ def main(argv=None) -> int:
     g.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16", "float32", "float64"])
     g.add_argument("--out", default="", help="also write the table (markdown) here")
     g.set_defaults(func=cmd_gpu_report)
+    m = sub.add_parser("measure", help="time this machine's peak rates and bandwidth; write its profile")
+    m.add_argument("--out", default="", help="write the profile here (default: the cache that machines.local() reads)")
+    m.add_argument("--quick", action="store_true", help="small sizes (512² matmul, 64 MiB scale): a fast sanity run")
+    m.add_argument("--name", default="local", help="the profile's name")
+    m.set_defaults(func=cmd_measure)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from moajax import dnf as D
 from moajax.ix import Var
-from moajax.onf import ONF, OnlineStage, Stage
+from moajax.onf import ONF, ONFError, OnlineStage, Stage
 
 _TRANSCENDENTAL = {"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "silu"}
 
@@ -82,10 +82,8 @@ def sequence(costs) -> Cost:
 
 
 def _points(onf: ONF, vars_) -> int:
-    n = 1
-    for v in vars_:
-        n *= onf.axis_of(v).padded if onf.axis_of(v).role != "whole" else max(onf.axis_of(v).tile, v.extent)
-    return n
+    """Index points of a value over ``vars_`` evaluated over every tile at once."""
+    return math.prod(onf.axis_of(v).whole_size() for v in vars_)
 
 
 def _itemsize(dtype) -> int:
@@ -123,9 +121,7 @@ class _Counter:
             self.reduction(e.monoid, e.var, e.body, extra)
 
     def reduction(self, monoid, v: Var, body: D.Expr, extra=()):
-        from moajax.reference import product_factors
-
-        factors = product_factors(body) if monoid == "add" else [body]
+        factors = D.product_factors(body) if monoid == "add" else [body]
         pts = _points(self.onf, set(body.free) | {v})
         if len(factors) >= 2:
             for f in factors:
@@ -153,9 +149,7 @@ def _stage_flops(onf: ONF, st) -> tuple[float, float, float]:
             if w is None:
                 c.flops += body_pts
             else:
-                from moajax.reference import product_factors
-
-                for f in product_factors(w):
+                for f in D.product_factors(w):
                     c.expr(f)
                 pts = _points(onf, set(st.max_vars) | {v} | set(w.free))
                 c.flops += 2 * pts
@@ -205,8 +199,7 @@ def _reads(onf: ONF, stages) -> list:
 
 
 def _tile(onf: ONF, v: Var) -> int:
-    a = onf.axis_of(v)
-    return max(a.tile, v.extent) if a.role == "whole" else a.tile
+    return onf.axis_of(v).block
 
 
 def onchip_bytes(onf: ONF) -> int:
@@ -222,7 +215,7 @@ def onchip_bytes(onf: ONF) -> int:
     fused backward) has a model of its own (``_scatter_onchip``)."""
     _, stages = _kernel_stages(onf)[-1]
     seq_vars = {a.name for a in onf.axes if a.role == "sequential"}
-    if any(isinstance(st, Stage) and onf.scatter_var(st) is not None for st in stages):
+    if any(onf.scatter_var(st) is not None for st in stages):
         return _scatter_onchip(onf, stages, seq_vars)
     total = sum(size * item * (onf.knobs.num_stages if in_loop else 1)
                 for size, item, in_loop in _loaded_tiles(onf, stages, seq_vars))
@@ -287,6 +280,19 @@ def _scatter_onchip(onf: ONF, stages, seq_vars) -> int:
                 item = 2 if onf.knobs.lowp_dots else _itemsize(x.dtype)
                 staging = max(staging, 2 * p * item)
     return int(total + staging)
+
+
+def check_fits(onf: ONF, machine) -> ONF:
+    """Raise ONFError if one program of ``onf`` needs more on-chip memory than ``machine``
+    has (by ``onchip_bytes``, an upper bound); returns the ONF."""
+    fp = onchip_bytes(onf)
+    limit = machine.onchip_limit_bytes
+    if limit and fp > limit:
+        raise ONFError(
+            f"{onf.dnf.name}: on-chip footprint {fp / 1024:.1f} KB per program exceeds the "
+            f"{limit / 1024:.1f} KB of {machine.name} (smaller tiles, or recompute instead of store)"
+        )
+    return onf
 
 
 def register_bytes(onf: ONF) -> int:
@@ -359,7 +365,7 @@ def estimate(onf: ONF, machine=None) -> Cost:
     streamed += scratch  # memory stages are written once (their reads are counted above)
     atomics = 0
     for st in onf.program.stages:
-        v = onf.scatter_var(st) if isinstance(st, Stage) else None
+        v = onf.scatter_var(st)
         if v is not None:
             # every program owning a tile of v adds its partial into each element: one atomic
             # read-modify-write per element and program (in place of the single final write)

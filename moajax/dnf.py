@@ -277,6 +277,21 @@ def substitute(e: Expr, mapping: Mapping[Var, Ix]) -> Expr:
     return go(e, mapping)
 
 
+def product_factors(e: Expr) -> list[Expr]:
+    """e = f₁ × f₂ × … (flattening nested products; a ÷ b is a × (1 ÷ b), so that a divisor
+    over fewer variables — a per-row denominator inside Σ_t — stays its own small factor
+    and the rest of the product remains a contraction)."""
+    if isinstance(e, Call) and e.op == "mul":
+        return product_factors(e.children[0]) + product_factors(e.children[1])
+    if isinstance(e, Call) and e.op == "div" and e.dtype.kind == "f":
+        num, den = e.children
+        if not (den.free >= num.free):  # only when the divisor is the smaller factor
+            return product_factors(num) + [Call("div", (Lit(1.0, den.dtype), den))]
+    if isinstance(e, Tag):
+        return product_factors(e.body)
+    return [e]
+
+
 def reads(e: Expr) -> list[Read]:
     """The distinct input reads of e."""
     return [x for x in walk(e) if isinstance(x, Read)]
@@ -367,6 +382,15 @@ class DNF:
         if len(self.outputs) != 1:
             raise ValueError(f"{self.name} has {len(self.outputs)} outputs; use .outputs")
         return self.outputs[0]
+
+    @property
+    def output_vars(self) -> tuple:
+        """Every output's index variables, in first-seen order over the outputs (the order
+        of the programs' own axes: rows before columns)."""
+        out: list = []
+        for o in self.outputs:
+            out += [v for v in o.vars if v not in out]
+        return tuple(out)
 
     def reads(self) -> list[Read]:
         out, seen = [], set()

@@ -18,88 +18,27 @@ import numpy as np
 from moajax import dnf as D
 from moajax.ix import Ix, Var
 from moajax.onf import ONF, ONFError
-from moajax.reference import Named
-from moajax.tiles import Backend, InMemory, Range, TileEval, broadcast_to_vars
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def input_padding(onf: ONF) -> dict:
-    """Per input, the size each axis must have so that every tile window is in bounds."""
-    need = {i.name: list(i.shape) for i in onf.dnf.inputs}
-    for e in onf.program.exprs():
-        for r in D.walk(e):
-            if not isinstance(r, D.Read):
-                continue
-            for ax, ix in enumerate(r.index):
-                sv = ix.as_shifted_var()
-                if sv is None:
-                    continue
-                v, c = sv
-                a = onf.axis_of(v)
-                size = a.padded if a.role != "whole" else max(a.tile, v.extent)
-                if c >= 0:
-                    need[r.array][ax] = max(need[r.array][ax], c + size)
-    return need
-
-
-def input_perms(onf: ONF, canonical: bool) -> dict:
-    """Per input, the physical order of its logical axes: γ "F" reverses them; with
-    ``canonical``, a "C" operand is stored with its axes in the program's canonical variable
-    order (one transpose up front instead of one per tile inside the loops)."""
-    from moajax.tiles import var_order
-
-    rank = var_order(onf)
-    first_read = {}
-    for e in onf.program.exprs():
-        for r in D.walk(e):
-            if isinstance(r, D.Read) and r.array not in first_read:
-                first_read[r.array] = r
-    perms = {}
-    for spec in onf.dnf.inputs:
-        n = len(spec.shape)
-        if onf.gamma_of(spec.name) == "F" and n > 1:
-            perms[spec.name] = tuple(reversed(range(n)))
-            continue
-        r = first_read.get(spec.name)
-        if not canonical or r is None:
-            perms[spec.name] = tuple(range(n))
-            continue
-
-        def key(ax, r=r):
-            vs = sorted(r.index[ax].free_vars(), key=lambda v: rank.get(v.name, 1 << 20))
-            return (rank.get(vs[0].name, 1 << 20) if vs else -1, ax)
-
-        perms[spec.name] = tuple(sorted(range(n), key=key))
-    return perms
-
-
-def prepare_inputs(onf: ONF, arrays, canonical: bool = False) -> tuple[dict, dict]:
-    """Pad each input to whole tiles (zeros) and store it in its physical axis order."""
-    import jax.numpy as jnp
-
-    need = input_padding(onf)
-    perms = input_perms(onf, canonical)
-    out = {}
-    for spec, a in zip(onf.dnf.inputs, arrays):
-        pads = [(0, n - s) for n, s in zip(need[spec.name], a.shape)]
-        if any(p[1] for p in pads):
-            a = jnp.pad(a, pads)
-        perm = perms[spec.name]
-        if perm != tuple(range(a.ndim)):
-            a = jnp.transpose(a, perm)  # e.g. column-major: the reversed axes, stored row-major
-        out[spec.name] = a
-    return out, perms
+from moajax.reference import Named, align
+from moajax.tiles import stages as S
+from moajax.tiles.backend import Backend, full_ranges, is_static_full
+from moajax.tiles.evaluate import TileEval
+from moajax.tiles.operands import prepare_inputs
+from moajax.tiles.ranges import Range, broadcast_to_vars
+from moajax.tiles.scope import ProgramState
 
 
 # ----------------------------------------------------------------------------- backend
 
 
 class XlaBackend(Backend):
+    """Reads are (dynamic) slices, gathers where an index is computed; contractions einsums."""
+
     def __init__(self, onf: ONF, arrays: dict, perms: dict):
         super().__init__(onf, perms)
         self.arrays = arrays
+
+    def window(self, ev, full) -> Named:
+        return S.window_array(ev, full)
 
     def read(self, ev: TileEval, e: D.Read) -> Named:
         import jax.numpy as jnp
@@ -122,7 +61,7 @@ class XlaBackend(Backend):
                     starts.append(r.start + c)
                     sizes.append(1)
                     kinds.append(("idx", None))
-                elif isinstance(r.start, (int, np.integer)) and r.start + c == 0 and r.size == dim:
+                elif is_static_full(r, dim, c):
                     starts.append(0)
                     sizes.append(dim)
                     kinds.append(("axis", v))
@@ -174,8 +113,6 @@ class XlaBackend(Backend):
         """A general read: one broadcast index array per axis (clipped into bounds)."""
         import jax.numpy as jnp
 
-        from moajax.reference import align
-
         parts = []
         for k, g in kinds:
             if k == "axis":
@@ -208,14 +145,6 @@ class XlaBackend(Backend):
 # ----------------------------------------------------------------------------- driver
 
 
-def _full_ranges(onf: ONF, vars_) -> dict:
-    out = {}
-    for v in vars_:
-        a = onf.axis_of(v)
-        out[v] = Range(0, a.padded if a.role != "whole" else max(a.tile, v.extent), v.extent)
-    return out
-
-
 def lower(onf: ONF) -> Callable:
     """The ONF as a JAX function of the DNF's inputs, lowered to XLA loops and dot_generals."""
     onf.validate()
@@ -234,16 +163,20 @@ def lower(onf: ONF) -> Callable:
                 raise ValueError(f"{dnf.name}: input {spec.name!r} has shape {a.shape}, expected {spec.shape}")
         backend = XlaBackend(onf, *prepare_inputs(onf, arrays, canonical=True))
         values: dict = {}
+
+        def scope(ranges):
+            local = {n: st for n, st in defs.items() if n not in values}
+            return TileEval(ProgramState(onf, backend, local, dict(values)), ranges)
+
         # stages in main memory: each over its whole index space, in program order
         for st in onf.program.stages:
             if st.place != "memory":
                 continue
-            vars_ = st.index_vars
-            ev = TileEval(onf, backend, _full_ranges(onf, vars_), dict(values), stage_defs=_local_defs(defs, values))
-            ev.run_stages([n for e in st.exprs() if e is not None for n in _refs(e)])
-            ev.compute_stage(st)
+            ev = scope(full_ranges(backend, st.index_vars))
+            S.run(ev, [x.stage for e in st.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Ref)])
+            S.compute(ev, st)
             for n in st.defines:
-                values[n] = InMemory(ev.stages[n])
+                values[n] = S.InMemory(ev.state.values[n])
 
         outs = []
         for o in dnf.outputs:
@@ -251,11 +184,11 @@ def lower(onf: ONF) -> Callable:
             # an atomically accumulated output: the vectorised grid holds every program's
             # partial at once, so the scatter-add is the sum over the whole grid axis
             scatter = onf.scatter_var(onf.program.stage_of(out_stage[o.name]))
-            ranges = _full_ranges(onf, tuple(o.vars) + ((scatter,) if scatter is not None else ()))
+            ranges = full_ranges(backend, tuple(o.vars) + ((scatter,) if scatter is not None else ()))
 
             def program(ranges, o=o):
-                ev = TileEval(onf, backend, ranges, dict(values), stage_defs=_local_defs(defs, values))
-                ev.run_stages([out_stage[o.name]])
+                ev = scope(ranges)
+                S.run(ev, [out_stage[o.name]])
                 val = ev.eval(D.Ref(out_stage[o.name], o.vars, o.dtype))
                 order = tuple(o.vars)
                 return broadcast_to_vars(val, order, ranges)
@@ -273,14 +206,6 @@ def lower(onf: ONF) -> Callable:
 
     fn.__name__ = f"{dnf.name}_xla"
     return fn
-
-
-def _refs(e) -> list:
-    return [x.stage for x in D.walk(e) if isinstance(x, D.Ref)]
-
-
-def _local_defs(defs: dict, values: dict) -> dict:
-    return {n: st for n, st in defs.items() if n not in values}
 
 
 def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> object:
@@ -319,4 +244,4 @@ def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> object:
     return jnp.transpose(tiles, perm).reshape(shape)
 
 
-__all__ = ["lower", "prepare_inputs", "XlaBackend", "ONFError"]
+__all__ = ["lower", "XlaBackend", "ONFError"]

@@ -1,14 +1,18 @@
-"""Machine profiles (``configs/*.toml``): bandwidth, peak rates, on-chip memory, topology.
+"""Machine profiles: bandwidth, peak rates, on-chip memory, topology.
 
 Profiles drive the default ONF (tile sizes that fit shared memory, grid vs loops) and the
-cost model's roofline. ``scripts/measure_machine.py`` writes the profile of the machine it
-runs on (``configs/local.toml``); the others hold vendor data for the papers' machines.
+cost model's roofline. ``configs/*.toml`` hold vendor data for the papers' machines
+(``available()``, ``load(name)``). The machine this runs on is ``local()``: the profile named
+by ``$MOAJAX_MACHINE``, else the one ``moajax measure`` measured and cached on this machine
+(``cache_dir() / "local.toml"``; never committed, since it describes one machine), else a
+generic CPU profile with this machine's topology and a notice that it is unmeasured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import tomllib
@@ -96,9 +100,12 @@ def available() -> dict:
 
 
 def load(name: str) -> Machine:
+    """The profile called ``name`` (configs/*.toml); "local" is this machine (``local()``)."""
+    if name == "local":
+        return local()
     profs = available()
     if name not in profs:
-        raise ValueError(f"no machine profile {name!r}; profiles are {sorted(profs)} (configs/*.toml)")
+        raise ValueError(f"no machine profile {name!r}; profiles are {sorted(profs)} (configs/*.toml) or 'local'")
     return profs[name]
 
 
@@ -106,9 +113,40 @@ GENERIC_CPU = Machine("generic-cpu", "cpu", 20.0, {"float64": 0.05, "float32": 0
 GENERIC_GPU_NAME = "delta-a100"
 
 
+def cache_dir() -> Path:
+    """Where this machine's measured profile is cached: $MOAJAX_CACHE_DIR, else
+    $XDG_CACHE_HOME/moajax, else ~/.cache/moajax."""
+    env = os.environ.get("MOAJAX_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "moajax"
+
+
+@functools.lru_cache(maxsize=None)
 def local() -> Machine:
-    """This machine's measured profile (configs/local.toml), else a generic CPU."""
-    return available().get("local", GENERIC_CPU)
+    """This machine's profile: the one named by $MOAJAX_MACHINE (any of ``available()``), else
+    the measured profile cached at ``cache_dir() / "local.toml"`` (``moajax measure`` writes it),
+    else ``GENERIC_CPU`` with this machine's topology, logging once that it is unmeasured.
+
+    Read once per process; ``local.cache_clear()`` makes the next call look again."""
+    name = os.environ.get("MOAJAX_MACHINE")
+    if name:
+        profs = available()
+        if name not in profs:
+            raise ValueError(f"MOAJAX_MACHINE={name!r} is not a machine profile; profiles are {sorted(profs)}")
+        return profs[name]
+    cached = cache_dir() / "local.toml"
+    if cached.is_file():
+        return _from_toml(cached)
+    from moajax.measure import topology
+
+    topo = topology()
+    cpu_model = topo.pop("cpu_model")
+    logging.getLogger("moajax").warning(
+        "moajax: using a generic CPU profile (peak rates and bandwidth are guesses); "
+        "`moajax measure` measures this machine and writes %s", cached)
+    return dataclasses.replace(GENERIC_CPU, description=f"unmeasured CPU ({cpu_model}, {topo['cores']} cores)", **topo)
 
 
 def for_device(device=None) -> Machine:

@@ -76,8 +76,6 @@ class Array:
         return len(self.shape)
 
     def __repr__(self):
-        from moajax.printing import moa_str
-
         return f"<moa {moa_str(self)} : ρ={list(self.shape)} {self.dtype.name}>"
 
     # scalar extension through Python operators
@@ -785,3 +783,76 @@ __all__ = [
     "silu", "where", "outer", "reduce", "inner", "dot", "omega", "sum", "amax", "amin", "mean",
     "square", "softmax", "logsumexp",
 ]
+
+
+# ----------------------------------------------------------------------------- notation
+
+
+def _vec(xs) -> str:
+    return "⟨" + " ".join(str(x) for x in xs) + "⟩"
+
+
+def moa_str(A: "Array", limit: int = 160) -> str:
+    """A one-line MoA rendering of an expression; labelled subterms print as their label."""
+    memo: dict[int, str] = {}
+
+    def go(x, top=False) -> str:
+        r = memo.get(x.uid)
+        if r is not None:
+            return r
+        if isinstance(x, Input):
+            s = x.name
+        elif isinstance(x, Literal):
+            s = repr(x.value) if isinstance(x.value, float) else str(x.value)
+        elif isinstance(x, Iota):
+            s = f"ι{x.shape[0]}"
+        elif isinstance(x, Cell):
+            s = "□" + "₀₁₂₃₄₅₆₇₈₉"[x.position % 10]
+        elif isinstance(x, Name):
+            s = x.label if not top else go(x.arg)
+        elif isinstance(x, Psi):
+            s = f"{_vec(x.index)}ψ {go(x.arg)}"
+        elif isinstance(x, Take):
+            s = f"{x.count}△ {go(x.arg)}"
+        elif isinstance(x, Drop):
+            s = f"{x.count}▽ {go(x.arg)}"
+        elif isinstance(x, Reverse):
+            s = f"Φ {go(x.arg)}"
+        elif isinstance(x, Rotate):
+            s = f"{x.shift}Θ {go(x.arg)}"
+        elif isinstance(x, Transpose):
+            s = f"⍉{_vec(x.perm)} {go(x.arg)}"
+        elif isinstance(x, Reshape):
+            s = f"{_vec(x.shape)}ρ̂{'' if x.gamma == 'C' else 'ᶠ'} {go(x.arg)}"
+        elif isinstance(x, Cast):
+            s = f"{x.dtype.name}({go(x.arg)})"
+        elif isinstance(x, Reduce):
+            s = f"{_ops.OPS[x.monoid.op].symbol}/ {go(x.arg)}"
+        elif isinstance(x, Catenate):
+            s = f"{go(x.a)} ⧺ {go(x.b)}"
+        elif isinstance(x, Map):
+            a = [go(c) for c in x.args]
+            if x.op.name == "where":
+                s = f"where({', '.join(a)})"
+            elif x.op.infix:
+                s = f"{a[0]} {x.op.symbol} {a[1]}"
+            else:
+                s = f"{x.op.symbol} {a[0]}"
+        elif isinstance(x, Outer):
+            s = f"{go(x.a)} {x.op.symbol}.× {go(x.b)}"
+        elif isinstance(x, Inner):
+            s = f"{go(x.a)} {_ops.OPS[x.monoid.op].symbol}.{x.op.symbol} {go(x.b)}"
+        elif isinstance(x, Omega):
+            inner = go(x.body)
+            s = f"Ω{_vec(x.ranks)}(λ{' '.join(go(c) for c in x.cells)}. {inner})({', '.join(go(a) for a in x.args)})"
+        else:  # pragma: no cover
+            raise TypeError(type(x))
+        if not top and not isinstance(x, (Input, Literal, Iota, Cell, Name)) and " " in s:
+            s = f"({s})"
+        memo[x.uid] = s
+        return s
+
+    out = go(A, top=True)
+    if len(out) > limit:
+        out = out[: limit - 1] + "…"
+    return out

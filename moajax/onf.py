@@ -44,8 +44,76 @@ PLACES = ("local", "memory")
 # ----------------------------------------------------------------------------- program
 
 
+class StageBase:
+    """What every stage of a program answers, whatever its form (``Stage``, ``OnlineStage``).
+
+    ``defines`` the names it computes (``result_vars``, ``dtype`` per name); ``exprs`` its
+    expressions; ``walks`` the variable its pass runs over (None: no pass); ``carry`` how a
+    softmax-style reduction is carried ("online", "passes", or None); ``accumulated`` the top
+    +-reduction programs may scatter-add (None: not one); ``map_exprs`` the same stage with
+    every expression rewritten; ``all_vars`` every index variable it mentions."""
+
+    name: str
+    place: str
+
+    @property
+    def defines(self) -> tuple:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def exprs(self) -> tuple:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def result_vars(self, name: str) -> tuple:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def dtype(self, name: str):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def map_exprs(self, fn) -> "StageBase":  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @property
+    def walks(self) -> Var | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @property
+    def carry(self) -> str | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @property
+    def reduction(self) -> D.Red | None:
+        return None
+
+    @property
+    def accumulated(self) -> D.Red | None:
+        return None
+
+    @property
+    def index_vars(self) -> tuple:
+        """Every variable a result of this stage is indexed by (first result's first)."""
+        vs: list = []
+        for n in self.defines:
+            vs += [v for v in self.result_vars(n) if v not in vs]
+        return tuple(vs)
+
+    def all_vars(self) -> set:
+        """Every index variable the stage mentions: its results', and its expressions' free
+        and reduced variables."""
+        out = set(self.index_vars)
+        if self.walks is not None:
+            out.add(self.walks)
+        for e in self.exprs():
+            if e is None:
+                continue
+            for x in D.walk(e):
+                out |= set(x.free)
+                if isinstance(x, D.Red):
+                    out.add(x.var)
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
-class Stage:
+class Stage(StageBase):
     """``name[vars] = body``; where the body's top is a reduction, the stage walks its variable.
 
     ``place``: "local" (lives inside each program, over the program's tile: registers,
@@ -72,16 +140,22 @@ class Stage:
         b = self.body.arg if isinstance(self.body, D.Convert) else self.body
         return b if isinstance(b, D.Red) else None
 
+    @property
+    def walks(self) -> Var | None:
+        return self.reduction.var if self.reduction is not None else None
+
+    @property
+    def carry(self) -> str | None:
+        return "passes" if self.reduction is not None and self.reduction.monoid == "max" else None
+
     def exprs(self) -> tuple:
         return (self.body,)
 
+    def map_exprs(self, fn) -> "Stage":
+        return dataclasses.replace(self, body=fn(self.body))
+
     def result_vars(self, name: str) -> tuple:
         return self.vars
-
-    @property
-    def index_vars(self) -> tuple:
-        """Every variable a result of this stage is indexed by."""
-        return tuple(self.vars)
 
     def dtype(self, name: str):
         return self.body.dtype
@@ -93,7 +167,7 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineStage:
+class OnlineStage(StageBase):
     """One pass over r for  m[vₘ] = ⌈_r f  and  aᵢ[vᵢ] = Σ_r exp(f − m)·gᵢ.
 
     The carried state (m, a…) forms a monoid: (m₁,a₁)⊕(m₂,a₂) = (m, a₁e^{m₁−m} + a₂e^{m₂−m})
@@ -116,19 +190,19 @@ class OnlineStage:
         return (self.max_name,) + tuple(s[0] for s in self.sums)
 
     @property
-    def reduction(self):
-        return None
+    def walks(self) -> Var:
+        return self.var
+
+    @property
+    def carry(self) -> str:
+        return "online"
 
     def exprs(self) -> tuple:
         return (self.logit,) + tuple(s[2] for s in self.sums)
 
-    @property
-    def index_vars(self) -> tuple:
-        """Every variable a result of this stage is indexed by (the max's, then the sums')."""
-        vs = list(self.max_vars)
-        for _, svs, _ in self.sums:
-            vs += [v for v in svs if v not in vs]
-        return tuple(vs)
+    def map_exprs(self, fn) -> "OnlineStage":
+        return dataclasses.replace(self, logit=fn(self.logit),
+                                   sums=tuple((n, vs, None if w is None else fn(w)) for n, vs, w in self.sums))
 
     def result_vars(self, name: str) -> tuple:
         if name == self.max_name:
@@ -180,19 +254,15 @@ class Program:
     def vars(self) -> set[Var]:
         out: set[Var] = set()
         for s in self.stages:
-            if isinstance(s, Stage):
-                out |= set(s.vars)
-            else:
-                out |= set(s.max_vars) | {s.var}
-                for _, vs, _ in s.sums:
-                    out |= set(vs)
-            for e in s.exprs():
-                if e is None:
-                    continue
-                for x in D.walk(e):
-                    out |= set(x.free)
-                    if isinstance(x, D.Red):
-                        out.add(x.var)
+            out |= s.all_vars()
+        return out
+
+    def walked(self) -> list:
+        """The variables the stages walk (top-level reductions and online passes), in order."""
+        out = []
+        for s in self.stages:
+            if s.walks is not None and s.walks not in out:
+                out.append(s.walks)
         return out
 
 
@@ -220,6 +290,19 @@ class Axis:
     @property
     def has_tail(self) -> bool:
         return self.extent % self.tile != 0
+
+    def whole_size(self, pow2: bool = False) -> int:
+        """The length of a range covering the whole axis at once: every tile of a lifted axis
+        (⌈s/tile⌉·tile), or a ``whole`` axis in its one tile (which may exceed s: padded);
+        ``pow2`` rounds it up to a power of two (Triton's block shapes)."""
+        n = self.padded if self.role != "whole" else max(self.tile, self.extent)
+        return next_pow2(n) if pow2 else n
+
+    @property
+    def block(self) -> int:
+        """The length one program (or one loop step) sees of the axis: a tile, or all of a
+        ``whole`` axis."""
+        return self.whole_size() if self.role == "whole" else self.tile
 
     def text(self) -> str:
         if self.role == "whole" and self.tile == self.extent:
@@ -284,7 +367,7 @@ class ONF:
 
     def scatter_var(self, stage) -> Var | None:
         """The grid variable an atomically accumulated stage's top reduction runs over."""
-        if self.accumulation(stage.name) is None or not isinstance(stage, Stage) or stage.accumulated is None:
+        if self.accumulation(stage.name) is None or stage.accumulated is None:
             return None
         v = stage.accumulated.var
         return v if self.axis_of(v).role == "grid" else None
@@ -300,13 +383,7 @@ class ONF:
     @property
     def carry(self) -> dict:
         """How each softmax-style reduction is carried: "online" (fused, one pass) or "passes"."""
-        out = {}
-        for s in self.program.stages:
-            if isinstance(s, OnlineStage):
-                out[s.max_name] = "online"
-            elif isinstance(s, Stage) and s.reduction is not None and s.reduction.monoid == "max":
-                out[s.name] = "passes"
-        return out
+        return {s.name: s.carry for s in self.program.stages if s.carry is not None}
 
     @property
     def store(self) -> dict:
@@ -351,8 +428,10 @@ class ONF:
     __str__ = pretty
 
     # ---- validation
-    def validate(self, machine=None) -> "ONF":
-        """Raise ONFError on anything a backend could not run as written; returns self."""
+    def validate(self) -> "ONF":
+        """Raise ONFError on anything a backend could not run as written; returns self.
+        (Whether it fits a machine's on-chip memory is the cost model's question:
+        ``moajax.cost.check_fits``.)"""
         names = [a.name for a in self.axes]
         if len(set(names)) != len(names):
             raise ONFError(f"{self.dnf.name}: an axis is listed twice in {names}")
@@ -387,16 +466,6 @@ class ONF:
             if n not in names or self.axis(n).role != "grid":
                 raise ONFError(f"{self.dnf.name}: cpu_loop axis {n!r} is not a grid axis")
         self._validate_program()
-        if machine is not None:
-            from moajax import cost
-
-            fp = cost.onchip_bytes(self)
-            limit = machine.onchip_limit_bytes
-            if limit and fp > limit:
-                raise ONFError(
-                    f"{self.dnf.name}: on-chip footprint {fp / 1024:.1f} KB per program exceeds the "
-                    f"{limit / 1024:.1f} KB of {machine.name} (smaller tiles, or recompute instead of store)"
-                )
         return self
 
     def _cross_program(self, red: D.Red) -> bool:
@@ -417,7 +486,7 @@ class ONF:
                 st = self.program.stage_of(name)
             except KeyError:
                 raise ONFError(f"{self.dnf.name}: accumulate names unknown stage {name!r}") from None
-            if not (isinstance(st, Stage) and st.name == name):
+            if not (isinstance(st, Stage) and st.name == name):  # one result, one body
                 raise ONFError(f"{self.dnf.name}: {name!r} is not a plain stage; only a stage's top reduction accumulates")
             if st.place != "memory" and name not in outputs:
                 raise ONFError(f"{self.dnf.name}: {name!r} accumulates {how}ally, so it must live in memory (an output or a memory stage)")
@@ -434,7 +503,7 @@ class ONF:
         for s in self.program.stages:
             if s.place not in PLACES:
                 raise ONFError(f"{self.dnf.name}: stage {s.name!r} has place {s.place!r}; places are {PLACES}")
-            scatter = s.accumulated if isinstance(s, Stage) and self.scatter_var(s) is not None else None
+            scatter = s.accumulated if self.scatter_var(s) is not None else None
             for e in s.exprs():
                 if e is None:
                     continue
@@ -455,8 +524,8 @@ class ONF:
                             f"{self.dnf.name}: axis {x.var.name!r} is reduced in stage {s.name!r} but is a grid axis; "
                             "a program cannot reduce across programs (make it sequential or whole)"
                         )
-            if isinstance(s, OnlineStage) and self.axis_of(s.var).role == "grid":
-                raise ONFError(f"{self.dnf.name}: axis {s.var.name!r} is carried online in {s.name!r} but is a grid axis")
+            if s.carry == "online" and self.axis_of(s.walks).role == "grid":
+                raise ONFError(f"{self.dnf.name}: axis {s.walks.name!r} is carried online in {s.name!r} but is a grid axis")
             for n in s.defines:
                 if n in seen:
                     raise ONFError(f"{self.dnf.name}: stage name {n!r} is defined twice")

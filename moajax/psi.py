@@ -34,7 +34,7 @@ import numpy as np
 from moajax import dnf as D
 from moajax import moa
 from moajax.ix import Ix, Var
-from moajax.printing import moa_str
+from moajax.moa import moa_str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,21 +80,6 @@ def index_array(ix: Ix) -> Named:
     return Named(jnp.broadcast_to(jnp.asarray(val, jnp.int32), tuple(v.extent for v in vs)), vs)
 
 
-def product_factors(e: D.Expr) -> list[D.Expr]:
-    """e = f₁ × f₂ × … (flattening nested products; a ÷ b is a × (1 ÷ b), so that a divisor
-    over fewer variables — a per-row denominator inside Σ_t — stays its own small factor
-    and the rest of the product remains a contraction)."""
-    if isinstance(e, D.Call) and e.op == "mul":
-        return product_factors(e.children[0]) + product_factors(e.children[1])
-    if isinstance(e, D.Call) and e.op == "div" and e.dtype.kind == "f":
-        num, den = e.children
-        if not (den.free >= num.free):  # only when the divisor is the smaller factor
-            return product_factors(num) + [D.Call("div", (D.Lit(1.0, den.dtype), den))]
-    if isinstance(e, D.Tag):
-        return product_factors(e.body)
-    return [e]
-
-
 class Evaluator:
     """Evaluates DNF expressions over whole index ranges, given the input arrays."""
 
@@ -181,7 +166,7 @@ class Evaluator:
         v = e.var
         mono = _ops.MONOIDS[e.monoid]
         if e.monoid == "add":
-            factors = product_factors(e.body)
+            factors = D.product_factors(e.body)
             if len(factors) >= 2:
                 return self.contract(factors, v)
         body = self(e.body)

@@ -42,15 +42,6 @@ def _taken(onf: ONF) -> set:
     return out
 
 
-def _output_order(onf: ONF) -> list:
-    out = []
-    for o in onf.dnf.outputs:
-        for v in o.vars:
-            if v not in out:
-                out.append(v)
-    return out
-
-
 # ----------------------------------------------------------------------------- factoring
 
 
@@ -127,15 +118,14 @@ def sink_invariant_factors(e: D.Expr, loop: Var) -> D.Expr:
 
 
 def _sink_stage(st):
-    if isinstance(st, OnlineStage):
-        return dataclasses.replace(
-            st, logit=sink_invariant_factors(st.logit, st.var),
-            sums=tuple((n, vs, None if w is None else sink_invariant_factors(w, st.var)) for n, vs, w in st.sums),
-        )
-    if isinstance(st, Stage) and st.reduction is not None:
+    """Sink invariant factors into the contractions of a stage's pass (over ``st.walks``):
+    the top reduction's body, or every expression of an online pass."""
+    if st.walks is None:
+        return st
+    if st.reduction is not None:
         r = st.reduction
-        return Stage(st.name, st.vars, D.Red(r.monoid, r.var, sink_invariant_factors(r.body, r.var)), st.place)
-    return st
+        return st.map_exprs(lambda b: D.Red(r.monoid, r.var, sink_invariant_factors(r.body, r.var)))
+    return st.map_exprs(lambda e: sink_invariant_factors(e, st.walks))
 
 
 # ----------------------------------------------------------------------------- hoist
@@ -145,7 +135,7 @@ def hoist(onf: ONF) -> ONF:
     """Hoist loop-invariant reductions into stages; factor invariants out of sums; make every
     top-level reduction its own stage (one pass over its variable each)."""
     taken = _taken(onf)
-    order = _output_order(onf)
+    order = onf.dnf.output_vars
     memo: dict = {}  # canonical reduction → stage name
     new_stages: list = []
 
@@ -228,7 +218,7 @@ def fuse_online(onf: ONF) -> ONF:
     i = 0
     while i < len(stages):
         m = stages[i]
-        red = m.reduction if isinstance(m, Stage) else None
+        red = m.reduction
         if red is None or red.monoid != "max" or m.place != "local":
             i += 1
             continue
@@ -236,7 +226,7 @@ def fuse_online(onf: ONF) -> ONF:
         sums, drop = [], []
         for j in range(i + 1, len(stages)):
             x = stages[j]
-            xr = x.reduction if isinstance(x, Stage) else None
+            xr = x.reduction
             if xr is None or xr.monoid != "add" or x.place != "local" or not set(m.vars) <= set(x.vars):
                 continue
             num, den = mul_div_factors(xr.body)
@@ -281,7 +271,7 @@ def split_k(onf: ONF, var: str, parts: int) -> ONF:
     found = None
     outer = inner = None
     for s in onf.program.stages:
-        r = s.var if isinstance(s, OnlineStage) else (s.reduction.var if isinstance(s, Stage) and s.reduction else None)
+        r = s.walks
         if r is None or r.name != var:
             stages.append(s)
             continue
@@ -353,7 +343,7 @@ def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
     if place not in ("local", "memory"):
         raise ONFError(f"{onf.dnf.name}: materialize place must be 'local' or 'memory', got {place!r}")
     found: dict = {}  # canonical (params renamed) → (stage name, params)
-    order = _output_order(onf)
+    order = onf.dnf.output_vars
     taken = _taken(onf)
     created: list = []
 
@@ -381,12 +371,7 @@ def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
 
     stages: list = []
     for s in onf.program.stages:
-        if isinstance(s, Stage):
-            new = Stage(s.name, s.vars, rewrite(s.body), s.place)
-        else:
-            new = dataclasses.replace(
-                s, logit=rewrite(s.logit), sums=tuple((n, vs, None if w is None else rewrite(w)) for n, vs, w in s.sums)
-            )
+        new = s.map_exprs(rewrite)
         stages.extend(created)
         created.clear()
         stages.append(new)
@@ -466,13 +451,14 @@ def tile(onf: ONF, name: str, tile: int, role: str | None = None, tail: str = "p
     old = {a.name: a for a in onf.axes}
     role = role or (old[name].role if name in old else "whole")
     axes = [a for a in onf.axes if a.name != name] + [Axis(name, vars_[name].extent, int(tile), role, tail)]
-    return onf.replace(axes=tuple(axes), note=None)
+    return onf.replace(axes=tuple(axes), note=f"tile({name}, {int(tile)}, {role}" + (f", {tail})" if tail != "pad" else ")"))
 
 
 def with_gamma(onf: ONF, name: str, gamma: str) -> ONF:
+    """Store input ``name`` in layout γ ("C" row-major, "F" column-major)."""
     g = dict(onf.gamma)
     g[name] = gamma
-    return onf.replace(gamma=tuple(sorted(g.items())))
+    return onf.replace(gamma=tuple(sorted(g.items())), note=f"with_gamma({name}, {gamma})")
 
 
 def with_knobs(onf: ONF, **kw) -> ONF:

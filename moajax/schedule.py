@@ -26,8 +26,9 @@ import numpy as np
 
 from moajax import dnf as D
 from moajax import rewrites as W
+from moajax.cost import check_fits, onchip_bytes
 from moajax.machines import Machine
-from moajax.onf import ONF, Axis, Knobs, OnlineStage, ONFError, Stage, initial, next_pow2
+from moajax.onf import ONF, Axis, Knobs, ONFError, initial, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +69,6 @@ class Preset:
         return Preset.of(**data, **knobs)
 
 
-def _main_loops(onf: ONF) -> list:
-    """The variables the stages walk (top-level reductions and online passes)."""
-    out = []
-    for st in onf.program.stages:
-        v = st.var if isinstance(st, OnlineStage) else (st.reduction.var if isinstance(st, Stage) and st.reduction else None)
-        if v is not None and v not in out:
-            out.append(v)
-    return out
-
-
 def _heavy_reads(onf: ONF, loops) -> list:
     reads = []
     for st in onf.program.stages:
@@ -91,10 +82,8 @@ def _heavy_reads(onf: ONF, loops) -> list:
 
 
 def _structure(onf: ONF):
-    loops = _main_loops(onf)
-    out_vars = []
-    for o in onf.dnf.outputs:
-        out_vars += [v for v in o.vars if v not in out_vars]
+    loops = onf.program.walked()
+    out_vars = list(onf.dnf.output_vars)
     inner = set()
     for e in onf.program.exprs():
         for x in D.walk(e):
@@ -144,8 +133,6 @@ def _first_fit(onf: ONF, machine: Machine, cands, lift) -> ONF:
     """The first candidate whose lifting (``lift(rows, keys)``) fits the machine's shared
     memory by the cost model's upper bound (``cost.onchip_bytes``, calibrated against ptxas in
     bench/results/smem_sweep.md), else the last, for validate to name."""
-    from moajax.cost import onchip_bytes
-
     lowp = np.dtype(onf.dnf.outputs[0].dtype).itemsize == 2
     for bt, bs, warps, stages in cands:
         o = lift(bt, bs)
@@ -238,7 +225,7 @@ def _scatter_over(onf: ONF, machine: Machine, r) -> ONF:
     for o in outs[1:]:
         shared &= set(o.vars)
     batch = [v for v in outs[0].vars if v in shared and v != r and all(v != o.vars[-1] for o in outs)]
-    loops = [v for v in _main_loops(onf) if v != r and v not in batch]
+    loops = [v for v in onf.program.walked() if v != r and v not in batch]
     gpu = machine.is_gpu
     rest = sorted((v for v in onf.program.vars() if v != r and v not in batch and v not in loops),
                   key=lambda v: v.name)
@@ -311,7 +298,7 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
             k["cpu_loop"] = tuple([k["cpu_loop"]] if isinstance(k["cpu_loop"], str) else k["cpu_loop"])
         onf = onf.replace(knobs=dataclasses.replace(onf.knobs, **k))
     onf = onf.replace(knobs=_valid_cpu_loop(onf))
-    return onf.validate(machine)
+    return check_fits(onf.validate(), machine)
 
 
 def _valid_cpu_loop(onf: ONF) -> Knobs:

@@ -23,9 +23,15 @@ from typing import Callable
 import numpy as np
 
 from moajax import dnf as D
-from moajax.onf import ONF, ONFError, Stage, next_pow2
-from moajax.reference import Named
-from moajax.tiles import Backend, InMemory, Range, TileEval, broadcast_to_vars
+from moajax.ix import Var
+from moajax.onf import ONF, ONFError, Stage
+from moajax.reference import Named, align
+from moajax.tiles import stages as S
+from moajax.tiles.backend import Backend, is_static_full
+from moajax.tiles.evaluate import TileEval
+from moajax.tiles.operands import prepare_inputs
+from moajax.tiles.ranges import Range, broadcast_to_vars
+from moajax.tiles.scope import ProgramState
 
 
 def _is_pow2(n: int) -> bool:
@@ -37,15 +43,15 @@ def check(onf: ONF) -> ONF:
     onf.validate()
     name = onf.dnf.name
     for st in onf.program.stages:
-        r = onf.scatter_var(st) if isinstance(st, Stage) else None
-        seq = [v.name for v in st.vars if onf.axis_of(v).role == "sequential"] if r is not None else []
+        r = onf.scatter_var(st)
+        seq = [v.name for v in st.index_vars if onf.axis_of(v).role == "sequential"] if r is not None else []
         if len(seq) > 1:
             raise ONFError(
                 f"{name}: {st.name!r} is scatter-added over {r.name!r} while walking {seq} in sequence; "
                 "the Triton backend walks at most one of its own axes per program"
             )
     for a in onf.axes:
-        size = a.tile if a.role != "whole" else max(a.tile, a.extent)
+        size = a.block
         if size != 1 and not _is_pow2(size):
             raise ONFError(
                 f"{name}: axis {a.name!r} runs in tiles of {size}; the Triton backend needs power-of-two "
@@ -85,7 +91,6 @@ def check(onf: ONF) -> ONF:
 def _window_var(ix, is_scalar):
     """For v + (an expression in scalar variables), v; None if every variable is scalar;
     False if the index is not a contiguous window of one variable."""
-    from moajax.ix import Var
 
     moving = [v for v in ix.free_vars() if not is_scalar(v)]
     if not moving:
@@ -119,8 +124,7 @@ class PallasBackend(Backend):
         self.refs = refs
         self.shapes = shapes
 
-    def whole(self, axis) -> int:
-        return _whole(axis)
+    pow2_blocks = True
 
     def _index(self, ev: TileEval, index, shape, what: str):
         import jax.numpy as jnp
@@ -133,16 +137,9 @@ class PallasBackend(Backend):
                 idx.append(int(ix.const))
             elif sv is not None and sv[0] in ev.ranges:
                 v, c = sv
-                r = ev.ranges[v]
-                if r.size == 1:
-                    idx.append(r.start + c)
-                else:
-                    start = r.start + c
-                    if isinstance(start, (int, np.integer)) and int(start) == 0 and r.size == shape[ax]:
-                        idx.append(slice(None))
-                    else:
-                        idx.append(pl.ds(start, r.size))
-                    vars_.append(v)
+                i, keeps = _window(ev.ranges[v], shape[ax], c)
+                idx.append(i)
+                vars_ += [v] if keeps else []
             else:
                 v = _window_var(ix, lambda w: w in ev.ranges and ev.ranges[w].size == 1)
                 if v is None:
@@ -152,13 +149,9 @@ class PallasBackend(Backend):
                     raise ONFError(f"{what}: index {ix} varies inside a tile (not a contiguous window)")
                 else:
                     # v + (scalars): a window of v's tile starting at the index of its first element
-                    r = ev.ranges[v]
-                    from moajax.ix import Ix
-
                     env = {w: ev.ranges[w].start for w in ix.free_vars()}
-                    idx.append(pl.ds(ix.evaluate(env), r.size))
+                    idx.append(pl.ds(ix.evaluate(env), ev.ranges[v].size))
                     vars_.append(v)
-                    del Ix
         return tuple(idx), vars_
 
     def read(self, ev: TileEval, e: D.Read) -> Named:
@@ -168,22 +161,15 @@ class PallasBackend(Backend):
         idx, vars_ = self._index(ev, index, shape, f"{self.onf.dnf.name}: {e.array}")
         return Named(ref[idx], vars_)
 
-    def window(self, ev: TileEval, full: InMemory) -> Named:
+    def window(self, ev: TileEval, full: S.InMemory) -> Named:
         """A stage in memory arrives as a ref over the padded extents of its variables."""
-        from jax.experimental import pallas as pl
-
         ref = full.value.data
         idx, out = [], []
         for ax, v in enumerate(full.value.vars):
             r = ev.ranges.get(v)
-            if r is None or (isinstance(r.start, (int, np.integer)) and int(r.start) == 0 and r.size == ref.shape[ax]):
-                idx.append(slice(None))
-                out.append(v)
-            elif r.size == 1:
-                idx.append(r.start)
-            else:
-                idx.append(pl.ds(r.start, r.size))
-                out.append(v)
+            i, keeps = (slice(None), True) if r is None else _window(r, ref.shape[ax])
+            idx.append(i)
+            out += [v] if keeps else []
         return Named(ref[tuple(idx)], out)
 
     def contract(self, a: Named, b: Named, v, out_dtype) -> Named:
@@ -201,17 +187,22 @@ class PallasBackend(Backend):
             out_vars = [x for x in a.vars if x != v] + [x for x in b.vars if x != v]
             return Named(out, out_vars)
         # small or batched tiles: multiply and sum (Triton's dot needs 2-D tiles ≥ 16)
-        from moajax.reference import align
-
         datas, vs = align([Named(da.astype(out_dtype), a.vars), Named(db.astype(out_dtype), b.vars)], self.rank)
         prod = datas[0] * datas[1]
         ax = vs.index(v)
         return Named(jnp.sum(prod, axis=ax), vs[:ax] + vs[ax + 1:])
 
 
-def _whole(a) -> int:
-    """Triton's block shapes are powers of two: a variable taken whole is padded up to one."""
-    return next_pow2(a.padded if a.role != "whole" else max(a.tile, a.extent))
+def _window(r: Range, length: int, offset: int = 0):
+    """The index of range r (+ ``offset``) into an axis of ``length``, and whether it keeps
+    the axis: a scalar for a tile of one, the whole axis, or a ``pl.ds`` window."""
+    from jax.experimental import pallas as pl
+
+    if r.size == 1:
+        return r.start + offset, False
+    if is_static_full(r, length, offset):
+        return slice(None), True
+    return pl.ds(r.start + offset, r.size), True
 
 
 def _grid_axes(onf: ONF, vars_) -> list:
@@ -219,7 +210,7 @@ def _grid_axes(onf: ONF, vars_) -> list:
 
 
 def _ranges_for(onf: ONF, vars_, pid) -> dict:
-    """Program id → the tile of every grid axis (row-major over the grid); whole axes full."""
+    """Program id → the tile of every grid axis (row-major over the grid); other axes whole."""
     ranges = {}
     grid = _grid_axes(onf, vars_)
     counts = [onf.axis_of(v).ntiles for v in grid]
@@ -233,31 +224,23 @@ def _ranges_for(onf: ONF, vars_, pid) -> dict:
         if v in idx:
             ranges[v] = Range(idx[v] * a.tile, a.tile, v.extent)
         else:
-            ranges[v] = Range(0, _whole(a), v.extent)
+            ranges[v] = Range(0, a.whole_size(pow2=True), v.extent)
     return ranges
 
 
-def _out_index(ev: TileEval, vars_) -> tuple:
-    """The window of the output a program writes: its ranges of the output's variables."""
-    from jax.experimental import pallas as pl
-
-    idx = []
-    for v in vars_:
-        r = ev.ranges[v]
-        if r.size == 1:
-            idx.append(r.start)
-        elif isinstance(r.start, (int, np.integer)) and r.start == 0:
-            idx.append(slice(None))
-        else:
-            idx.append(pl.ds(r.start, r.size))
-    return tuple(idx)
+def _out_index(ev: TileEval, vars_, shape) -> tuple:
+    """The window of an output (of ``shape``) that a program writes: its ranges of the
+    output's variables."""
+    return tuple(_window(ev.ranges[v], n)[0] for v, n in zip(vars_, shape))
 
 
 def _padded_shape(onf: ONF, vars_) -> tuple:
+    """The shape of a kernel's output (or memory stage) buffer: whole tiles of a tiled grid
+    axis; a power-of-two block of any other (a later kernel may read it whole)."""
     out = []
     for v in vars_:
         a = onf.axis_of(v)
-        out.append(_whole(a) if a.role != "grid" else next_pow2(a.padded) if a.tile == 1 else a.padded)
+        out.append(a.padded if a.role == "grid" and a.tile > 1 else a.whole_size(pow2=True))
     return tuple(out)
 
 
@@ -267,7 +250,6 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
     from jax.experimental import pallas as pl
 
     from moajax import compat
-    from moajax.lower_xla import prepare_inputs
 
     check(onf)
     dnf = onf.dnf
@@ -279,7 +261,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
     def target(name: str, vars_: tuple, dtype) -> tuple:
         """(name, vars, dtype, scatter stage or None, the grid variables its programs own)."""
         st = defs[name]
-        r = onf.scatter_var(st) if isinstance(st, Stage) else None
+        r = onf.scatter_var(st)
         grid = _grid_axes(onf, tuple(vars_) + ((r,) if r is not None else ()))
         return (name, tuple(vars_), dtype, st if r is not None else None, tuple(grid))
 
@@ -309,38 +291,35 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             mem_refs = refs[len(names): len(names) + len(mem_names)]
             o_refs = refs[len(names) + len(mem_names) + len(zeros):]
             backend = PallasBackend(onf, in_refs, shapes, perms)
-            stages = {m: InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
-            ev = TileEval(onf, backend, _ranges_for(onf, own_vars, pl.program_id(0)), stages,
-                          stage_defs={n: st for n, st in defs.items() if n not in memory})
+            values = {m: S.InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
+            state = ProgramState(onf, backend, {n: st for n, st in defs.items() if n not in memory}, values)
+            ev = TileEval(state, _ranges_for(onf, own_vars, pl.program_id(0)))
             for (tname, tvars, _, sst, _), oref in zip(targets, o_refs):
                 if sst is None:
-                    ev.run_stages([tname])
-                    if tname not in ev.stages:
-                        ev.compute_stage(defs[tname])
-                    val = ev.stages[tname]
-                    val = ev.window(val) if isinstance(val, InMemory) else val
-                    oref[_out_index(ev, tvars)] = broadcast_to_vars(val, tvars, ev.ranges).astype(oref.dtype)
+                    S.run(ev, [tname])
+                    if tname not in values:  # a memory stage: this kernel computes it
+                        S.compute(ev, defs[tname])
+                    val = values[tname]
+                    val = backend.window(ev, val) if isinstance(val, S.InMemory) else val
+                    data = broadcast_to_vars(val, tvars, ev.ranges)
+                    oref[_out_index(ev, tvars, oref.shape)] = data.astype(oref.dtype)
                     continue
                 body = sst.accumulated
-                ev.run_stages([x.stage for x in D.walk(body) if isinstance(x, D.Ref)])
+                S.run(ev, [x.stage for x in D.walk(body) if isinstance(x, D.Ref)])
 
                 def add(ctx, body=body, tvars=tvars, oref=oref):
                     data = broadcast_to_vars(ctx.eval(body), tvars, ctx.ranges)
-                    plgpu.atomic_add(oref, _out_index(ctx, tvars), data.astype(oref.dtype))
+                    plgpu.atomic_add(oref, _out_index(ctx, tvars, oref.shape), data.astype(oref.dtype))
 
                 seq = [v for v in tvars if onf.axis_of(v).role == "sequential"]
                 if not seq:
-                    sub = ev
-                    for v in tvars:  # the target's whole axes
-                        if v not in sub.ranges:
-                            sub = sub.child(v, Range(0, _whole(onf.axis_of(v)), v.extent))
-                    add(sub)
+                    add(ev.within(tvars))  # the target's whole axes
                     continue
                 v, a = seq[0], onf.axis_of(seq[0])
-                ev.hoist_invariants([body], v)
+                ev.hoist([body], v)
 
                 def step(i, carry, v=v, a=a, add=add):
-                    add(ev.child(v, Range(i * a.tile, a.tile, v.extent)))
+                    add(ev.child({v: Range(i * a.tile, a.tile, v.extent)}))
                     return carry
 
                 backend.fori_loop(a.ntiles, step, jnp.int32(0))

@@ -25,16 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except Exception:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _mem_total() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -63,6 +53,7 @@ def main():
     import numpy as np
 
     import moajax
+    from moajax.measure import cpu_model
 
     budget = int(args.budget_gib * 2**30) if args.budget_gib else int(0.7 * _mem_total())
     N, D = args.heads, args.head_dim
@@ -126,7 +117,7 @@ def main():
         f"# Attention {'gradient (jit(grad) w.r.t. q, k, v)' if args.grad else 'forward'} on the CPU: "
         "moajax vs jax.nn vs plain jnp",
         "",
-        f"Machine: {_cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
         f"JAX {jax.__version__}, Python {platform.python_version()}; date {today}.",
         f"Run: `python scripts/bench_attention.py{' --grad' if args.grad else ''}` — B=1, N={N}, H={D}, float32, T = S; one process, "
         f"compiled once per size, median of repeated runs after a warm-up.",

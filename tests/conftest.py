@@ -1,8 +1,17 @@
-"""Test configuration: float64 available everywhere (float64 references), hypothesis profiles."""
+"""Test configuration: float64 available everywhere (float64 references), hypothesis profiles,
+and a hermetic machine profile: an empty cache directory and no $MOAJAX_MACHINE, so a
+developer's measured profile (``moajax measure``) never changes what the tests see and
+``machines.local()`` is the generic CPU profile."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["MOAJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="moajax-test-cache-")
+atexit.register(shutil.rmtree, os.environ["MOAJAX_CACHE_DIR"], ignore_errors=True)
+os.environ.pop("MOAJAX_MACHINE", None)
 
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import moajax
 import references as R
 from helpers import rel_err
-from moajax import machines
+from moajax import cost, machines
 from moajax.schedule import Preset
 
 F64 = 1e-12  # float64 end to end
@@ -146,7 +146,7 @@ def test_gpu_onf_for_a_cpu_machine_is_derived_from_a_gpu_profile():
     onf = moajax.attention_onf(q, k, v, machine="delta-a40")
     assert onf.target == "delta-a40" and onf.knobs.lowp_dots
     assert onf.axis("t").tile in (16, 32, 64, 128)
-    assert onf.validate(machines.load("delta-a40"))
+    assert cost.check_fits(onf.validate(), machines.load("delta-a40"))
 
 
 @pytest.mark.parametrize("args,kw,exc,msg", [

@@ -1,15 +1,31 @@
-"""Machine profiles: every config parses; lookups; the local profile."""
+"""Machine profiles: every config parses; lookups; how the local profile is chosen
+($MOAJAX_MACHINE, the measured profile in the cache, the generic CPU); ``moajax measure``."""
+
+import logging
+import os
 
 import numpy as np
 import pytest
 
-from moajax import machines
+from moajax import machines, measure
+from moajax.cli import main
+
+
+@pytest.fixture
+def fresh_local(monkeypatch, tmp_path):
+    """An empty cache directory, no $MOAJAX_MACHINE, and ``local()`` re-read before and after."""
+    monkeypatch.setenv("MOAJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MOAJAX_MACHINE", raising=False)
+    machines.local.cache_clear()
+    yield tmp_path
+    machines.local.cache_clear()
 
 
 def test_every_profile_loads():
     profs = machines.available()
-    for name in ("delta-a100", "delta-a40", "h200", "delta-epyc-7763", "anvil-epyc-7543", "local"):
+    for name in ("delta-a100", "delta-a40", "h200", "delta-epyc-7763", "anvil-epyc-7543"):
         assert name in profs, sorted(profs)
+    assert "local" not in profs  # a machine's measured profile is cached on it, never committed
     a40 = profs["delta-a40"]
     assert a40.is_gpu and a40.onchip_limit_bytes == 101376 and a40.arch == "sm_86"
     assert profs["delta-epyc-7763"].numa_domains == 8 and profs["delta-epyc-7763"].cores == 128
@@ -30,9 +46,71 @@ def test_unknown_profile():
 
 
 def test_local_and_device():
+    # the suite is hermetic (conftest.py): no measured profile, so the generic CPU with this topology
     m = machines.for_device()
     assert m.kind == "cpu" and m is machines.local()
-    assert m.peak(np.float32) > 0
+    assert m.name == machines.GENERIC_CPU.name and m.cores == (os.cpu_count() or 1)
+    assert m.peak(np.float32) > 0 and m.bandwidth > 0
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOAJAX_CACHE_DIR", str(tmp_path / "c"))
+    assert machines.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("MOAJAX_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert machines.cache_dir() == tmp_path / "xdg" / "moajax"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert machines.cache_dir() == tmp_path / "home" / ".cache" / "moajax"
+
+
+def test_unmeasured_machine_gets_generic_profile_with_sysfs_topology_and_one_notice(fresh_local, caplog):
+    with caplog.at_level(logging.WARNING, logger="moajax"):
+        m = machines.local()
+        assert machines.local() is m
+    assert m.name == machines.GENERIC_CPU.name and m.kind == "cpu"
+    assert m.peak_tflops == machines.GENERIC_CPU.peak_tflops
+    topo = measure.topology()
+    assert m.cores == (os.cpu_count() or 1) == topo["cores"]
+    assert (m.numa_domains, m.l2_cache_bytes, m.llc_bytes, m.arch) == (
+        topo["numa_domains"], topo["l2_cache_bytes"], topo["llc_bytes"], topo["arch"])
+    assert m.description.startswith("unmeasured CPU (")
+    notices = [r for r in caplog.records if r.name == "moajax"]
+    assert len(notices) == 1, notices
+    msg = notices[0].getMessage()
+    assert "generic" in msg and "moajax measure" in msg and str(fresh_local / "local.toml") in msg
+    assert "\n" not in msg
+
+
+def test_measured_profile_in_cache_is_local(fresh_local):
+    m = machines.Machine(
+        "cached-box", "cpu", 12.5, {"float64": 0.25, "float32": 0.5, "bfloat16": 0.4, "float16": 0.4},
+        description="Test CPU, 4 cores (measured 2026-01-02)", arch="x86_64", cores=4, numa_domains=2,
+        l2_cache_bytes=2**20, llc_bytes=2**25, launch_overhead_us=2.0,
+        measured={"date": "2026-01-02", "gemm_n": 2048, "copy_mb": 512},
+    )
+    (fresh_local / "local.toml").write_text(measure.to_toml(m))
+    assert machines.local() == m
+    assert "cached-box" not in machines.available()  # only local() reads the cache
+
+
+def test_machine_env_selects_a_profile(fresh_local, monkeypatch):
+    monkeypatch.setenv("MOAJAX_MACHINE", "delta-epyc-7763")
+    assert machines.local() is machines.load("delta-epyc-7763")
+    machines.local.cache_clear()
+    monkeypatch.setenv("MOAJAX_MACHINE", "nope")
+    with pytest.raises(ValueError, match="MOAJAX_MACHINE='nope'.*delta-epyc-7763"):
+        machines.local()
+
+
+def test_measure_command_writes_a_profile(tmp_path, capsys):
+    out = tmp_path / "sub" / "m.toml"
+    assert main(["measure", "--quick", "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    m = machines._from_toml(out)
+    assert m.kind == "cpu" and m.name == "local" and m.measured["gemm_n"] == 512
+    assert all(m.peak_tflops[dt] > 0 for dt in ("float64", "float32", "bfloat16", "float16"))
+    assert m.memory_bandwidth_gb_s > 0 and m.cores == (os.cpu_count() or 1)
 
 
 def test_median_seconds_warms_up_then_times_each_run():

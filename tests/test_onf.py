@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moajax import dnf as D
-from moajax import machines, schedule
+from moajax import cost, machines, schedule
 from moajax import onf as O
 from moajax import rewrites as W
 from moajax.ix import Ix, Var
@@ -106,7 +106,7 @@ def test_footprint_over_shared_memory():
     o = schedule.derive(d, a40)
     big = W.with_knobs(W.tile(W.tile(o, "t", 256), "s", 256), num_stages=4)
     with pytest.raises(ONFError, match=r"on-chip footprint .* KB per program exceeds the 99.0 KB of delta-a40"):
-        big.validate(a40)
+        cost.check_fits(big.validate(), a40)
 
 
 def test_program_errors(dnf):
@@ -175,7 +175,7 @@ def test_presets_and_derive():
     assert schedule.derive(d, cpu, gpu_only).axis("t").tile != 32 or d.outputs[0].shape[1] == 32
     for name in ("classical", "online", "papers-three-pass"):
         p = Preset.load(f"{O.__file__.rsplit('/moajax/', 1)[0]}/configs/presets/{name}.toml")
-        assert schedule.derive(d, cpu, p).validate(cpu)
+        assert cost.check_fits(schedule.derive(d, cpu, p).validate(), cpu)
     with pytest.raises(ONFError, match="carry must be 'online' or 'passes'"):
         schedule.derive(d, cpu, Preset.of(carry="sometimes"))
     with pytest.raises(ONFError, match="store policy for 'score' is 'disk'"):

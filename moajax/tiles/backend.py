@@ -1,0 +1,72 @@
+"""What differs between the XLA and the Pallas backends: reads, contractions, loops."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax.ix import Var
+from moajax.onf import ONF
+from moajax.reference import Named
+from moajax.tiles.ranges import Range, var_order
+
+
+class Backend:
+    """Reads, contractions and loops, for one ONF.
+
+    Every backend contracts in full precision (float32 dots are IEEE float32, not TF32),
+    downcasts a float32 operand next to a 16-bit one only under ``knobs.lowp_dots``, lays
+    tiles out in the ONF's canonical variable order, and reads operand ``a`` with its axes
+    permuted by ``perms[a]`` (its physical layout: γ, or the XLA loop order). A variable
+    taken whole spans ``Axis.whole_size(pow2_blocks)``: Triton's blocks are powers of two."""
+
+    pow2_blocks = False
+
+    def __init__(self, onf: ONF, perms: dict):
+        from jax import lax
+
+        self.onf = onf
+        self.perms = perms
+        self.precision = lax.Precision.HIGHEST
+        self.lowp_dots = onf.knobs.lowp_dots
+        self.rank = var_order(onf)
+
+    def read(self, ev, read: D.Read) -> Named:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def contract(self, a: Named, b: Named, var: Var, out_dtype) -> Named:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def window(self, ev, full) -> Named:  # pragma: no cover - interface
+        """The current ranges' window of a stage value held in memory (``stages.InMemory``)."""
+        raise NotImplementedError
+
+    def operands(self, a: Named, b: Named, out_dtype):
+        """The two contraction operands in one dtype: 16-bit both when ``lowp_dots`` and one
+        operand is 16-bit, else both in the accumulation dtype."""
+        da, db = a.data, b.data
+        if da.dtype != db.dtype:
+            low = da.dtype if da.dtype.itemsize < db.dtype.itemsize else db.dtype
+            if self.lowp_dots and low.itemsize == 2:
+                return da.astype(low), db.astype(low)
+            return da.astype(out_dtype), db.astype(out_dtype)
+        return da, db
+
+    def fori_loop(self, n, body, init):
+        from jax import lax
+
+        return lax.fori_loop(0, n, body, init)
+
+    def whole(self, v: Var) -> Range:
+        """The range of ``v`` evaluated over all of it (every tile at once)."""
+        return Range(0, self.onf.axis_of(v).whole_size(self.pow2_blocks), v.extent)
+
+
+def full_ranges(backend: Backend, vars_) -> dict:
+    """Every variable of ``vars_`` over all of it (a program that owns the whole grid)."""
+    return {v: backend.whole(v) for v in vars_}
+
+
+def is_static_full(r: Range, length: int, offset: int = 0) -> bool:
+    """Does r (shifted by ``offset``) statically cover 0 … length−1: the whole axis, no slice?"""
+    return isinstance(r.start, (int, np.integer)) and int(r.start) + offset == 0 and r.size == length

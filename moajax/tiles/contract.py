@@ -1,0 +1,85 @@
+"""Σ_v of a product as one dot_general: the factors split into two operands.
+
+A +-reduction whose body is a product (``dnf.product_factors``) is a contraction. Factors
+over a subset of another factor's variables are folded into it (a weight vector into a
+matrix) until two operands using v remain: the backend contracts them (``Backend.contract``:
+an einsum on XLA, ``tl.dot`` on Triton). What cannot be split so is multiplied out and summed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax.ix import Var
+from moajax.reference import Named, align
+from moajax.tiles.masking import mask_operands, zero_padded
+
+
+def operand(ev, f: D.Expr) -> Named:
+    """A contraction operand: a 16-bit value converted to float32 stays 16-bit (the dot
+    accumulates in float32, so the products are identical)."""
+    if isinstance(f, D.Convert) and f.dtype == np.float32 and f.arg.dtype.itemsize == 2:
+        return ev.eval(f.arg)
+    return ev.eval(f)
+
+
+def contract_factors(ev, factors, v: Var, out_dtype) -> Named:
+    """Σ_v Π factors (DNF expressions) in scope ``ev``."""
+    zeros = [zero_padded(f, v) for f in factors]
+    return contract(ev, [operand(ev, f) for f in factors], v, out_dtype, zeros)
+
+
+def contract(ev, vals: list, v: Var, out_dtype, zeros=None) -> Named:
+    """Σ_v of a product of already-evaluated operands, past-the-end positions of v masked
+    (``masking.mask_operands``; ``zeros[i]``: operand i is exactly 0 there already)."""
+    import jax.numpy as jnp
+
+    vals = mask_operands(ev, vals, v, zeros)
+    size = ev.range_of(v).size
+    if size == 1 or not any(v in x.vars for x in vals):
+        datas, vs = ev.align(vals)
+        prod = datas[0].astype(out_dtype)
+        for d in datas[1:]:
+            prod = prod * d.astype(out_dtype)
+        return Named(prod * np.asarray(size, out_dtype) if size != 1 else prod, vs)
+    a, b = two_operands(vals, v, ev.rank)
+    if b is None:
+        ax = a.vars.index(v)
+        return Named(jnp.sum(a.data.astype(out_dtype), axis=ax), a.vars[:ax] + a.vars[ax + 1:])
+    return ev.backend.contract(a, b, v, out_dtype)
+
+
+def two_operands(vals: list, v: Var, rank=None):
+    """Multiply factors together until two operands remain for one dot_general: (a, b), or
+    (product, None) when no split into two operands both using v exists."""
+    import jax.numpy as jnp
+
+    vals = list(vals)
+
+    def mul(a: Named, b: Named) -> Named:
+        datas, vs = align([a, b], rank)
+        d0, d1 = datas
+        if d0.dtype != d1.dtype:
+            dt = jnp.promote_types(d0.dtype, d1.dtype)
+            d0, d1 = d0.astype(dt), d1.astype(dt)
+        return Named(d0 * d1, vs)
+
+    changed = True
+    while len(vals) > 2 and changed:
+        changed = False
+        for i in range(len(vals)):
+            for j in range(len(vals)):
+                if i != j and set(vals[j].vars) <= set(vals[i].vars):
+                    vals[i] = mul(vals[i], vals[j])
+                    del vals[j]
+                    changed = True
+                    break
+            if changed:
+                break
+    if len(vals) == 2 and v in vals[0].vars and v in vals[1].vars:
+        return vals[0], vals[1]
+    out = vals[0]
+    for x in vals[1:]:
+        out = mul(out, x)
+    return out, None

@@ -1,0 +1,145 @@
+"""``TileEval``: DNF/ONF expressions evaluated over the ranges of one scope.
+
+Every expression becomes a ``Named`` array over exactly the variables it uses, laid out in
+the program's canonical order. Reads go to the backend; a ``Ref`` reads a stage value
+(windowed when it is held in memory); a reduction over a sequential axis is a loop over its
+tiles carrying the monoid's accumulator, over a whole axis one step, over the program's own
+grid tile a partial (to be scatter-added). Σ of a product is a contraction (``contract``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax import ops as _ops
+from moajax.ix import Ix, Var
+from moajax.reference import Named, align
+from moajax.tiles.contract import contract_factors
+from moajax.tiles.masking import fill_past_end, valid
+from moajax.tiles.ranges import Range, broadcast_to_vars, index_values, same_range
+from moajax.tiles.scope import Scope
+
+
+class TileEval(Scope):
+    """Evaluates expressions in one scope of one program (``Scope``: ranges and memo)."""
+
+    # ---- layout
+    def align(self, parts):
+        return align(parts, self.rank)
+
+    def ordered(self, vars_) -> tuple:
+        return tuple(sorted(vars_, key=lambda v: self.rank.get(v.name, 1 << 20)))
+
+    def canon(self, x: Named) -> Named:
+        """x with its axes in the program's canonical variable order (a transpose if needed)."""
+        import jax.numpy as jnp
+
+        order = self.ordered(x.vars)
+        if list(order) == list(x.vars):
+            return x
+        return Named(jnp.transpose(x.data, [x.vars.index(v) for v in order]), order)
+
+    def index_named(self, ix: Ix) -> Named:
+        """The values of an index expression over this scope's ranges (int32)."""
+        return index_values(self.ranges, ix)
+
+    # ---- evaluation
+    def eval(self, e: D.Expr) -> Named:
+        hit = self.lookup(e)
+        if hit is not None:
+            return hit
+        out = self._eval(e)
+        self.remember(e, out)
+        return out
+
+    def _eval(self, e):
+        if isinstance(e, D.Read):
+            return self.canon(self.backend.read(self, e))
+        if isinstance(e, D.Lit):
+            # a NumPy constant: it becomes a literal of the trace (a kernel may not capture arrays)
+            return Named(np.asarray(e.value, dtype=e.dtype), ())
+        if isinstance(e, D.IndexValue):
+            n = self.index_named(e.ix)
+            return Named(n.data.astype(e.dtype), n.vars)
+        if isinstance(e, D.Tag):
+            return self.eval(e.body)
+        if isinstance(e, D.Convert):
+            x = self.eval(e.arg)
+            return Named(x.data.astype(e.dtype), x.vars)
+        if isinstance(e, D.Call):
+            parts = [self.eval(c) for c in e.children]
+            if all(isinstance(p.data, np.ndarray) and not p.vars for p in parts):
+                # constant folding in NumPy: kernels may not capture computed constants
+                with np.errstate(all="ignore"):
+                    val = _ops.OPS[e.op].np_fn(*[p.data for p in parts])
+                return Named(np.asarray(val, dtype=e.dtype), ())
+            datas, vs = self.align(parts)
+            return Named(_ops.OPS[e.op].jnp_fn()(*datas), vs)
+        if isinstance(e, D.Ref):
+            return self.ref(e)
+        if isinstance(e, D.Red):
+            return self.reduce(e.monoid, e.var, e.body, e.free)
+        raise TypeError(f"cannot evaluate {type(e).__name__} in a tile")
+
+    def ref(self, e: D.Ref) -> Named:
+        """A stage's value read at e's index (the stage's own variables, renamed)."""
+        from moajax.tiles.stages import InMemory
+
+        val = self.state.values.get(e.stage)
+        if val is None:
+            raise AssertionError(f"stage {e.stage!r} is read before it is computed (stages.run first)")
+        if isinstance(val, InMemory):
+            val = self.backend.window(self, val)
+        defs = self.state.defs
+        src_vars = defs[e.stage].result_vars(e.stage) if e.stage in defs else None
+        want = tuple(i.as_var() for i in e.index)
+        if src_vars is not None and tuple(src_vars) != want:
+            ren = dict(zip(src_vars, want))
+            return Named(val.data, tuple(ren.get(v, v) for v in val.vars))
+        return val
+
+    # ---- reductions
+    def reduce(self, monoid: str, v: Var, body: D.Expr, result_free) -> Named:
+        """op_v body: a loop over the tiles of a sequential v, this program's partial over
+        its own grid tile of v (a scatter-added stage), else one step over all of v."""
+        import jax.numpy as jnp
+
+        axis = self.onf.axis_of(v)
+        mono = _ops.MONOIDS[monoid]
+        if axis.role == "sequential" and axis.ntiles > 1:
+            out_vars = self.ordered(x for x in result_free if self.range_of(x).size != 1)
+            init = jnp.full(tuple(self.range_of(x).size for x in out_vars), mono.identity(body.dtype), body.dtype)
+            self.hoist([body], v)
+
+            def step(i, acc):
+                part = self.child({v: Range(i * axis.tile, axis.tile, v.extent)}).tile_reduce(mono, v, body)
+                return _ops.OPS[mono.op].jnp_fn()(acc, broadcast_to_vars(part, out_vars, self.ranges))
+
+            return Named(self.backend.fori_loop(axis.ntiles, step, init), out_vars)
+        if axis.role == "grid" and v in self.ranges:
+            # a stage accumulated across programs (ONF.accumulate): this program's partial
+            # sum is over its own tile of v (the XLA backend's tile is the whole grid)
+            return self.tile_reduce(mono, v, body)
+        rng = self.backend.whole(v)
+        sub = self if same_range(rng, self.ranges.get(v)) else self.child({v: rng})
+        return sub.tile_reduce(mono, v, body)
+
+    def tile_reduce(self, mono, v: Var, body: D.Expr) -> Named:
+        """The monoid reduction of body over v's range in this scope (past the end: the identity)."""
+        import jax.numpy as jnp
+
+        if mono.name == "add":
+            factors = D.product_factors(body)
+            if len(factors) >= 2:
+                return contract_factors(self, factors, v, body.dtype)
+        x = self.eval(body)
+        mask = valid(self, v)
+        if mask is not None:
+            x = fill_past_end(self, x, mask, mono.identity(body.dtype))
+        if v not in x.vars:
+            if self.range_of(v).size == 1:
+                return x
+            x = Named(jnp.broadcast_to(x.data[None], (self.range_of(v).size,) + x.data.shape), (v,) + x.vars)
+        ax = x.vars.index(v)
+        return Named(mono.jnp_reduce(x.data, axis=ax), x.vars[:ax] + x.vars[ax + 1:])

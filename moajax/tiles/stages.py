@@ -1,0 +1,112 @@
+"""How stages are ordered and computed inside a program, and values held over more than a tile.
+
+A program computes, in program order, exactly the local stages its targets depend on
+(``run``). A plain stage is evaluated over the program's ranges (variables it has none for
+are taken whole); an online stage is carried (``tiles.online``). A local stage over a
+sequential axis the program does not own is a stored row: filled tile by tile into a buffer
+over the whole axis (``InMemory``), then read back through windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moajax import dnf as D
+from moajax.onf import OnlineStage, Stage
+from moajax.reference import Named
+from moajax.tiles import online
+from moajax.tiles.ranges import Range, broadcast_to_vars, same_range
+
+
+@dataclasses.dataclass(frozen=True)
+class InMemory:
+    """A stage value held over more of an axis than one tile: a stage in main memory (over
+    the padded extents of its variables) or a stored row (over a whole sequential axis).
+    Reads take the window of the current ranges relative to ``base``."""
+
+    value: Named
+    base: dict = dataclasses.field(default_factory=dict)
+
+
+def run(ev, roots) -> None:
+    """Compute, in program order, every local stage the names ``roots`` depend on."""
+    values, defs = ev.state.values, ev.state.defs
+    need: set = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n in need or n in values or n not in defs:
+            continue
+        need.add(n)
+        for e in defs[n].exprs():
+            if e is not None:
+                stack.extend(x.stage for x in D.walk(e) if isinstance(x, D.Ref))
+    done: set = set()
+    for st in ev.onf.program.stages:
+        if any(n in need for n in st.defines) and st.name not in done:
+            compute(ev, st)
+            done.update(st.defines)
+
+
+def compute(ev, st) -> None:
+    """Compute a stage's value(s) in scope ``ev`` and record them in the program's values."""
+    if isinstance(st, OnlineStage):
+        ev.state.values.update(online.carry(ev, st))
+    else:
+        ev.state.values[st.name] = value(ev, st)
+
+
+def value(ev, st: Stage):
+    """A plain stage's value: over the scope's ranges, or a stored row over a sequential axis."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    onf = ev.onf
+    seq = [v for v in st.vars if onf.axis_of(v).role == "sequential" and v not in ev.ranges]
+    if not seq:
+        return ev.within(st.vars).eval(st.body)
+    v = seq[0]
+    a = onf.axis_of(v)
+    row = Range(0, a.padded, v.extent)  # a row over every tile of v
+    others = {w: ev.backend.whole(w) for w in st.vars if w not in ev.ranges and w != v}
+    ranges = {**ev.ranges, **others, v: row}
+    order = ev.ordered(w for w in st.vars if ranges[w].size != 1)
+    buf = jnp.zeros(tuple(ranges[w].size for w in order), st.body.dtype)
+    ax = order.index(v)
+    ev.hoist([st.body], v)
+
+    def step(i, buf):
+        sub = ev.child({**others, v: Range(i * a.tile, a.tile, v.extent)})
+        val = broadcast_to_vars(sub.eval(st.body), order, {**ranges, v: sub.ranges[v]})
+        if a.tile == 1:  # a tile of one is a scalar index: the axis comes back as length 1
+            val = jnp.expand_dims(val, ax)
+        return lax.dynamic_update_slice_in_dim(buf, val.astype(buf.dtype), i * a.tile, ax)
+
+    buf = ev.backend.fori_loop(a.ntiles, step, buf)
+    return InMemory(Named(buf, order), {w: ranges[w] for w in order})
+
+
+def window_array(ev, full: InMemory) -> Named:
+    """The current ranges' window of an array held in memory: dynamic slices relative to its
+    base (the XLA backend's ``window``; Pallas windows a ref instead)."""
+    from jax import lax
+
+    data, vars_ = full.value.data, list(full.value.vars)
+    out_vars = []
+    ax = 0
+    for v in vars_:
+        r = ev.ranges.get(v)
+        b = full.base.get(v)
+        if r is None or same_range(r, b) or (b is None and isinstance(r.start, int) and r.start == 0
+                                             and r.size == data.shape[ax]):
+            out_vars.append(v)
+            ax += 1
+            continue
+        start = r.start if b is None else r.start - b.start
+        if r.size == 1:
+            data = lax.dynamic_index_in_dim(data, start, ax, keepdims=False)
+            continue
+        data = lax.dynamic_slice_in_dim(data, start, r.size, ax)
+        out_vars.append(v)
+        ax += 1
+    return Named(data, out_vars)
