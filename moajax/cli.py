@@ -91,8 +91,8 @@ def cmd_gpu_report(args) -> int:
             "# Offline GPU report: default ONFs compiled to PTX (no GPU used)",
             "",
             f"Date {datetime.date.today().isoformat()}; JAX {jax.__version__}; `moajax gpu-report` lowers each kernel "
-            "for CUDA, compiles its Triton IR with jax._src.lib.triton.compile for the machine's arch and runs "
-            f"`ptxas -v` ({gpu_report.ptxas_path()}). smem (model) is the cost model's estimate used to reject ONFs.",
+            "for CUDA, compiles its Triton IR with jaxlib's Triton compiler for the machine's arch and runs "
+            f"`ptxas -v` (ptxas {gpu_report.ptxas_version()}). smem (model) is the cost model's estimate used to reject ONFs.",
             "",
         ]
         Path(args.out).write_text("\n".join(head + lines) + "\n")

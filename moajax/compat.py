@@ -42,6 +42,22 @@ def trace_lower(fn, *args, platforms=("cuda",)):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=tuple(platforms))
 
 
+def mlir_ir():
+    """jaxlib's MLIR Python bindings (``ir``: read the attributes of a lowered module); JAX
+    has no public path to them."""
+    from jax._src.lib.mlir import ir
+
+    return ir
+
+
+def triton_compiler():
+    """jaxlib's Triton bindings (``compile``, ``has_compilation_handler``): Triton IR → PTX
+    without a GPU. Raises ImportError where this jaxlib has none."""
+    from jax._src.lib import triton
+
+    return triton
+
+
 def enable_x64_context(enabled: bool = True):
     """A context manager that switches float64 on (or off) for a block."""
     try:

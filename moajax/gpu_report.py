@@ -6,7 +6,7 @@
 
 Technique: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` emits a
 ``stablehlo.custom_call @__gpu$xla.gpu.triton`` whose backend_config holds the Triton IR;
-``jax._src.lib.triton.compile`` turns it into PTX for a compute capability; ``ptxas -v``
+jaxlib's Triton ``compile`` (``compat.triton_compiler``) turns it into PTX for a compute capability; ``ptxas -v``
 prints registers and spills; atomics are the ``atom.``/``red.`` instructions of the PTX.
 """
 
@@ -50,10 +50,9 @@ class PtxReport:
 
 def triton_kernels(fn, *args) -> list[TritonKernel]:
     """The Triton kernels in the CUDA lowering of ``fn(*args)`` (args may be ShapeDtypeStructs)."""
-    from jax._src.lib.mlir import ir
-
     from moajax import compat
 
+    ir = compat.mlir_ir()
     mod = compat.trace_lower(fn, *args).compiler_ir("stablehlo")
     out = []
 
@@ -80,10 +79,12 @@ def triton_kernels(fn, *args) -> list[TritonKernel]:
 
 def compiler_available() -> str | None:
     """None if Triton → PTX compilation is available here, else the reason it is not."""
+    from moajax import compat
+
     try:
-        from jax._src.lib import triton
+        triton = compat.triton_compiler()
     except Exception as e:  # pragma: no cover
-        return f"jax._src.lib.triton is unavailable ({e})"
+        return f"jaxlib's Triton compiler is unavailable ({e})"
     try:
         import jax
 
@@ -111,14 +112,24 @@ def ptxas_path() -> str | None:
     return shutil.which("ptxas")
 
 
+def ptxas_version() -> str:
+    """ptxas' release line (e.g. "release 12.9, V12.9.86"): what a report names instead of a path."""
+    exe = ptxas_path()
+    if exe is None:
+        raise ToolMissing("ptxas not found: install the `gpu` extra (nvidia-cuda-nvcc-cu12) or the CUDA toolkit")
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"release [^\n]*", out)
+    return m.group(0).strip() if m else out.strip().splitlines()[-1]
+
+
 def compile_ptx(kernel: TritonKernel, arch: str) -> tuple[str, int]:
     """(PTX text, shared memory bytes) of a Triton kernel for ``arch`` (sm_80, sm_86, sm_90a)."""
     reason = compiler_available()
     if reason:
         raise ToolMissing(reason)
-    from jax._src.lib import triton
+    from moajax import compat
 
-    res = triton.compile("CUDA", kernel.ir, ARCHS[arch], num_warps=kernel.num_warps, num_ctas=1,
+    res = compat.triton_compiler().compile("CUDA", kernel.ir, ARCHS[arch], num_warps=kernel.num_warps, num_ctas=1,
                          num_stages=kernel.num_stages)
     asm = res.asm if isinstance(res.asm, str) else res.asm.decode()
     return asm, int(res.smem_bytes)

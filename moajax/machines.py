@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import os
+import platform
 import sys
 import tomllib
 from pathlib import Path
@@ -109,6 +110,50 @@ def load(name: str) -> Machine:
     return profs[name]
 
 
+# ----------------------------------------------------------------------------- this machine
+
+
+def _sysfs_cache_bytes(level: int) -> int:
+    """Size of cpu0's unified or data cache at ``level`` in bytes (0 when sysfs does not say)."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for idx in sorted(base.glob("index*")):
+        try:
+            if int((idx / "level").read_text()) != level:
+                continue
+            if (idx / "type").read_text().strip() not in ("Unified", "Data"):
+                continue
+            s = (idx / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(s[-1:], 1)
+        return int(s.rstrip("KMG")) * mult
+    return 0
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def topology() -> dict:
+    """This machine's topology from sysfs and /proc (no timing): the ``Machine`` fields
+    ``cores``, ``numa_domains``, ``l2_cache_bytes``, ``llc_bytes``, ``arch``, plus ``cpu_model``."""
+    return {
+        "cores": os.cpu_count() or 1,
+        "numa_domains": len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1,
+        "l2_cache_bytes": _sysfs_cache_bytes(2),
+        "llc_bytes": _sysfs_cache_bytes(3),
+        "arch": platform.machine(),
+        "cpu_model": cpu_model(),
+    }
+
+
 GENERIC_CPU = Machine("generic-cpu", "cpu", 20.0, {"float64": 0.05, "float32": 0.1}, description="unmeasured CPU")
 GENERIC_GPU_NAME = "delta-a100"
 
@@ -139,8 +184,6 @@ def local() -> Machine:
     cached = cache_dir() / "local.toml"
     if cached.is_file():
         return _from_toml(cached)
-    from moajax.measure import topology
-
     topo = topology()
     cpu_model = topo.pop("cpu_model")
     logging.getLogger("moajax").warning(

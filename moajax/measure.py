@@ -4,7 +4,7 @@ Peak rates are measured, not quoted: for each of float64, float32 and bfloat16, 
 time (``moajax.timing.median_seconds``) of a jitted ``gemm_n``³ matmul (XLA's CPU GEMM),
 counted as 2·n³ flops; float16 is not timed and gets bfloat16's rate. Bandwidth is the median
 time of a jitted scale of a ``copy_mb`` MiB float32 array, counted as the bytes read plus the
-bytes written. Topology is read, not timed, from the kernel: logical cores
+bytes written. Topology is read, not timed (``machines.topology``), from the kernel: logical cores
 (``os.cpu_count()``), NUMA domains (``/sys/devices/system/node``), the L2 and last-level cache
 sizes of cpu0 (``/sys/devices/system/cpu/cpu0/cache``) and the CPU model (``/proc/cpuinfo``).
 
@@ -16,55 +16,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import platform
-from pathlib import Path
-
-from moajax.machines import Machine
+from moajax.machines import Machine, topology
 
 # Not measured: the cost model's per-kernel dispatch cost on a CPU, in microseconds.
 CPU_LAUNCH_OVERHEAD_US = 2.0
-
-
-def _sysfs_cache_bytes(level: int) -> int:
-    """Size of cpu0's unified or data cache at ``level`` in bytes (0 when sysfs does not say)."""
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    for idx in sorted(base.glob("index*")):
-        try:
-            if int((idx / "level").read_text()) != level:
-                continue
-            if (idx / "type").read_text().strip() not in ("Unified", "Data"):
-                continue
-            s = (idx / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(s[-1:], 1)
-        return int(s.rstrip("KMG")) * mult
-    return 0
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what the platform module knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def topology() -> dict:
-    """This machine's topology from sysfs and /proc (no timing): the ``Machine`` fields
-    ``cores``, ``numa_domains``, ``l2_cache_bytes``, ``llc_bytes``, ``arch``, plus ``cpu_model``."""
-    return {
-        "cores": os.cpu_count() or 1,
-        "numa_domains": len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1,
-        "l2_cache_bytes": _sysfs_cache_bytes(2),
-        "llc_bytes": _sysfs_cache_bytes(3),
-        "arch": platform.machine(),
-        "cpu_model": cpu_model(),
-    }
 
 
 def measure(gemm_n: int = 2048, copy_mb: int = 512) -> Machine:

@@ -12,7 +12,7 @@
                    the store-vs-recompute choice.
     accumulate     an output X[v] = c · Σ_r g (c not using r) → X[v] = Σ_r c·g, added into
                    memory by every program that owns a tile of r ("atomic": scatter-add).
-    tile / with_gamma / with_knobs   schedule-only changes (the program is untouched).
+    tile / lift / with_gamma / with_knobs   schedule-only changes (the program is untouched).
 
 Every rewrite is checked in the tests by running the ONF against the DNF reference.
 """
@@ -461,13 +461,21 @@ def with_gamma(onf: ONF, name: str, gamma: str) -> ONF:
     return onf.replace(gamma=tuple(sorted(g.items())), note=f"with_gamma({name}, {gamma})")
 
 
+def lift(onf: ONF, axes) -> ONF:
+    """Lift every axis at once (a schedule's tiling): ``axes`` replace the ONF's."""
+    shown = ", ".join(f"{a.name} {a.role} {a.tile}" for a in axes if a.role != "whole")
+    return onf.replace(axes=tuple(axes), note=f"lift({shown})")
+
+
 def with_knobs(onf: ONF, **kw) -> ONF:
-    return onf.replace(knobs=dataclasses.replace(onf.knobs, **kw))
+    """Set backend knobs (``Knobs`` fields)."""
+    shown = ", ".join(f"{k}={' '.join(v) if isinstance(v, tuple) else v}" for k, v in sorted(kw.items()))
+    return onf.replace(knobs=dataclasses.replace(onf.knobs, **kw), note=f"with_knobs({shown})")
 
 
 def retarget(onf: ONF, target: str) -> ONF:
     return onf.replace(target=target)
 
 
-__all__ = ["hoist", "fuse_online", "split_k", "materialize", "accumulate", "tile", "with_gamma", "with_knobs",
+__all__ = ["hoist", "fuse_online", "split_k", "materialize", "accumulate", "tile", "lift", "with_gamma", "with_knobs",
            "retarget", "factor_out_invariants", "mul_div_factors", "Knobs"]

@@ -28,7 +28,7 @@ from moajax import dnf as D
 from moajax import rewrites as W
 from moajax.cost import check_fits, onchip_bytes
 from moajax.machines import Machine
-from moajax.onf import ONF, Axis, Knobs, ONFError, initial, next_pow2
+from moajax.onf import ONF, Axis, ONFError, initial, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +135,7 @@ def _first_fit(onf: ONF, machine: Machine, cands, lift) -> ONF:
     bench/results/smem_sweep.md), else the last, for validate to name."""
     lowp = np.dtype(onf.dnf.outputs[0].dtype).itemsize == 2
     for bt, bs, warps, stages in cands:
-        o = lift(bt, bs)
-        o = o.replace(knobs=dataclasses.replace(o.knobs, num_warps=warps, num_stages=stages, lowp_dots=lowp))
+        o = W.with_knobs(lift(bt, bs), num_warps=warps, num_stages=stages, lowp_dots=lowp)
         if onchip_bytes(o) <= machine.onchip_limit_bytes:
             return o
     return o
@@ -179,7 +178,7 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool) -> O
         if any(a.name == v.name for a in axes):
             continue
         axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
-    return onf.replace(axes=tuple(axes))
+    return W.lift(onf, axes)
 
 
 def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
@@ -192,7 +191,7 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     bt = _cpu_rows(machine, rows_ext, other, bs)
     o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=False)
     loop = tuple(v.name for v in rows if bt < v.extent)
-    return o.replace(knobs=dataclasses.replace(o.knobs, cpu_loop=loop))
+    return W.with_knobs(o, cpu_loop=loop) if loop else o
 
 
 def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
@@ -241,13 +240,13 @@ def _scatter_over(onf: ONF, machine: Machine, r) -> ONF:
             if v.name not in seen:
                 seen.add(v.name)
                 axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
-        return onf.replace(axes=tuple(axes))
+        return W.lift(onf, axes)
 
     if gpu:
         return _first_fit(onf, machine, _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest]), lift)
     bt = _cpu_rows(machine, r.extent, int(np.prod([v.extent for v in batch])) if batch else 1)
     o = lift(bt, 256)
-    return o.replace(knobs=dataclasses.replace(o.knobs, cpu_loop=(r.name,) if bt < r.extent else ()))
+    return W.with_knobs(o, cpu_loop=(r.name,)) if bt < r.extent else o
 
 
 def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
@@ -296,11 +295,9 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
         k = dict(preset.knobs)
         if "cpu_loop" in k and isinstance(k["cpu_loop"], (list, str)):
             k["cpu_loop"] = tuple([k["cpu_loop"]] if isinstance(k["cpu_loop"], str) else k["cpu_loop"])
-        onf = onf.replace(knobs=dataclasses.replace(onf.knobs, **k))
-    onf = onf.replace(knobs=_valid_cpu_loop(onf))
+        onf = W.with_knobs(onf, **k)
+    grid = {a.name for a in onf.axes if a.role == "grid"}
+    if any(n not in grid for n in onf.knobs.cpu_loop):  # a preset made a looped axis non-grid
+        onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))
     return check_fits(onf.validate(), machine)
 
-
-def _valid_cpu_loop(onf: ONF) -> Knobs:
-    grid = {a.name for a in onf.axes if a.role == "grid"}
-    return dataclasses.replace(onf.knobs, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))

@@ -53,7 +53,7 @@ def main():
     import numpy as np
 
     import moajax
-    from moajax.measure import cpu_model
+    from moajax.machines import cpu_model
 
     budget = int(args.budget_gib * 2**30) if args.budget_gib else int(0.7 * _mem_total())
     N, D = args.heads, args.head_dim

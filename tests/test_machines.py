@@ -70,7 +70,7 @@ def test_unmeasured_machine_gets_generic_profile_with_sysfs_topology_and_one_not
         assert machines.local() is m
     assert m.name == machines.GENERIC_CPU.name and m.kind == "cpu"
     assert m.peak_tflops == machines.GENERIC_CPU.peak_tflops
-    topo = measure.topology()
+    topo = machines.topology()
     assert m.cores == (os.cpu_count() or 1) == topo["cores"]
     assert (m.numa_domains, m.l2_cache_bytes, m.llc_bytes, m.arch) == (
         topo["numa_domains"], topo["l2_cache_bytes"], topo["llc_bytes"], topo["arch"])

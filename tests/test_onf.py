@@ -58,6 +58,31 @@ def test_axis_lifting_numbers():
     assert "⟨3 × 4⟩" in a.text()
 
 
+@pytest.mark.parametrize("axis,whole,pow2,block", [
+    (O.Axis("t", 10, 4, "grid"), 12, 16, 4),             # every tile of a lifted axis: ⌈10/4⌉·4
+    (O.Axis("s", 10, 4, "sequential"), 12, 16, 4),
+    (O.Axis("t", 10, 1, "grid"), 10, 16, 1),             # tile 1 (batch-like): its extent
+    (O.Axis("h", 72, 128, "whole"), 128, 128, 128),      # a whole axis padded up to its tile
+    (O.Axis("h", 64, 64, "whole"), 64, 64, 64),
+    (O.Axis("e", 6, 1, "whole"), 6, 8, 6),               # whole: never below the extent
+    (O.Axis("t", 96, 32, "grid"), 96, 128, 32),          # 3 tiles: whole tiles, pow2 rounds up
+])
+def test_whole_size_is_the_one_rule(axis, whole, pow2, block):
+    assert axis.whole_size() == whole and axis.whole_size(pow2=True) == pow2 and axis.block == block
+    assert axis.whole_size() >= axis.extent and axis.whole_size() % axis.block == 0 or axis.role == "whole"
+
+
+def test_history_tells_every_rewrite(dnf):
+    o = W.fuse_online(W.hoist(O.initial(dnf)))
+    o = W.with_knobs(W.with_gamma(W.tile(o, "s", 4, "sequential"), "key", "F"), num_warps=8)
+    assert o.history == ("hoist", "fuse_online", "tile(s, 4, sequential)", "with_gamma(key, F)", "with_knobs(num_warps=8)")
+    assert "rewrites: hoist → fuse_online → tile(s, 4, sequential) → with_gamma(key, F) → with_knobs(num_warps=8)" in o.pretty()
+    d = schedule.derive(dnf, machines.load("delta-a100"), Preset.of(tiles={"t": 16}, gamma={"key": "F"}))
+    # the schedule's own choices are rewrites too: the lifting and the knobs it picked
+    assert d.history == ("hoist", "fuse_online", "lift(t grid 8)", "with_knobs(lowp_dots=False, num_stages=3, num_warps=8)",
+                         "tile(t, 16, grid)", "with_gamma(key, F)")
+
+
 def _with_axes(o, *axes):
     return o.replace(axes=tuple(axes))
 
