@@ -51,20 +51,26 @@ class Expr:
         raise TypeError("DNF expressions are not picklable")
 
 
+def _indexed(cls, attr: str, name: str, index, dtype) -> Expr:
+    """The hash-consed leaf ⟨index⟩ of ``name`` (stored as ``attr``): an input read or a stage ref."""
+    index = tuple(Ix.of(i) for i in index)
+    dtype = np.dtype(dtype)
+
+    def init(o):
+        setattr(o, attr, name)
+        o.index, o.dtype, o.children = index, dtype, ()
+        o.free = frozenset().union(*(i.free_vars() for i in index)) if index else frozenset()
+
+    return cls._get((name, index, dtype), init)
+
+
 class Read(Expr):
     """⟨ix…⟩ψ A: one element of the input array A."""
 
     __slots__ = ("array", "index")
 
     def __new__(cls, array: str, index, dtype):
-        index = tuple(Ix.of(i) for i in index)
-        dtype = np.dtype(dtype)
-
-        def init(o):
-            o.array, o.index, o.dtype, o.children = array, index, dtype, ()
-            o.free = frozenset().union(*(i.free_vars() for i in index)) if index else frozenset()
-
-        return cls._get((array, index, dtype), init)
+        return _indexed(cls, "array", array, index, dtype)
 
 
 class Lit(Expr):
@@ -181,14 +187,7 @@ class Ref(Expr):
     __slots__ = ("stage", "index")
 
     def __new__(cls, stage: str, index, dtype):
-        index = tuple(Ix.of(i) for i in index)
-        dtype = np.dtype(dtype)
-
-        def init(o):
-            o.stage, o.index, o.dtype, o.children = stage, index, dtype, ()
-            o.free = frozenset().union(*(i.free_vars() for i in index)) if index else frozenset()
-
-        return cls._get((stage, index, dtype), init)
+        return _indexed(cls, "stage", stage, index, dtype)
 
 
 # ----------------------------------------------------------------------------- traversal
@@ -514,16 +513,7 @@ def show(e: Expr, ctx: ShowContext | None = None) -> str:
         elif isinstance(x, IndexValue):
             s = str(x.ix) if x.ix.as_var() is not None or x.ix.is_const else f"({x.ix})"
         elif isinstance(x, Call):
-            op = _ops.OPS[x.op]
-            a = [go(c, scope) for c in x.children]
-            if op.name == "where":
-                s = f"({a[0]} ? {a[1]} : {a[2]})"
-            elif op.infix:
-                s = f"({a[0]} {op.symbol} {a[1]})"
-            elif op.name == "neg":
-                s = f"−{a[0]}"
-            else:
-                s = f"{op.symbol}({a[0]})"
+            s = _ops.OPS[x.op].show([go(c, scope) for c in x.children], "dnf")
         elif isinstance(x, Convert):
             s = f"{x.dtype.name}({go(x.arg, scope)})"
         elif isinstance(x, Red):

@@ -282,6 +282,44 @@ class Omega(Array):
         return self.args
 
 
+# ----------------------------------------------------------------------------- the DAG
+
+
+def nodes(expr: Array):
+    """Every node reachable from ``expr`` (operands and Ω bodies), each once."""
+    stack, seen = [expr], set()
+    while stack:
+        x = stack.pop()
+        if x.uid in seen:
+            continue
+        seen.add(x.uid)
+        yield x
+        if isinstance(x, Omega):
+            stack.append(x.body)
+        stack.extend(x.children)
+
+
+def free_cells(node: Array, cache: dict | None = None) -> frozenset:
+    """The Ω cells a subterm refers to without binding them: only their bindings can make its
+    value differ from one frame index to the next (``cache``: uid → result, reused)."""
+    cache = {} if cache is None else cache
+    hit = cache.get(node.uid)
+    if hit is not None:
+        return hit
+    if isinstance(node, Cell):
+        out = frozenset([node])
+    elif isinstance(node, Omega):
+        out = free_cells(node.body, cache) - set(node.cells)
+        for a in node.args:
+            out |= free_cells(a, cache)
+    else:
+        out = frozenset()
+        for c in node.children:
+            out |= free_cells(c, cache)
+    cache[node.uid] = out
+    return out
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -831,13 +869,7 @@ def moa_str(A: "Array", limit: int = 160) -> str:
         elif isinstance(x, Catenate):
             s = f"{go(x.a)} ⧺ {go(x.b)}"
         elif isinstance(x, Map):
-            a = [go(c) for c in x.args]
-            if x.op.name == "where":
-                s = f"where({', '.join(a)})"
-            elif x.op.infix:
-                s = f"{a[0]} {x.op.symbol} {a[1]}"
-            else:
-                s = f"{x.op.symbol} {a[0]}"
+            s = x.op.show([go(c) for c in x.args], "moa")
         elif isinstance(x, Outer):
             s = f"{go(x.a)} {x.op.symbol}.× {go(x.b)}"
         elif isinstance(x, Inner):

@@ -4,7 +4,7 @@ It walks the algebra's DAG operation by operation, materialising every intermedi
 exactly what ψ-reduction removes — with NumPy's own routines (transpose, concatenate,
 tensordot, ufunc.reduce). Floating arrays are evaluated in float64 (``promote=True``), so
 a DNF evaluated in float64 must agree with it to rounding (rel ≤ 1e-12).
-It shares no code with ``moajax.psi`` or ``moajax.reference``.
+It shares no evaluation code with ``moajax.psi`` or ``moajax.reference`` (only the algebra's own DAG helpers).
 """
 
 from __future__ import annotations
@@ -58,25 +58,7 @@ class _Evaluator:
         return out
 
     def _uses_cells(self, x) -> bool:
-        hit = self._cells.get(x.uid)
-        if hit is None:
-            hit = self._cells[x.uid] = self._walk_cells(x)
-        return hit
-
-    def _walk_cells(self, x) -> bool:
-        stack, seen = [x], set()
-        while stack:
-            n = stack.pop()
-            if n.uid in seen:
-                continue
-            seen.add(n.uid)
-            if isinstance(n, moa.Cell):
-                return True
-            if isinstance(n, moa.Omega):
-                stack.extend(n.args)
-                continue  # its body's cells are its own
-            stack.extend(n.children)
-        return False
+        return bool(moa.free_cells(x, self._cells))
 
     def _eval(self, x, env):
         if isinstance(x, moa.Input):

@@ -35,6 +35,18 @@ class ScalarOp:
     def jnp_fn(self) -> Callable:
         return _jnp_impl(self.name)
 
+    def show(self, args: list, style: str) -> str:
+        """f applied to printed operands, in MoA notation (``style`` "moa": ``a + b``, ``exp a``,
+        ``where(c, a, b)``) or in a DNF's (``"dnf"``: ``(a + b)``, ``exp(a)``, ``(c ? a : b)``)."""
+        dnf = style == "dnf"
+        if self.name == "where":
+            return f"({args[0]} ? {args[1]} : {args[2]})" if dnf else f"where({', '.join(args)})"
+        if self.infix:
+            return f"({args[0]} {self.symbol} {args[1]})" if dnf else f"{args[0]} {self.symbol} {args[1]}"
+        if dnf:
+            return f"−{args[0]}" if self.name == "neg" else f"{self.symbol}({args[0]})"
+        return f"{self.symbol} {args[0]}"
+
 
 def _np_sigmoid(x):
     # 0.5·(1 + tanh(x/2)) is exact in the limit and never overflows, unlike 1/(1+e^{-x}).

@@ -153,22 +153,7 @@ class Reducer:
 
     def free_cells(self, node) -> frozenset:
         """The Ω cells a subterm refers to (only those bindings can change its reduction)."""
-        cache = self._cells
-        hit = cache.get(node.uid)
-        if hit is not None:
-            return hit
-        if isinstance(node, moa.Cell):
-            out = frozenset([node])
-        elif isinstance(node, moa.Omega):
-            out = self.free_cells(node.body) - set(node.cells)
-            for a in node.args:
-                out |= self.free_cells(a)
-        else:
-            out = frozenset()
-            for c in node.children:
-                out |= self.free_cells(c)
-        cache[node.uid] = out
-        return out
+        return moa.free_cells(node, self._cells)
 
     def log(self, rule: str, p, node, after: str):
         if self.record:
@@ -359,18 +344,10 @@ def reduce_to_dnf(name: str, inputs, outputs, output_names=None, record: bool = 
 def psi_reduce(expr: "moa.Array", name: str = "expr", record: bool = True):
     """ψ-reduce a single expression; its inputs are found by walking the DAG."""
     inputs = {}
-    stack, seen = [expr], set()
-    while stack:
-        x = stack.pop()
-        if x.uid in seen:
-            continue
-        seen.add(x.uid)
+    for x in moa.nodes(expr):
         if isinstance(x, moa.Input):
             prev = inputs.setdefault(x.name, x)
             if prev is not x and (prev.shape, prev.dtype) != (x.shape, x.dtype):
                 raise ValueError(f"{name}: two different inputs are both named {x.name!r}")
-        if isinstance(x, moa.Omega):
-            stack.append(x.body)
-        stack.extend(x.children)
     return reduce_to_dnf(name, tuple(inputs[k] for k in sorted(inputs)), expr, record=record)
 
