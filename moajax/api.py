@@ -8,13 +8,12 @@ to XLA loops and CUDA to a Pallas (Triton) kernel.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
-from moajax import machines
-from moajax.onf import ONF, ONFError
+from moajax import machines, runtime
+from moajax.onf import ONF
 from moajax.schedule import Preset, derive
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -39,69 +38,6 @@ def _check_broadcast(name, shape, target):
             )
 
 
-def _gpu_machine():
-    import jax
-
-    for d in jax.devices():
-        if d.platform in ("gpu", "cuda"):
-            return machines.for_device(d)
-    return machines.load(machines.GENERIC_GPU_NAME)
-
-
-@functools.lru_cache(maxsize=256)
-def _schedules(dnf, onf_key):
-    """(CPU ONF, GPU ONF) for a DNF: derived, or from an explicit ONF / preset."""
-    if isinstance(onf_key, ONF):
-        if onf_key.dnf.outputs[0].body is not dnf.outputs[0].body or onf_key.dnf.inputs != dnf.inputs:
-            raise ONFError(
-                f"dot_product_attention: the onf given was derived for another DNF ({onf_key.dnf.name}, inputs "
-                f"{[str(i) for i in onf_key.dnf.inputs]}); these arguments give inputs {[str(i) for i in dnf.inputs]}"
-            )
-        onf_key.validate()
-        # an ONF is for one kind of machine: it runs there; the other platform gets its default
-        kind = machines.available().get(onf_key.target, machines.local()).kind
-        if kind == "gpu":
-            return derive(dnf, machines.local()), onf_key
-        return onf_key, derive(dnf, _gpu_machine())
-    preset = onf_key if isinstance(onf_key, Preset) else Preset()
-    return derive(dnf, machines.local(), preset), derive(dnf, _gpu_machine(), preset)
-
-
-@functools.lru_cache(maxsize=256)
-def _lowered(onf: ONF, backend: str):
-    if backend == "xla":
-        from moajax import lower_xla
-
-        return lower_xla.lower(onf)
-    import pallas_kernels
-
-    return pallas_kernels.lower(onf)
-
-
-def _differentiated_as(run, xla):
-    """``run`` (the platform dispatch, or a Pallas kernel) with the derivative of ``xla``.
-
-    JAX differentiates every branch of a platform dispatch and has no derivative rule for
-    a Pallas kernel over a grid, so ``jax.grad`` would fail inside the CUDA branch even on a
-    CPU. The cotangents come from the VJP of the XLA lowering of the same ONF instead
-    (the same DNF: same meaning); the residuals are the inputs. The fused Pallas backward
-    kernels are not tied in here yet (roadmap 1)."""
-    import jax
-
-    @jax.custom_vjp
-    def f(*args):
-        return run(*args)
-
-    def fwd(*args):
-        return run(*args), args
-
-    def bwd(args, g):
-        return jax.vjp(xla, *args)[1](g)  # a bool mask gets a float0 cotangent, as jax.vjp gives
-
-    f.defvjp(fwd, bwd)
-    return f
-
-
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, onf=None,
                           implementation=None):
     """softmax(scale · Q Kᵀ + bias, masked) V — jax.nn.dot_product_attention's contract.
@@ -119,7 +55,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     """
     import jax.numpy as jnp
 
-    from moajax import compat
     from moajax.kernels.attention import mha_dnf
 
     qs, qd = _shape_dtype(query, "query")
@@ -179,29 +114,26 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             raise ValueError(f"dot_product_attention: scale must be finite, got {scale}")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"dot_product_attention: is_causal must be a static bool, got {type(is_causal).__name__}")
-    if onf is not None and not isinstance(onf, (ONF, Preset)):
-        raise TypeError(f"dot_product_attention: onf must be a moajax ONF or a Preset, got {type(onf).__name__}")
-    if implementation not in (None, "xla", "pallas", "pallas_interpret"):
-        raise ValueError(f"dot_product_attention: implementation must be None, 'xla', 'pallas' or 'pallas_interpret', got {implementation!r}")
+    runtime.check_onf_argument(onf, "dot_product_attention")
+    runtime.check_implementation(implementation, "dot_product_attention")
 
     dnf = mha_dnf(qs, ks, vs, qd, bias_shape, bias_dtype, mask_shape, None if scale is None else float(scale), bool(is_causal))
-    cpu_onf, gpu_onf = _schedules(dnf, onf)
+    cpu_onf, gpu_onf = runtime.schedules(dnf, onf)
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
 
-    xla = _lowered(cpu_onf, "xla")
+    xla = runtime.lowered(cpu_onf, "xla")
     if implementation == "xla":
-        out = xla(*args)
-    elif implementation == "pallas":
-        out = _differentiated_as(_lowered(gpu_onf, "pallas"), xla)(*args)
-    elif implementation == "pallas_interpret":
-        import pallas_kernels
-
-        out = _differentiated_as(pallas_kernels.lower(gpu_onf, interpret=True), xla)(*args)
+        out = xla(*args)  # differentiated by JAX itself
     else:
-        out = _differentiated_as(
-            functools.partial(compat.platform_dependent, cpu=xla, cuda=_lowered(gpu_onf, "pallas"), default=xla), xla
-        )(*args)
+        # the cotangents are the VJP of the XLA lowering of the same ONF (the same DNF: the
+        # same meaning); the residuals are the inputs. A bool mask gets a float0 cotangent.
+        def backward(args, cts):
+            import jax
+
+            return jax.vjp(xla, *args)[1](*cts)
+
+        out = runtime.differentiable(runtime.dispatch(cpu_onf, gpu_onf, implementation), backward, 1)(*args)
     return out if batched else out[0]
 
 

@@ -1,4 +1,5 @@
-"""The ``moajax`` command line: ``moajax derive [--list | KERNEL]``, ``moajax measure [--out PATH]``."""
+"""The ``moajax`` command line: ``moajax derive [--list | KERNEL [--adjoint]]``, ``moajax gpu-report``,
+``moajax measure [--out PATH]``."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def cmd_derive(args) -> int:
         if name not in reg:
             print(f"moajax derive: unknown kernel {name!r}; known: {', '.join(reg)}", file=sys.stderr)
             return 2
-        k = reg[name]
-        print(f"== {name}: example sizes {k.example}")
+        k = reg[name].adjoint() if args.adjoint else reg[name]
+        print(f"== {k.name}: example sizes {k.example}")
         print(k.dnf().pretty())
         print()
         print(k.derivation().pretty(max_steps=None if args.full else 60))
@@ -123,6 +124,8 @@ def main(argv=None) -> int:
     d.add_argument("kernel", nargs="*", help="kernel name(s), or 'all'")
     d.add_argument("--list", action="store_true", help="list the kernels")
     d.add_argument("--full", action="store_true", help="print every derivation step")
+    d.add_argument("--adjoint", action="store_true",
+                   help="the kernel's backward, derived in the algebra (moajax.adjoint): its DNF and derivation")
     d.set_defaults(func=cmd_derive)
     g = sub.add_parser("gpu-report", help="compile each kernel's default GPU ONF to PTX offline; print resources")
     g.add_argument("--arch", nargs="*", default=[], help="only these archs (sm_80 sm_86 sm_90a)")

@@ -331,6 +331,27 @@ def canonical(e: Expr) -> Expr:
     return go(e, 0)
 
 
+def rebind(e: Expr, old: Var, new: Var) -> Expr:
+    """e with every reduction over ``old`` α-renamed to reduce over ``new`` (free occurrences
+    of ``old`` outside such reductions are left alone)."""
+    memo: dict = {}
+
+    def go(x):
+        hit = memo.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        if isinstance(x, Red) and x.var == old:
+            out = Red(x.monoid, new, go(substitute(x.body, {old: Ix.of(new)})))
+        elif x.children:
+            out = rebuild(x, [go(c) for c in x.children])
+        else:
+            out = x
+        memo[id(x)] = (x, out)
+        return out
+
+    return go(e)
+
+
 # ----------------------------------------------------------------------------- the DNF value
 
 

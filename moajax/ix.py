@@ -195,6 +195,24 @@ class Ix:
                 return a
         return None
 
+    def window_var(self, is_scalar):
+        """For v + (an expression in variables that ``is_scalar`` accepts), v: the index runs
+        over a contiguous window of v. None if every variable is scalar; False if the index is
+        not such a window (v scaled, or inside ⌊·/d⌋ or mod d, or two moving variables)."""
+        moving = [v for v in self.free_vars() if not is_scalar(v)]
+        if not moving:
+            return None
+        if len(moving) != 1:
+            return False
+        v = moving[0]
+        for a, c in self.terms:
+            if isinstance(a, Var) and a == v:
+                if c != 1:
+                    return False
+            elif v in (a.arg.free_vars() if not isinstance(a, Var) else {a}):
+                return False
+        return v
+
     def as_shifted_var(self) -> tuple[Var, int] | None:
         """(v, c) if self is exactly v + c."""
         if len(self.terms) == 1:

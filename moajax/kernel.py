@@ -6,7 +6,10 @@
 
 Each positional parameter's annotation names its dimensions; keyword-only parameters are
 static (hashable) options. The kernel is traced once per (shapes, dtypes, options) into an
-array expression, ψ-reduced to a DNF (cached), and calling it runs the DNF → JAX reference.
+array expression and ψ-reduced to a DNF (cached). Calling it runs compiled code: the DNF's
+ONF for this machine lowered to XLA on a CPU, to Pallas on CUDA (``moajax.runtime``), with
+``jax.grad`` running the compiled adjoint kernel (``Kernel.adjoint``, derived in the algebra).
+``k.reference(...)`` runs the DNF → JAX reference instead; ``k.onf(...)`` is the ONF that runs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from moajax import psi as _psi
 from moajax import reference as _reference
 
 REGISTRY: dict[str, "Kernel"] = {}
+RESERVED = ("onf", "implementation")  # keywords of a call, not kernel options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +68,15 @@ class Kernel:
                     )
                 self.params.append(Param(p.name, tuple(ann.split())))
             elif p.kind == p.KEYWORD_ONLY:
+                if p.name in RESERVED:
+                    raise TypeError(f"kernel {self.name}: option name {p.name!r} is reserved for calls {RESERVED}")
                 self.options[p.name] = p.default
             else:
                 raise TypeError(f"kernel {self.name}: *args/**kwargs are not supported")
         functools.update_wrapper(self, fn)
         self._cache: dict = {}
+        self._compiled: dict = {}
+        self._adjoints: dict = {}
 
     # ---- tracing
     def define(self, *arrays: moa.Array, **options) -> moa.Array:
@@ -136,9 +144,9 @@ class Kernel:
         """The ψ-reduction, rule by rule."""
         return self._build(specs or self.example_specs(), options)[3]
 
-    def reference(self, *specs, **options) -> Callable:
-        """The DNF → JAX function for these shapes."""
-        return self._build(specs or self.example_specs(), options)[4]
+    def reference(self, *arrays, **options):
+        """Run the DNF → JAX reference (the test oracle: correct rather than fast)."""
+        return self._build(arrays, options)[4](*arrays)
 
     def example_specs(self, dtype=np.float32):
         """Argument specs from the ``example`` dimension sizes (for the CLI and docs)."""
@@ -149,9 +157,114 @@ class Kernel:
 
         return tuple(jax.ShapeDtypeStruct(tuple(self.example[d] for d in p.dims), dtype) for p in self.params)
 
-    def __call__(self, *arrays, **options):
-        """Run the kernel through the DNF → JAX reference path."""
-        return self._build(arrays, options)[4](*arrays)
+    def __call__(self, *arrays, onf=None, implementation=None, **options):
+        """Run the kernel compiled (see the module docstring); differentiable by ``jax.grad``.
+
+        ``onf``: an ONF derived for exactly these shapes, or a ``Preset`` applied on top of the
+        default schedule; ``implementation``: None (XLA on CPU, Pallas on CUDA), "xla",
+        "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU)."""
+        return self.compiled(*arrays, onf=onf, implementation=implementation, **options)(*arrays)
+
+    def onf(self, *arrays, onf=None, implementation=None, **options):
+        """The ONF a call with these arguments runs (on this process's default platform)."""
+        from moajax import runtime
+
+        runtime.check_onf_argument(onf, self.name)
+        runtime.check_implementation(implementation, self.name)
+        cpu, gpu = runtime.schedules(self._build(arrays, options)[2], onf)
+        if implementation in ("pallas", "pallas_interpret"):
+            return gpu
+        if implementation == "xla":
+            return cpu
+        import jax
+
+        return gpu if jax.default_backend() in ("gpu", "cuda") else cpu
+
+    def compiled(self, *specs, onf=None, implementation=None, **options) -> Callable:
+        """The compiled function of the arrays for these shapes and options (cached), with its
+        backward: a ``jax.custom_vjp`` whose cotangents come from the compiled adjoint kernel."""
+        from moajax import adjoint as _adjoint
+        from moajax import runtime
+
+        runtime.check_onf_argument(onf, self.name)
+        runtime.check_implementation(implementation, self.name)
+        key = (self._key(specs, options), onf, implementation)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            return hit
+        dnf = self._build(specs, options)[2]
+        run = runtime.dispatch(*runtime.schedules(dnf, onf), implementation)
+        floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
+        out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
+
+        def backward(args, cts):
+            import jax
+
+            cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
+                   for ct, (shape, dt) in zip(cts, out_specs)]
+            adj = self._adjoint_for(key[0], options)
+            grads = adj(*args, *cts, implementation=implementation, **options)
+            grads = iter(grads if isinstance(grads, tuple) else (grads,))
+            return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
+
+        fn = runtime.differentiable(run, backward, len(dnf.outputs))
+        self._compiled[key] = fn
+        return fn
+
+    def _adjoint_for(self, shape_key, options) -> "Kernel":
+        """The adjoint kernel (cached per shapes and options) that ``compiled`` runs backward."""
+        import jax
+
+        key = (shape_key, tuple(sorted(options.items())))
+        hit = self._adjoints.get(key)
+        if hit is None:
+            specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
+            hit = self._adjoints[key] = self.adjoint(*specs, **options)
+        return hit
+
+    def adjoint(self, *specs, wrt=None, **options) -> "Kernel":
+        """The backward of this kernel as a ``Kernel`` (``moajax.adjoint``: derived in the algebra).
+
+        Its inputs are the primals, then one cotangent per output (``d_<output>``, ρ and dims
+        of the output); its outputs are the cotangents ``d_<input>`` of the differentiable
+        inputs (``wrt``: names; default every floating input), each in its input's dtype.
+        It ψ-reduces to a DNF like any kernel. ``specs`` (default: ``example_specs()``) and
+        ``options`` are only used to learn the outputs' dims and dtypes."""
+        from moajax import adjoint as _adjoint
+
+        key = self._key(specs or self.example_specs(), options)
+        inputs, expr = self._build(specs or self.example_specs(), options)[:2]
+        outs = expr if isinstance(expr, tuple) else (expr,)
+        names = self.output_names or (("out",) if len(outs) == 1 else tuple(f"out{i}" for i in range(len(outs))))
+        floats = [p.name for p, (_, dt) in zip(self.params, key[0]) if _adjoint.differentiable(dt)]
+        wrt = tuple(floats if wrt is None else wrt)
+        for w in wrt:
+            if w not in floats:
+                raise ValueError(f"{self.name}.adjoint: wrt names {w!r}, which is not a floating input; "
+                                 f"floating inputs are {floats}")
+        primal, n = self, len(self.params)
+        ct_names = tuple(f"d_{o}" for o in names)
+
+        def backward(*arrays, **opts):
+            outputs = primal.fn(*arrays[:n], **opts)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            by_name = dict(zip([p.name for p in primal.params], arrays[:n]))
+            grads = _adjoint.vjp(outputs, arrays[n:], [by_name[w] for w in wrt])
+            return tuple(_adjoint.zeros_like(by_name[w]) if d is None else d for w, d in zip(wrt, grads))
+
+        params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.params]
+        params += [inspect.Parameter(c, inspect.Parameter.POSITIONAL_OR_KEYWORD) for c in ct_names]
+        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in self.options.items()]
+        backward.__signature__ = inspect.Signature(params)
+        backward.__name__ = f"{self.name}_adjoint"
+        backward.__doc__ = f"The adjoint of {self.name}, derived by moajax.adjoint."
+        dims = {p.name: " ".join(p.dims) for p in self.params}
+        dims.update({c: " ".join(o.dims) for c, o in zip(ct_names, outs)})
+        example = dict(self.example)
+        for o in outs:
+            example.update({d: s for d, s in zip(o.dims, o.shape) if d not in example})
+        return Kernel(backward, example=example, name=f"{self.name}_adjoint", outputs=tuple(f"d_{w}" for w in wrt),
+                      dims=dims)
 
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)

@@ -232,6 +232,13 @@ class Name(Unary):
     __slots__ = ("label",)
 
 
+class StopGradient(Unary):
+    """A, held constant under differentiation: ψ passes through it, its adjoint is 0. The
+    softmax identity: softmax and logsumexp do not depend on the row max they subtract."""
+
+    __slots__ = ()
+
+
 class Catenate(Array):
     """A ⧺ B along axis 0."""
 
@@ -297,6 +304,49 @@ def nodes(expr: Array):
         if isinstance(x, Omega):
             stack.append(x.body)
         stack.extend(x.children)
+
+
+def rebuild(node: Array, children, body: Array | None = None) -> Array:
+    """A copy of ``node`` (a fresh node: its own uid) over new operands (and, for Ω, a new body)."""
+    new = object.__new__(type(node))
+    for cls in type(node).__mro__:
+        for slot in getattr(cls, "__slots__", ()):
+            if hasattr(node, slot):
+                setattr(new, slot, getattr(node, slot))
+    new.uid = next(_counter)
+    children = tuple(children)
+    if isinstance(node, Unary):
+        (new.arg,) = children
+    elif isinstance(node, (Catenate, Outer, Inner)):
+        new.a, new.b = children
+    elif isinstance(node, (Map, Omega)):
+        new.args = children
+    if isinstance(node, Omega) and body is not None:
+        new.body = body
+    return new
+
+
+def substitute(expr: Array, mapping: dict) -> Array:
+    """``expr`` with each node that is a key of ``mapping`` replaced by its value (by identity);
+    subterms that contain none of them are shared, not copied (Ω bodies are rewritten too)."""
+    by_uid = {k.uid: v for k, v in mapping.items()}
+    memo: dict = {}
+
+    def go(x):
+        hit = memo.get(x.uid)
+        if hit is not None:
+            return hit
+        if x.uid in by_uid:
+            out = by_uid[x.uid]
+        else:
+            kids = tuple(go(c) for c in x.children)
+            body = go(x.body) if isinstance(x, Omega) else None
+            same = all(a is b for a, b in zip(kids, x.children)) and (body is None or body is x.body)
+            out = x if same else rebuild(x, kids, body)
+        memo[x.uid] = out
+        return out
+
+    return go(expr)
 
 
 def free_cells(node: Array, cache: dict | None = None) -> frozenset:
@@ -557,6 +607,16 @@ def name(label: str, A: Array) -> Array:
     return node
 
 
+def stop_gradient(A: Array) -> Array:
+    """A, held constant by ``moajax.adjoint`` (its cotangent is not propagated)."""
+    A = as_array(A)
+    if isinstance(A, (Literal, Iota, StopGradient)):
+        return A
+    node = StopGradient(A.shape, A.dims, A.dtype)
+    node.arg = A
+    return node
+
+
 def cast(A: Array, dtype) -> Array:
     """A with elements converted to ``dtype``."""
     A = as_array(A)
@@ -796,7 +856,7 @@ def softmax(A: Array, axis: int = -1) -> Array:
         perm = tuple(i for i in range(A.rank) if i != a) + (a,)
         inv = tuple(np.argsort(perm))
         return transpose(softmax(transpose(A, perm), -1), inv)
-    m = amax(A, -1)
+    m = stop_gradient(amax(A, -1))  # the result is the same for any shift: no cotangent
     e = name("num", exp(omega(sub, (1, 0))(A, m)))
     den = name("den", sum(e, -1))
     return name("probs", omega(div, (1, 0))(e, den))
@@ -809,7 +869,7 @@ def logsumexp(A: Array, axis: int = -1) -> Array:
     if a != A.rank - 1:
         perm = tuple(i for i in range(A.rank) if i != a) + (a,)
         return logsumexp(transpose(A, perm), -1)
-    m = amax(A, -1)
+    m = stop_gradient(amax(A, -1))  # the result is the same for any shift: no cotangent
     return m + log(sum(exp(omega(sub, (1, 0))(A, m)), -1))
 
 
@@ -819,7 +879,7 @@ __all__ = [
     "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne", "logical_and",
     "logical_or", "logical_not", "neg", "abs_", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid",
     "silu", "where", "outer", "reduce", "inner", "dot", "omega", "sum", "amax", "amin", "mean",
-    "square", "softmax", "logsumexp",
+    "square", "softmax", "logsumexp", "stop_gradient",
 ]
 
 
@@ -848,6 +908,8 @@ def moa_str(A: "Array", limit: int = 160) -> str:
             s = "□" + "₀₁₂₃₄₅₆₇₈₉"[x.position % 10]
         elif isinstance(x, Name):
             s = x.label if not top else go(x.arg)
+        elif isinstance(x, StopGradient):
+            s = go(x.arg, top)
         elif isinstance(x, Psi):
             s = f"{_vec(x.index)}ψ {go(x.arg)}"
         elif isinstance(x, Take):

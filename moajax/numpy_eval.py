@@ -72,7 +72,7 @@ class _Evaluator:
             return np.arange(x.shape[0], dtype=x.dtype)
         if isinstance(x, moa.Cell):
             return env[x]
-        if isinstance(x, moa.Name):
+        if isinstance(x, (moa.Name, moa.StopGradient)):
             return self.eval(x.arg, env)
         if isinstance(x, moa.Psi):
             return self.eval(x.arg, env)[tuple(x.index)]

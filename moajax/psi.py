@@ -19,6 +19,7 @@ Each rule below rewrites ⟨p⟩ψ (op …) one step, into ψ of the operands at
     ψ-omega        ⟨f c⟩ψ Ω f(A…)   → ⟨c⟩ψ f(□…) with each cell □ᵢ bound to ⟨f⟩ψ Aᵢ
     ψ-cell         ⟨c⟩ψ □ᵢ          → ⟨f ⧺ c⟩ψ Aᵢ
     ψ-name         ⟨p⟩ψ name(ℓ, A)  → ℓ: ⟨p⟩ψA   (a transparent label)
+    (unlogged)     ⟨p⟩ψ stop(A)     → ⟨p⟩ψA       (constant only for moajax.adjoint)
 
 The driver records which rule fired on which subterm (``Derivation``); the result is a
 ``moajax.dnf.DNF`` in which no intermediate array survives.
@@ -121,6 +122,7 @@ class Reducer:
             moa.Cast: self.r_cast,
             moa.Reduce: self.r_reduce,
             moa.Name: self.r_name,
+            moa.StopGradient: self.r_stop,
             moa.Catenate: self.r_catenate,
             moa.Map: self.r_map,
             moa.Outer: self.r_outer,
@@ -148,8 +150,19 @@ class Reducer:
         return out
 
     def _env_key(self, node, env):
-        cells = self.free_cells(node)
-        return tuple(sorted((c.uid, env[c][0].uid, env[c][1]) for c in cells if c in env))
+        """The bindings a subterm's reduction depends on: of its free cells, and — since a cell
+        may be bound to an array that is itself a cell of an enclosing Ω — of theirs, in turn."""
+        out, seen = [], set()
+        stack = list(self.free_cells(node))
+        while stack:
+            c = stack.pop()
+            if c in seen or c not in env:
+                continue
+            seen.add(c)
+            arg, pre = env[c]
+            out.append((c.uid, arg.uid, pre))
+            stack.extend(self.free_cells(arg))
+        return tuple(sorted(out))
 
     def free_cells(self, node) -> frozenset:
         """The Ω cells a subterm refers to (only those bindings can change its reduction)."""
@@ -240,6 +253,10 @@ class Reducer:
     def r_name(self, p, node, env):
         self.log("ψ-name", p, node, f"{node.label}: {_psi_str(p, node.arg)}")
         return D.Tag(node.label, self.psi(p, node.arg, env))
+
+    def r_stop(self, p, node, env):
+        # ψ passes through: "held constant" is a fact about derivatives, not values
+        return self.psi(p, node.arg, env)
 
     def r_reduce(self, p, node, env):
         n = node.arg.shape[0]

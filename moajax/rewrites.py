@@ -440,6 +440,48 @@ def accumulate(onf: ONF, output: str, how: str = "atomic") -> ONF:
                        note=f"accumulate({output}, {how})")
 
 
+# ----------------------------------------------------------------------------- separate walks
+
+
+def separate_walks(onf: ONF, names) -> ONF:
+    """α-rename every reduction over a variable named in ``names`` (axes the programs own) to
+    a fresh variable — except the top reduction a scatter-added stage accumulates over the
+    grid. A program owns one tile of r; a statistic over all of r (a softmax max whose
+    variable shadows the output's r) walks an axis of its own."""
+    names = set(names)
+    taken = {v.name for v in onf.program.vars()}
+    fresh: dict = {}
+
+    def new_var(v: Var) -> Var:
+        if v not in fresh:
+            fresh[v] = Var(_fresh(f"{v.name}_", taken), v.extent)
+        return fresh[v]
+
+    def rename(e: D.Expr) -> D.Expr:
+        for v in {x.var for x in D.walk(e) if isinstance(x, D.Red) and x.var.name in names}:
+            e = D.rebind(e, v, new_var(v))
+        return e
+
+    stages = []
+    for st in onf.program.stages:
+        if isinstance(st, OnlineStage) and st.var.name in names:
+            v = new_var(st.var)
+            st = dataclasses.replace(st, var=v, logit=D.substitute(st.logit, {st.var: Ix.of(v)}),
+                                     sums=tuple((n, vs, None if w is None else D.substitute(w, {st.var: Ix.of(v)}))
+                                                for n, vs, w in st.sums))
+        acc = st.accumulated if onf.accumulation(st.name) is not None else None
+        if acc is None or acc.var.name not in names:
+            st = st.map_exprs(rename)
+        else:  # the accumulated sum itself stays over the grid; what it sums is renamed
+            top = D.Red(acc.monoid, acc.var, rename(acc.body))
+            st = st.map_exprs(lambda b: D.Convert(top, b.dtype) if isinstance(b, D.Convert) else top)
+        stages.append(st)
+    if not fresh:
+        return onf
+    shown = ", ".join(f"{a.name}→{b.name}" for a, b in fresh.items())
+    return onf.replace(program=Program(tuple(stages), onf.program.outputs), note=f"separate_walks({shown})")
+
+
 # ----------------------------------------------------------------------------- schedule-only changes
 
 

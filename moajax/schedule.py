@@ -141,6 +141,34 @@ def _first_fit(onf: ONF, machine: Machine, cands, lift) -> ONF:
     return o
 
 
+def _gathered(onf: ONF) -> set:
+    """The variables a read indexes by more than a contiguous window (⌊n/G⌋ for GQA, a
+    reshape's div/mod): Triton reads windows only, so their tiles must be 1. Of each such
+    index, one variable it reads a window of (the longest) may stay tiled."""
+    out = set()
+    for e in onf.program.exprs():
+        for x in D.walk(e):
+            if not isinstance(x, D.Read):
+                continue
+            for ix in x.index:
+                if ix.is_const or ix.as_shifted_var() is not None:
+                    continue
+                vs = sorted(ix.free_vars(), key=lambda v: (-v.extent, v.name))
+                keep = next((w for w in vs if ix.window_var(lambda u, w=w: u != w) == w), None)
+                out |= {v.name for v in vs if v != keep}
+    return out
+
+
+def _one_by_one(onf: ONF, axes) -> list:
+    """GPU liftings with every gathered variable (``_gathered``) in tiles of 1: a grid axis
+    where no stage reduces over it, else a sequential loop."""
+    gathered = _gathered(onf)
+    reduced = {v.name for v in onf.program.walked()}
+    reduced |= {x.var.name for e in onf.program.exprs() for x in D.walk(e) if isinstance(x, D.Red)}
+    return [Axis(a.name, a.extent, 1, "sequential" if a.name in reduced else "grid", a.tail)
+            if a.name in gathered and a.tile != 1 else a for a in axes]
+
+
 def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int:
     # CPU (XLA): the grid is vectorised except the row axis, which an outer loop walks in
     # tiles; a score tile (every batch-like program × rows × keys, float32) of about 1/8 of
@@ -178,7 +206,7 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool) -> O
         if any(a.name == v.name for a in axes):
             continue
         axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
-    return W.lift(onf, axes)
+    return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
 
 
 def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
@@ -200,22 +228,26 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
     r is c · Σ_r g and every program adds its partial (atomic scatter-add); the other main
     loops are sequential, batch-like variables of every output grid by 1. The row variable
     is the first output variable (in output order) for which this is a valid ONF: one that
-    no other reduction sums over (t for attention's backward: s is the softmax's axis)."""
+    no other reduction sums over (t for attention's backward: s is the softmax's axis). Only
+    if there is none, a reduction over r that is a statistic of all of r (a softmax max whose
+    variable shadows r) gets an axis of its own (``rewrites.separate_walks``): every program
+    then computes it whole."""
     errors = []
-    seen: list = []
-    for o in onf.dnf.outputs:
-        for r in o.vars:
-            if r in seen or r.extent < 1:
-                continue
-            seen.append(r)
-            try:
-                return _scatter_over(onf, machine, r).validate()
-            except ONFError as err:
-                errors.append(f"{r.name}: {err}")
+    for separate in (False, True):
+        seen: list = []
+        for o in onf.dnf.outputs:
+            for r in o.vars:
+                if r in seen or r.extent < 1:
+                    continue
+                seen.append(r)
+                try:
+                    return _scatter_over(onf, machine, r, separate).validate()
+                except ONFError as err:
+                    errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
     raise ONFError(f"{onf.dnf.name}: no output variable can own the programs (" + "; ".join(errors) + ")")
 
 
-def _scatter_over(onf: ONF, machine: Machine, r) -> ONF:
+def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False) -> ONF:
     outs = onf.dnf.outputs
     for o in outs:
         if r not in o.vars:
@@ -224,6 +256,8 @@ def _scatter_over(onf: ONF, machine: Machine, r) -> ONF:
     for o in outs[1:]:
         shared &= set(o.vars)
     batch = [v for v in outs[0].vars if v in shared and v != r and all(v != o.vars[-1] for o in outs)]
+    if separate:
+        onf = W.separate_walks(onf, [r.name] + [v.name for v in batch])
     loops = [v for v in onf.program.walked() if v != r and v not in batch]
     gpu = machine.is_gpu
     rest = sorted((v for v in onf.program.vars() if v != r and v not in batch and v not in loops),
@@ -240,13 +274,30 @@ def _scatter_over(onf: ONF, machine: Machine, r) -> ONF:
             if v.name not in seen:
                 seen.add(v.name)
                 axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
-        return W.lift(onf, axes)
+        return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
 
     if gpu:
         return _first_fit(onf, machine, _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest]), lift)
     bt = _cpu_rows(machine, r.extent, int(np.prod([v.extent for v in batch])) if batch else 1)
     o = lift(bt, 256)
     return W.with_knobs(o, cpu_loop=(r.name,)) if bt < r.extent else o
+
+
+def split_outputs(dnf: D.DNF) -> tuple:
+    """One single-output DNF per output of ``dnf`` (same inputs): kernels that together compute
+    it, each output recomputing what it shares with the others."""
+    return tuple(D.DNF(f"{dnf.name}_{o.name}", dnf.inputs, (o,)) for o in dnf.outputs)
+
+
+def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
+    """The ONF of ``dnf`` for ``machine`` (``derive``); for a multi-output DNF that no fused
+    schedule fits (no output variable can own the programs), a tuple of one ONF per output."""
+    try:
+        return derive(dnf, machine, preset)
+    except ONFError:
+        if len(dnf.outputs) == 1:
+            raise
+        return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
 
 
 def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
@@ -277,6 +328,7 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
     if len({frozenset(o.vars) for o in dnf.outputs}) > 1:
         onf = _scatter_schedule(onf, machine)
     else:
+        onf = W.separate_walks(onf, [v.name for v in dnf.outputs[0].vars[:-1]])  # the grid's
         loops, out_vars, inner, rows = _structure(onf)
         if machine.is_gpu:
             onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows)

@@ -76,7 +76,7 @@ def check(onf: ONF) -> ONF:
         for ax, ix in enumerate(x.index):
             if ix.is_const or ix.as_shifted_var() is not None:
                 continue
-            if _window_var(ix, lambda v: onf.axis_of(v).tile == 1 or v.extent == 1) is not False:
+            if ix.window_var(lambda v: onf.axis_of(v).tile == 1 or v.extent == 1) is not False:
                 continue
             for v in ix.free_vars():
                 a = onf.axis_of(v)
@@ -86,25 +86,6 @@ def check(onf: ONF) -> ONF:
                         f"tile of {v.name!r}; the Triton backend reads contiguous windows only (tile {v.name!r} by 1)"
                     )
     return onf
-
-
-def _window_var(ix, is_scalar):
-    """For v + (an expression in scalar variables), v; None if every variable is scalar;
-    False if the index is not a contiguous window of one variable."""
-
-    moving = [v for v in ix.free_vars() if not is_scalar(v)]
-    if not moving:
-        return None
-    if len(moving) != 1:
-        return False
-    v = moving[0]
-    for a, c in ix.terms:
-        if isinstance(a, Var) and a == v:
-            if c != 1:
-                return False
-        elif v in (a.arg.free_vars() if not isinstance(a, Var) else {a}):
-            return False
-    return v
 
 
 def _all_reads(onf: ONF):
@@ -141,7 +122,7 @@ class PallasBackend(Backend):
                 idx.append(i)
                 vars_ += [v] if keeps else []
             else:
-                v = _window_var(ix, lambda w: w in ev.ranges and ev.ranges[w].size == 1)
+                v = ix.window_var(lambda w: w in ev.ranges and ev.ranges[w].size == 1)
                 if v is None:
                     val = ev.index_named(ix)
                     idx.append(val.data.astype(jnp.int32) if hasattr(val.data, "astype") else val.data)

@@ -20,6 +20,13 @@ def test_derive_kernel_prints_dnf_and_derivation(capsys):
     assert "[ψ-inner]" in out and "[ψ-transpose]" in out
 
 
+def test_derive_adjoint_prints_the_backward(capsys):
+    assert main(["derive", "rmsnorm", "--adjoint"]) == 0
+    out = capsys.readouterr().out
+    assert "DNF rmsnorm_adjoint" in out and "output:  d_x" in out and "output:  d_weight" in out
+    assert "⟨n d⟩ψg" not in out and "d_out" in out and "[ψ-omega]" in out
+
+
 def test_derive_unknown_kernel(capsys):
     assert main(["derive", "nope"]) == 2
     assert "unknown kernel 'nope'" in capsys.readouterr().err

@@ -159,6 +159,23 @@ def test_rule_omega_and_cell():
     assert {r.array: tuple(i.as_var().name for i in r.index) for r in d.reads()} == {"a": ("t", "s"), "m": ("t",)}
 
 
+def test_rule_cell_bound_to_an_enclosing_cell():
+    # an inner Ω whose argument is a cell of the outer Ω: the inner cell's value depends on
+    # the outer binding too, so two frame indices must not share one reduction (a memo bug
+    # once gave ⟨b⟩ψg in both terms of ⍉Y + Y below)
+    g = arr("g", (2,), "b")
+    y = moa.omega(lambda _, dy: moa.omega(lambda _i, v: v, (0, 0))(moa.iota(2, "k"), dy), (1, 0))(arr("x", (2, 5), "b j"), g)
+    d = check(y + moa.transpose(y), dict(zip("xg", data((2, 5), (2,)))), "ψ-cell")  # ⟨b k⟩ = g[b] + g[k]
+    assert sorted(tuple(i.as_var().name for i in r.index) for r in d.reads()) == [("b",), ("k",)]
+
+
+def test_rule_stop_gradient_is_transparent():
+    a = arr("a", (3,), "i")
+    d, _ = psi_reduce(moa.stop_gradient(a) * 2.0)
+    e, _ = psi_reduce(a * 2.0)
+    assert d.output.body is e.output.body
+
+
 def test_rule_name():
     a = arr("a", (3,), "i")
     d = check(moa.name("row", a * 2.0), {"a": data((3,))[0]}, "ψ-name")

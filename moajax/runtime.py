@@ -1,0 +1,132 @@
+"""A DNF run as compiled code: an ONF per platform, one platform dispatch, the backward tied in.
+
+    cpu_onf, gpu_onf = schedules(dnf, onf)         # derived for this machine / the GPU, or given
+    run = dispatch(cpu_onf, gpu_onf)               # XLA loops on CPU, a Pallas kernel on CUDA
+
+Inside one jitted function only the target platform's branch is compiled
+(``compat.platform_dependent``). ``differentiable`` ties a forward to a backward under
+``jax.custom_vjp``: JAX differentiates every branch of a platform dispatch and has no
+derivative rule for a Pallas kernel over a grid, so the cotangents must come from a backward
+of our own (the compiled adjoint kernel, or the VJP of the XLA lowering).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from moajax import machines
+from moajax.onf import ONF, ONFError
+from moajax.schedule import Preset, derive, derive_plan
+
+IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_interpret")
+
+
+def gpu_machine():
+    """The profile of this process's GPU, else the default GPU profile (to lower for CUDA)."""
+    import jax
+
+    for d in jax.devices():
+        if d.platform in ("gpu", "cuda"):
+            return machines.for_device(d)
+    return machines.load(machines.GENERIC_GPU_NAME)
+
+
+def check_onf_argument(onf, who: str) -> None:
+    if onf is not None and not isinstance(onf, (ONF, Preset)):
+        raise TypeError(f"{who}: onf must be a moajax ONF or a Preset, got {type(onf).__name__}")
+
+
+def check_implementation(implementation, who: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{who}: implementation must be None, 'xla', 'pallas' or 'pallas_interpret', "
+                         f"got {implementation!r}")
+
+
+@functools.lru_cache(maxsize=512)
+def schedules(dnf, onf_key=None) -> tuple:
+    """(CPU ONF, GPU ONF) for a DNF: derived for this machine and the GPU, or from an explicit
+    ONF (it runs on the kind of machine it names; the other kind gets its default) or Preset.
+    Where no fused ONF fits a multi-output DNF, that side is a tuple of one ONF per output."""
+    if isinstance(onf_key, ONF):
+        same = (len(onf_key.dnf.outputs) == len(dnf.outputs)
+                and all(a.body is b.body for a, b in zip(onf_key.dnf.outputs, dnf.outputs))
+                and onf_key.dnf.inputs == dnf.inputs)
+        if not same:
+            raise ONFError(
+                f"{dnf.name}: the onf given was derived for another DNF ({onf_key.dnf.name}, inputs "
+                f"{[str(i) for i in onf_key.dnf.inputs]}); these arguments give inputs {[str(i) for i in dnf.inputs]}"
+            )
+        onf_key.validate()
+        kind = machines.available().get(onf_key.target, machines.local()).kind
+        if kind == "gpu":
+            return derive(dnf, machines.local()), onf_key
+        return onf_key, derive(dnf, gpu_machine())
+    preset = onf_key if isinstance(onf_key, Preset) else Preset()
+    return derive_plan(dnf, machines.local(), preset), derive_plan(dnf, gpu_machine(), preset)
+
+
+@functools.lru_cache(maxsize=512)
+def lowered(onf, backend: str):
+    """The ONF lowered for one backend: "xla", "pallas" or "pallas_interpret"; a tuple of
+    single-output ONFs (``schedule.derive_plan``) runs them one after another."""
+    if isinstance(onf, tuple):
+        parts = [lowered(o, backend) for o in onf]
+
+        def run(*args):
+            return tuple(f(*args) for f in parts)
+
+        return run
+    if backend == "xla":
+        from moajax import lower_xla
+
+        return lower_xla.lower(onf)
+    import pallas_kernels
+
+    return pallas_kernels.lower(onf, interpret=backend == "pallas_interpret")
+
+
+def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None):
+    """One JAX function running ``cpu_onf`` through XLA on a CPU and ``gpu_onf`` through Pallas
+    on CUDA (``implementation`` None), or one backend everywhere ("xla", "pallas",
+    "pallas_interpret": the Pallas kernel run on the CPU)."""
+    from moajax import compat
+
+    if implementation == "xla":
+        return lowered(cpu_onf, "xla")
+    if implementation in ("pallas", "pallas_interpret"):
+        return lowered(gpu_onf, implementation)
+    xla = lowered(cpu_onf, "xla")
+    return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas"), default=xla)
+
+
+def zero_cotangent(x):
+    """The cotangent of a non-differentiable input: float0 zeros for ints and bools, as JAX gives."""
+    import jax
+
+    return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
+
+
+def differentiable(run, backward, n_outputs: int):
+    """``run`` with the derivative ``backward(args, cotangents) -> one cotangent per arg``.
+
+    The residuals are the primal inputs (the backward recomputes what it needs)."""
+    import jax
+
+    @jax.custom_vjp
+    def f(*args):
+        return run(*args)
+
+    def fwd(*args):
+        return run(*args), args
+
+    def bwd(args, cts):
+        cts = tuple(cts) if n_outputs > 1 else (cts,)
+        return tuple(backward(args, cts))
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+__all__ = ["schedules", "lowered", "dispatch", "differentiable", "gpu_machine", "zero_cotangent"]
