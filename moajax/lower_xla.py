@@ -176,7 +176,7 @@ def lower(onf: ONF) -> Callable:
             S.run(ev, [x.stage for e in st.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Ref)])
             S.compute(ev, st)
             for n in st.defines:
-                values[n] = S.InMemory(ev.state.values[n])
+                values[n] = S.InMemory(ev.values[n])
 
         outs = []
         for o in dnf.outputs:

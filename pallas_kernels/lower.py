@@ -23,8 +23,7 @@ from typing import Callable
 import numpy as np
 
 from moajax import dnf as D
-from moajax.ix import Var
-from moajax.onf import ONF, ONFError, Stage
+from moajax.onf import ONF, ONFError
 from moajax.reference import Named, align
 from moajax.tiles import stages as S
 from moajax.tiles.backend import Backend, is_static_full
@@ -42,14 +41,33 @@ def check(onf: ONF) -> ONF:
     """Raise ONFError for anything the Triton backend cannot express; returns the ONF."""
     onf.validate()
     name = onf.dnf.name
+    outputs = {sname for _, sname in onf.program.outputs}
     for st in onf.program.stages:
-        r = onf.scatter_var(st)
-        seq = [v.name for v in st.index_vars if onf.axis_of(v).role == "sequential"] if r is not None else []
-        if len(seq) > 1:
+        seq = [v.name for v in st.index_vars if onf.axis_of(v).role == "sequential"]
+        if (st.name in outputs or st.place == "memory") and len(seq) > 1:
             raise ONFError(
-                f"{name}: {st.name!r} is scatter-added over {r.name!r} while walking {seq} in sequence; "
+                f"{name}: {st.name!r} is written while walking {seq} in sequence; "
                 "the Triton backend walks at most one of its own axes per program"
             )
+    seq = {a.name for a in onf.axes if a.role == "sequential"}
+    for st in onf.program.stages:
+        # a local stage over a sequential axis that a pass over that axis reads is, by the
+        # ONF's meaning, a row stored across the pass's tiles (one computed per tile for a
+        # target written tile by tile is not)
+        over = {v for v in st.index_vars if v.name in seq}
+        if st.place != "local" or st.name in outputs or not over:
+            continue
+        for reader in onf.program.stages:
+            walked = {x.var for e in reader.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Red)}
+            walked |= {reader.walks} - {None}
+            reads = any(isinstance(x, D.Ref) and x.stage == st.name
+                        for e in reader.exprs() if e is not None for x in D.walk(e))
+            if reads and over & walked:
+                raise ONFError(
+                    f"{name}: stage {st.name!r} stores a row over the sequential axis "
+                    f"{sorted(v.name for v in over & walked)} on chip; Triton has no indexable on-chip "
+                    "scratch — recompute it (store 'recompute') or place it in memory"
+                )
     for a in onf.axes:
         size = a.block
         if size != 1 and not _is_pow2(size):
@@ -63,15 +81,6 @@ def check(onf: ONF) -> ONF:
                 a = onf.axis_of(x.var)
                 if a.role == "whole" and a.tile < x.var.extent:
                     raise ONFError(f"{name}: axis {x.var.name!r} is whole but its tile {a.tile} < extent {x.var.extent}")
-    seq = {a.name for a in onf.axes if a.role == "sequential"}
-    for st in onf.program.stages:
-        if (isinstance(st, Stage) and st.place == "local" and any(v.name in seq for v in st.vars)
-                and onf.scatter_var(st) is None):  # a scatter-added output is written tile by tile
-            raise ONFError(
-                f"{name}: stage {st.name!r} stores a row over the sequential axis "
-                f"{[v.name for v in st.vars if v.name in seq]} on chip; Triton has no indexable on-chip "
-                "scratch — recompute it (store 'recompute') or place it in memory"
-            )
     for x in _all_reads(onf):
         for ax, ix in enumerate(x.index):
             if ix.is_const or ix.as_shifted_var() is not None:
@@ -98,7 +107,10 @@ def _all_reads(onf: ONF):
 
 
 class PallasBackend(Backend):
-    """Reads from refs with pl.ds windows; contractions as tl.dot (2-D) or multiply-sum."""
+    """Reads from refs with pl.ds windows; contractions as tl.dot (2-D) or multiply-sum.
+    Triton has no indexable on-chip scratch: no stored rows."""
+
+    stored_rows = False
 
     def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict):
         super().__init__(onf, perms)
@@ -256,8 +268,10 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
         names, mem_names = list(arrays), list(memory)
         grid_vars = list(targets[0][4])
         n_prog = int(math.prod(onf.axis_of(v).ntiles for v in grid_vars)) or 1
-        # the programs' own ranges: the grid, and the variables of the targets they own whole
-        own_vars = grid_vars + [v for t in targets if t[3] is None for v in t[1] if v not in grid_vars]
+        # the programs' own ranges: the grid, and the whole axes of the targets they own
+        # (a sequential axis of a target is walked in tiles, each tile written once)
+        own_vars = grid_vars + [v for t in targets if t[3] is None for v in t[1]
+                                if v not in grid_vars and onf.axis_of(v).role != "sequential"]
         out_shapes, zeros, aliases = [], [], {}
         for i, (_, tvars, dt, sst, _) in enumerate(targets):
             dt = np.dtype(dt) if sst is None else sst.accumulated.dtype
@@ -275,32 +289,27 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             values = {m: S.InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
             state = ProgramState(onf, backend, {n: st for n, st in defs.items() if n not in memory}, values)
             ev = TileEval(state, _ranges_for(onf, own_vars, pl.program_id(0)))
-            for (tname, tvars, _, sst, _), oref in zip(targets, o_refs):
-                if sst is None:
-                    S.run(ev, [tname])
-                    if tname not in values:  # a memory stage: this kernel computes it
-                        S.compute(ev, defs[tname])
-                    val = values[tname]
-                    val = backend.window(ev, val) if isinstance(val, S.InMemory) else val
-                    data = broadcast_to_vars(val, tvars, ev.ranges)
-                    oref[_out_index(ev, tvars, oref.shape)] = data.astype(oref.dtype)
-                    continue
-                body = sst.accumulated
-                S.run(ev, [x.stage for x in D.walk(body) if isinstance(x, D.Ref)])
+            for (tname, tvars, dt, sst, _), oref in zip(targets, o_refs):
+                # a plain target is its stage's value, written; a scattered one its partial
+                # sum over this program's tile of the grid variable, atomically added
+                body = D.Ref(tname, tvars, dt) if sst is None else sst.accumulated
 
-                def add(ctx, body=body, tvars=tvars, oref=oref):
-                    data = broadcast_to_vars(ctx.eval(body), tvars, ctx.ranges)
-                    plgpu.atomic_add(oref, _out_index(ctx, tvars, oref.shape), data.astype(oref.dtype))
+                def emit(ctx, body=body, tvars=tvars, oref=oref, add=sst is not None):
+                    data = broadcast_to_vars(ctx.eval(body), tvars, ctx.ranges).astype(oref.dtype)
+                    if add:
+                        plgpu.atomic_add(oref, _out_index(ctx, tvars, oref.shape), data)
+                    else:
+                        oref[_out_index(ctx, tvars, oref.shape)] = data
 
                 seq = [v for v in tvars if onf.axis_of(v).role == "sequential"]
                 if not seq:
-                    add(ev.within(tvars))  # the target's whole axes
+                    emit(ev.within(tvars))  # the target's whole axes
                     continue
                 v, a = seq[0], onf.axis_of(seq[0])
                 ev.hoist([body], v)
 
-                def step(i, carry, v=v, a=a, add=add):
-                    add(ev.child({v: Range(i * a.tile, a.tile, v.extent)}))
+                def step(i, carry, v=v, a=a, emit=emit):
+                    emit(ev.child({v: Range(i * a.tile, a.tile, v.extent)}))
                     return carry
 
                 backend.fori_loop(a.ntiles, step, jnp.int32(0))

@@ -177,3 +177,10 @@ def test_bool_inputs_get_a_float0_cotangent():
     dx, dkeep = pull(np.ones(4))
     assert dkeep.dtype == jax.dtypes.float0 and dkeep.shape == keep.shape
     assert rel_err(dx, np.where(keep, 2 * x, 0.0)) <= F64
+def test_value_and_grad_lowers_both_directions_to_pallas():
+    # on CUDA the forward and the backward (the adjoint kernel) are Pallas kernels
+    s = [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in [(64, 32), (64, 32), (64, 16), (64, 64)]]
+    f = jax.value_and_grad(lambda *a: jnp.sum(relu2_attention(*a)), argnums=(0, 1, 2, 3))
+    names = [k.name for k in triton_kernels(f, *s)]
+    assert any(n.startswith("moajax_relu2_attention") and "adjoint" not in n for n in names)
+    assert any(n.startswith("moajax_relu2_attention_adjoint") for n in names)

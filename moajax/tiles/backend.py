@@ -21,6 +21,7 @@ class Backend:
     taken whole spans ``Axis.whole_size(pow2_blocks)``: Triton's blocks are powers of two."""
 
     pow2_blocks = False
+    stored_rows = True  # can a stage be held as a row over a sequential axis (on-chip scratch)?
 
     def __init__(self, onf: ONF, perms: dict):
         from jax import lax

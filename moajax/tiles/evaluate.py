@@ -83,16 +83,22 @@ class TileEval(Scope):
         raise TypeError(f"cannot evaluate {type(e).__name__} in a tile")
 
     def ref(self, e: D.Ref) -> Named:
-        """A stage's value read at e's index (the stage's own variables, renamed)."""
+        """A stage's value read at e's index (the stage's own variables, renamed); a local
+        stage not computed yet is computed here, on demand (``stages.compute``)."""
+        from moajax.tiles import stages
         from moajax.tiles.stages import InMemory
 
-        val = self.state.values.get(e.stage)
+        defs = self.state.defs
+        src_vars = defs[e.stage].result_vars(e.stage) if e.stage in defs else ()
+        val = self.stage_value(e.stage, src_vars)
         if val is None:
-            raise AssertionError(f"stage {e.stage!r} is read before it is computed (stages.run first)")
+            if e.stage not in defs:
+                raise AssertionError(f"stage {e.stage!r} is neither computed nor defined in this program")
+            stages.compute(self, defs[e.stage])
+            val = self.values[e.stage]
         if isinstance(val, InMemory):
             val = self.backend.window(self, val)
-        defs = self.state.defs
-        src_vars = defs[e.stage].result_vars(e.stage) if e.stage in defs else None
+        src_vars = src_vars or None
         want = tuple(i.as_var() for i in e.index)
         if src_vars is not None and tuple(src_vars) != want:
             ren = dict(zip(src_vars, want))

@@ -10,6 +10,10 @@ expression that uses none of the variables the child sets, so a loop-invariant v
 found outside the loop; and ``hoist`` computes such values in the parent *before* a loop is
 traced (loop-invariant code motion). A value computed while tracing a loop body stays in
 that body's scope: stored in an enclosing one it would leak out of the loop's trace.
+
+Stage values follow the same rule (``stage_value``): a stage computed in a scope is seen by
+its children that keep the ranges of the stage's variables; a value held in memory
+(``stages.InMemory``, windowed by the reader) is seen everywhere.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from moajax.tiles.ranges import Range
 class ProgramState:
     """What every scope of one program shares: the ONF, the backend, the canonical axis
     order, the definitions of the stages this program computes (``defs``: name → stage),
-    and the stage values computed so far (``values``: name → ``Named`` or ``InMemory``)."""
+    and the stage values it starts with (``values``: name → ``InMemory``, the stages in memory)."""
 
     onf: ONF
     backend: object
@@ -57,6 +61,7 @@ class Scope:
                     full[v] = state.backend.whole(v)
         self.ranges: Mapping[Var, Range] = types.MappingProxyType(full)
         self.memo: dict = {}
+        self.values: dict = dict(state.values) if parent is None else {}  # stage name → value
 
     @property
     def onf(self) -> ONF:
@@ -101,14 +106,33 @@ class Scope:
         # its id reused by another node while the memo lives
         self.memo[id(e)] = (e, value)
 
+    def stage_value(self, name: str, vars_):
+        """The value of stage ``name`` (indexed by ``vars_``) visible here, or None."""
+        from moajax.tiles.stages import InMemory
+
+        blocked = False
+        scope = self
+        while scope is not None:
+            val = scope.values.get(name)
+            if val is not None and (not blocked or isinstance(val, InMemory)):
+                return val
+            if val is not None:
+                return None  # computed over other ranges of its variables: recompute here
+            blocked = blocked or bool(scope.sets & set(vars_))
+            scope = scope.parent
+        return None
+
     # ---- loop-invariant code motion
     def eval(self, e: D.Expr):  # pragma: no cover - interface (TileEval)
         raise NotImplementedError
 
     def hoist(self, exprs, v: Var) -> None:
         """Evaluate here, before a loop over v is traced, the largest subexpressions of
-        ``exprs`` that do not use v and whose variables all have ranges here."""
+        ``exprs`` that do not use v and whose variables all have ranges here — looking into
+        the definitions of the local stages they read over v as well (a row statistic a
+        stage over v needs is computed once, outside the loop)."""
         done: set = set()
+        defs = self.state.defs
 
         def go(e):
             if id(e) in done:
@@ -118,6 +142,10 @@ class Scope:
                 if not isinstance(e, (D.Lit, D.IndexValue)) and all(x in self.ranges for x in e.free):
                     self.eval(e)
                     return
+            if isinstance(e, D.Ref) and e.stage in defs:
+                for x in defs[e.stage].exprs():
+                    if x is not None:
+                        go(x)
             for c in e.children:
                 go(c)
 

@@ -1,17 +1,19 @@
 """How stages are ordered and computed inside a program, and values held over more than a tile.
 
-A program computes, in program order, exactly the local stages its targets depend on
-(``run``). A plain stage is evaluated over the program's ranges (variables it has none for
-are taken whole); an online stage is carried (``tiles.online``). A local stage over a
-sequential axis the program does not own is a stored row: filled tile by tile into a buffer
-over the whole axis (``InMemory``), then read back through windows.
+A program computes its targets in program order (``run``); each computes the local stages it
+reads on demand, in the scope that reads them (``TileEval.ref``): inside the loop over a
+variable the stage is indexed by, once per tile; outside every loop that does not change its
+variables' ranges, once (scopes: ``tiles.scope``). A plain stage is evaluated over the
+scope's ranges (variables it has none for are taken whole); an online stage is carried
+(``tiles.online``). A local stage over a sequential axis the scope has no range for is a
+stored row: filled tile by tile into a buffer over the whole axis (``InMemory``), then read
+back through windows — on backends that can index on-chip scratch (``Backend.stored_rows``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from moajax import dnf as D
 from moajax.onf import OnlineStage, Stage
 from moajax.reference import Named
 from moajax.tiles import online
@@ -29,31 +31,21 @@ class InMemory:
 
 
 def run(ev, roots) -> None:
-    """Compute, in program order, every local stage the names ``roots`` depend on."""
-    values, defs = ev.state.values, ev.state.defs
-    need: set = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n in need or n in values or n not in defs:
-            continue
-        need.add(n)
-        for e in defs[n].exprs():
-            if e is not None:
-                stack.extend(x.stage for x in D.walk(e) if isinstance(x, D.Ref))
-    done: set = set()
+    """Compute, in program order, the stages named ``roots`` that scope ``ev`` does not see
+    yet (what they read is computed on demand)."""
+    defs = ev.state.defs
     for st in ev.onf.program.stages:
-        if any(n in need for n in st.defines) and st.name not in done:
+        todo = [n for n in st.defines if n in roots and n in defs and ev.stage_value(n, st.result_vars(n)) is None]
+        if todo:
             compute(ev, st)
-            done.update(st.defines)
 
 
 def compute(ev, st) -> None:
-    """Compute a stage's value(s) in scope ``ev`` and record them in the program's values."""
+    """Compute a stage's value(s) in scope ``ev`` and record them there."""
     if isinstance(st, OnlineStage):
-        ev.state.values.update(online.carry(ev, st))
+        ev.values.update(online.carry(ev, st))
     else:
-        ev.state.values[st.name] = value(ev, st)
+        ev.values[st.name] = value(ev, st)
 
 
 def value(ev, st: Stage):
@@ -67,6 +59,14 @@ def value(ev, st: Stage):
         return ev.within(st.vars).eval(st.body)
     v = seq[0]
     a = onf.axis_of(v)
+    if not ev.backend.stored_rows:
+        from moajax.onf import ONFError
+
+        raise ONFError(
+            f"{onf.dnf.name}: stage {st.name!r} would be stored as a row over the sequential axis {v.name!r} on "
+            "chip; this backend has no indexable on-chip scratch — recompute it (store 'recompute') or place it "
+            "in memory"
+        )
     row = Range(0, a.padded, v.extent)  # a row over every tile of v
     others = {w: ev.backend.whole(w) for w in st.vars if w not in ev.ranges and w != v}
     ranges = {**ev.ranges, **others, v: row}
