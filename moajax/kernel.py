@@ -193,7 +193,8 @@ class Kernel:
         if hit is not None:
             return hit
         dnf = self._build(specs, options)[2]
-        run = runtime.dispatch(*runtime.schedules(dnf, onf), implementation)
+        run = self._batchable(runtime.dispatch(*runtime.schedules(dnf, onf), implementation), len(dnf.outputs),
+                              options, onf, implementation)
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
 
@@ -210,6 +211,69 @@ class Kernel:
         fn = runtime.differentiable(run, backward, len(dnf.outputs))
         self._compiled[key] = fn
         return fn
+
+    def _batchable(self, run, n_outputs: int, options, onf, implementation):
+        """``run`` under ``jax.vmap`` becomes the batched kernel's own compiled code: the
+        definition under Ω over the batch axis (``batched``), scheduled with the batch as an
+        axis of its own (a grid axis on a GPU; on a CPU the row tiles shrink to keep the
+        batch's working set in cache) — never a loop over the batch in Python."""
+        from jax import custom_batching
+
+        from moajax.schedule import Preset
+
+        f = custom_batching.custom_vmap(run)
+
+        @f.def_vmap
+        def rule(axis_size, in_batched, *args):
+            bk = self.batched(tuple(bool(b) for b in in_batched))
+            out = bk.compiled(*args, onf=onf if isinstance(onf, Preset) else None, implementation=implementation,
+                              **options)(*args)
+            return out, (True,) * n_outputs if n_outputs > 1 else True
+
+        return f
+
+    def batched(self, in_batched: tuple) -> "Kernel":
+        """The kernel with a leading batch axis on the arguments flagged in ``in_batched``:
+        its definition under Ω over that axis (an argument without it is shared by every
+        batch index). What ``jax.vmap`` of a call runs."""
+        key = ("batched", tuple(in_batched))
+        hit = self._adjoints.get(key)
+        if hit is not None:
+            return hit
+        if len(in_batched) != len(self.params) or not any(in_batched):
+            raise ValueError(f"{self.name}.batched: needs one flag per argument, at least one True; got {in_batched}")
+        taken = {d for p in self.params for d in p.dims}
+        dim = next(f"vmap{i}" for i in range(len(taken) + 1) if f"vmap{i}" not in taken)
+        primal = self
+
+        def batched_fn(*arrays, **opts):
+            ranks = tuple(a.rank - 1 if b else a.rank for a, b in zip(arrays, in_batched))
+            if primal.output_names is not None:
+                n = len(primal.output_names)
+            else:  # trace the definition once on cell-shaped placeholders to count its outputs
+                probe = primal.fn(*[moa.array(f"_cell{i}", a.shape[1:] if b else a.shape, a.dims[1:] if b else a.dims,
+                                              a.dtype) for i, (a, b) in enumerate(zip(arrays, in_batched))], **opts)
+                n = len(probe) if isinstance(probe, tuple) else 1
+
+            def one(i):
+                def cell(*cells):
+                    out = primal.fn(*cells, **opts)
+                    return out[i] if isinstance(out, tuple) else out
+                return moa.omega(cell, ranks)(*arrays)
+
+            outs = tuple(one(i) for i in range(n))
+            return outs if n > 1 else outs[0]
+
+        params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.params]
+        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in self.options.items()]
+        batched_fn.__signature__ = inspect.Signature(params)
+        batched_fn.__name__ = f"{self.name}_vmap"
+        batched_fn.__doc__ = f"{self.name} under Ω over a leading batch axis {dim}."
+        dims = {p.name: " ".join(((dim,) if b else ()) + p.dims) for p, b in zip(self.params, in_batched)}
+        example = {**self.example, dim: 2}
+        hit = self._adjoints[key] = Kernel(batched_fn, example=example, name=f"{self.name}_vmap",
+                                           outputs=self.output_names, dims=dims)
+        return hit
 
     def _adjoint_for(self, shape_key, options) -> "Kernel":
         """The adjoint kernel (cached per shapes and options) that ``compiled`` runs backward."""

@@ -2,7 +2,8 @@
 
 The grid is vectorised (every grid program at once, as batch dimensions of the tile ops)
 except the grid axes the ONF's ``cpu_loop`` knob walks with an outer ``lax.map``;
-sequential axes are ``lax.fori_loop``s over tiles; contractions are dot_generals. Stages
+sequential axes are ``lax.fori_loop``s over tiles (an output's own sequential axis an outer
+``lax.map`` over its tiles); contractions are dot_generals. Stages
 placed in memory are computed first, each over its whole index space. Inputs are padded
 to whole tiles (pad-and-mask tails) and stored in their γ layout (column-major operands
 are physically transposed once).
@@ -180,18 +181,33 @@ def lower(onf: ONF) -> Callable:
 
         outs = []
         for o in dnf.outputs:
-            loops = [v for v in o.vars if v.name in onf.knobs.cpu_loop]
+            # walked by an outer loop over tiles: the grid axes the cpu_loop knob names, and the
+            # output's own sequential axes (written tile by tile, never over all of them at once)
+            loops = [v for v in o.vars if (v.name in onf.knobs.cpu_loop or onf.axis_of(v).role == "sequential")
+                     and onf.axis_of(v).ntiles > 1]
             # an atomically accumulated output: the vectorised grid holds every program's
-            # partial at once, so the scatter-add is the sum over the whole grid axis
-            scatter = onf.scatter_var(onf.program.stage_of(out_stage[o.name]))
+            # partial at once, so the scatter-add is the sum over the whole grid axis — or, when
+            # the cpu_loop knob walks that axis, a loop adding one tile's partial at a time
+            stage = onf.program.stage_of(out_stage[o.name])
+            scatter = onf.scatter_var(stage)
             ranges = full_ranges(backend, tuple(o.vars) + ((scatter,) if scatter is not None else ()))
 
-            def program(ranges, o=o):
+            def program(ranges, o=o, stage=stage):
                 ev = scope(ranges)
+                if scatter is not None and scatter.name in onf.knobs.cpu_loop:
+                    body = stage.accumulated  # partials add up in the accumulation dtype
+                    a = onf.axis_of(scatter)
+
+                    def add(i, acc, ev=ev, a=a):
+                        part = ev.child({scatter: Range(i * a.tile, a.tile, scatter.extent)}).eval(body)
+                        return acc + broadcast_to_vars(part, tuple(o.vars), ranges)
+
+                    shape = tuple(ranges[v].size for v in o.vars if ranges[v].size != 1)
+                    ev.hoist([body], scatter)
+                    return backend.fori_loop(a.ntiles, add, jnp.zeros(shape, body.dtype))
                 S.run(ev, [out_stage[o.name]])
                 val = ev.eval(D.Ref(out_stage[o.name], o.vars, o.dtype))
-                order = tuple(o.vars)
-                return broadcast_to_vars(val, order, ranges)
+                return broadcast_to_vars(val, tuple(o.vars), ranges)
 
             if not loops:
                 data = program(ranges)
@@ -209,13 +225,15 @@ def lower(onf: ONF) -> Callable:
 
 
 def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> object:
-    """Walk the ``cpu_loop`` grid axes with lax.map over tiles; vectorise the rest."""
+    """Walk the ``loops`` axes (cpu_loop grid axes, sequential output axes) with lax.map over
+    tiles; vectorise the rest."""
     import jax.numpy as jnp
     from jax import lax
 
     axes = [onf.axis_of(v) for v in loops]
     counts = [a.ntiles for a in axes]
     total = int(np.prod(counts))
+    order = [v for v in out_vars if ranges[v].size != 1]
 
     def one(k):
         rs = dict(ranges)
@@ -224,10 +242,10 @@ def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> object:
             i = rem % n
             rem = rem // n
             rs[v] = Range(i * a.tile, a.tile, v.extent)
-        return program(rs)
+        # a looped axis in tiles of 1 is a scalar in the program: give it back its length-1 axis
+        return jnp.reshape(program(rs), [rs[v].size for v in order])
 
     tiles = lax.map(one, jnp.arange(total, dtype=jnp.int32))  # [total, *tile shape]
-    order = [v for v in out_vars if ranges[v].size != 1]
     tile_shape = list(tiles.shape[1:])
     # un-flatten the tile index, then interleave (ntiles, tile) per looped axis
     tiles = tiles.reshape(counts + tile_shape)

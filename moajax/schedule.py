@@ -233,12 +233,13 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
     variable shadows r) gets an axis of its own (``rewrites.separate_walks``): every program
     then computes it whole."""
     errors = []
+    shared = set.intersection(*[set(o.vars) for o in onf.dnf.outputs])
     for separate in (False, True):
         seen: list = []
         for o in onf.dnf.outputs:
             for r in o.vars:
-                if r in seen or r.extent < 1:
-                    continue
+                if r in seen or r.extent < 1 or (r in shared and r != o.vars[-1] and len(shared) < len(o.vars)):
+                    continue  # an axis every output has (a batch) runs over programs, but owns no rows
                 seen.append(r)
                 try:
                     return _scatter_over(onf, machine, r, separate).validate()

@@ -22,3 +22,21 @@ def median_seconds(fn, *args, reps: int, warmups: int = 1) -> float:
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
+
+
+def alternating(fns: dict, args, *, reps: int, warmups: int = 1) -> dict:
+    """Wall times of several contenders, run in turn (A, B, C, A, B, C, …) so that a change in
+    the machine's speed hits them alike: name → the list of ``reps`` times, after ``warmups``
+    untimed runs of each."""
+    import jax
+
+    for _ in range(warmups):
+        for fn in fns.values():
+            jax.block_until_ready(fn(*args))
+    out = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            out[name].append(time.perf_counter() - t)
+    return out

@@ -221,10 +221,31 @@ def _ranges_for(onf: ONF, vars_, pid) -> dict:
     return ranges
 
 
-def _out_index(ev: TileEval, vars_, shape) -> tuple:
+def _out_index(ev: TileEval, vars_, shape, int32: bool = False) -> tuple:
     """The window of an output (of ``shape``) that a program writes: its ranges of the
-    output's variables."""
-    return tuple(_window(ev.ranges[v], n)[0] for v, n in zip(vars_, shape))
+    output's variables. ``int32``: every start an int32 (no bare slice, no Python int) — an
+    atomic update's indices must share one integer type, and Python ints are int64 when
+    float64 is on."""
+    from jax.experimental import pallas as pl
+
+    out = []
+    for v, n in zip(vars_, shape):
+        i, _ = _window(ev.ranges[v], n)
+        if int32:
+            if isinstance(i, slice):
+                i = pl.ds(np.int32(0), n)
+            elif isinstance(i, pl.Slice):
+                i = pl.ds(_i32(i.start), i.size)
+            else:
+                i = _i32(i)
+        out.append(i)
+    return tuple(out)
+
+
+def _i32(x):
+    import jax.numpy as jnp
+
+    return np.int32(x) if isinstance(x, (int, np.integer)) else jnp.asarray(x, jnp.int32)
 
 
 def _padded_shape(onf: ONF, vars_) -> tuple:
@@ -297,7 +318,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
                 def emit(ctx, body=body, tvars=tvars, oref=oref, add=sst is not None):
                     data = broadcast_to_vars(ctx.eval(body), tvars, ctx.ranges).astype(oref.dtype)
                     if add:
-                        plgpu.atomic_add(oref, _out_index(ctx, tvars, oref.shape), data)
+                        plgpu.atomic_add(oref, _out_index(ctx, tvars, oref.shape, int32=True), data)
                     else:
                         oref[_out_index(ctx, tvars, oref.shape)] = data
 

@@ -38,6 +38,7 @@ class ProgramState:
     backend: object
     defs: dict
     values: dict
+    depends: dict = dataclasses.field(default_factory=dict)  # id → (expr, variables it depends on)
 
     @property
     def rank(self) -> dict:
@@ -91,13 +92,22 @@ class Scope:
         return r
 
     # ---- memoisation
+    def depends(self, e: D.Expr) -> frozenset:
+        """The variables whose ranges e's value depends on: its free ones, and those it
+        reduces over (a reduction over a grid axis sums this program's tile of it)."""
+        cache = self.state.depends
+        hit = cache.get(id(e))
+        if hit is None or hit[0] is not e:
+            hit = cache[id(e)] = (e, frozenset(e.free) | frozenset(D.bound_vars(e)))
+        return hit[1]
+
     def lookup(self, e: D.Expr):
-        """A value of e computed here, or — if e uses no variable this scope sets — in an
-        enclosing scope (outside the loop)."""
+        """A value of e computed here, or — if e depends on no variable this scope sets — in
+        an enclosing scope (outside the loop)."""
         hit = self.memo.get(id(e))
         if hit is not None and hit[0] is e:
             return hit[1]
-        if self.parent is not None and not (e.free & self.sets):
+        if self.parent is not None and not (self.depends(e) & self.sets):
             return self.parent.lookup(e)
         return None
 
@@ -138,7 +148,7 @@ class Scope:
             if id(e) in done:
                 return
             done.add(id(e))
-            if v not in e.free:
+            if v not in self.depends(e):
                 if not isinstance(e, (D.Lit, D.IndexValue)) and all(x in self.ranges for x in e.free):
                     self.eval(e)
                     return
