@@ -179,61 +179,80 @@ def lower(onf: ONF) -> Callable:
             for n in st.defines:
                 values[n] = S.InMemory(ev.values[n])
 
-        outs = []
+        # outputs walked by the same loops (and scatter-added over the same grid axis, or not)
+        # are computed by one program: their tiles share every common subexpression
+        groups: dict = {}
         for o in dnf.outputs:
+            stage = onf.program.stage_of(out_stage[o.name])
             # walked by an outer loop over tiles: the grid axes the cpu_loop knob names, and the
             # output's own sequential axes (written tile by tile, never over all of them at once)
-            loops = [v for v in o.vars if (v.name in onf.knobs.cpu_loop or onf.axis_of(v).role == "sequential")
-                     and onf.axis_of(v).ntiles > 1]
-            # an atomically accumulated output: the vectorised grid holds every program's
-            # partial at once, so the scatter-add is the sum over the whole grid axis — or, when
-            # the cpu_loop knob walks that axis, a loop adding one tile's partial at a time
-            stage = onf.program.stage_of(out_stage[o.name])
-            scatter = onf.scatter_var(stage)
-            ranges = full_ranges(backend, tuple(o.vars) + ((scatter,) if scatter is not None else ()))
-
-            def program(ranges, o=o, stage=stage):
-                ev = scope(ranges)
-                if scatter is not None and scatter.name in onf.knobs.cpu_loop:
-                    body = stage.accumulated  # partials add up in the accumulation dtype
-                    a = onf.axis_of(scatter)
-
-                    def add(i, acc, ev=ev, a=a):
-                        part = ev.child({scatter: Range(i * a.tile, a.tile, scatter.extent)}).eval(body)
-                        return acc + broadcast_to_vars(part, tuple(o.vars), ranges)
-
-                    shape = tuple(ranges[v].size for v in o.vars if ranges[v].size != 1)
-                    ev.hoist([body], scatter)
-                    return backend.fori_loop(a.ntiles, add, jnp.zeros(shape, body.dtype))
-                S.run(ev, [out_stage[o.name]])
-                val = ev.eval(D.Ref(out_stage[o.name], o.vars, o.dtype))
-                return broadcast_to_vars(val, tuple(o.vars), ranges)
-
-            if not loops:
-                data = program(ranges)
-            else:
-                data = _looped(onf, program, ranges, loops, o.vars)
-            # slice the padding off, restore size-1 axes
-            idx = tuple(slice(0, v.extent) for v in o.vars if ranges[v].size != 1)
-            data = data[idx]
-            data = jnp.reshape(data, tuple(v.extent for v in o.vars))
-            outs.append(data.astype(o.dtype))
+            loops = tuple(v for v in o.vars if (v.name in onf.knobs.cpu_loop or onf.axis_of(v).role == "sequential")
+                          and onf.axis_of(v).ntiles > 1)
+            groups.setdefault((loops, onf.scatter_var(stage)), []).append((o, stage, out_stage[o.name]))
+        results = {}
+        for (loops, scatter), members in groups.items():
+            for (o, _, _), data in zip(members, _program_group(onf, backend, scope, members, loops, scatter)):
+                results[o.name] = data
+        outs = [results[o.name] for o in dnf.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     fn.__name__ = f"{dnf.name}_xla"
     return fn
 
 
-def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> object:
+def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
+    """The outputs ``members`` ((output, its stage, the stage result it is)) computed together
+    in each tile of ``loops``, sharing their tiles' common subexpressions. An atomically
+    accumulated output: the vectorised grid holds every program's partial at once, so the
+    scatter-add is the sum over the whole grid axis — or, when the cpu_loop knob walks that
+    axis, a loop adding one tile's partial at a time."""
+    import jax.numpy as jnp
+
+    all_vars = []
+    for o, _, _ in members:
+        all_vars += [v for v in o.vars if v not in all_vars]
+    ranges = full_ranges(backend, tuple(all_vars) + ((scatter,) if scatter is not None else ()))
+    walked = scatter is not None and scatter.name in onf.knobs.cpu_loop
+
+    def program(rs):
+        ev = scope(rs)
+        if walked:
+            bodies = [st.accumulated for _, st, _ in members]  # partials add up in the accumulation dtype
+            a = onf.axis_of(scatter)
+
+            def add(i, accs):
+                sub = ev.child({scatter: Range(i * a.tile, a.tile, scatter.extent)})
+                return tuple(acc + broadcast_to_vars(sub.eval(b), tuple(o.vars), rs)
+                             for acc, b, (o, _, _) in zip(accs, bodies, members))
+
+            ev.hoist(bodies, scatter)
+            init = tuple(jnp.zeros(tuple(rs[v].size for v in o.vars if rs[v].size != 1), b.dtype)
+                         for b, (o, _, _) in zip(bodies, members))
+            return backend.fori_loop(a.ntiles, add, init)
+        S.run(ev, [name for _, _, name in members])
+        return tuple(broadcast_to_vars(ev.eval(D.Ref(name, o.vars, o.dtype)), tuple(o.vars), rs)
+                     for o, _, name in members)
+
+    datas = program(ranges) if not loops else _looped(onf, program, ranges, list(loops), [o.vars for o, _, _ in members])
+    out = []
+    for (o, _, _), data in zip(members, datas):
+        # slice the padding off, restore size-1 axes
+        data = data[tuple(slice(0, v.extent) for v in o.vars if ranges[v].size != 1)]
+        out.append(jnp.reshape(data, tuple(v.extent for v in o.vars)).astype(o.dtype))
+    return out
+
+
+def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> tuple:
     """Walk the ``loops`` axes (cpu_loop grid axes, sequential output axes) with lax.map over
-    tiles; vectorise the rest."""
+    tiles; vectorise the rest. ``program`` returns one tile per output (``out_vars``: each
+    output's variables, every one containing the loop variables)."""
     import jax.numpy as jnp
     from jax import lax
 
     axes = [onf.axis_of(v) for v in loops]
     counts = [a.ntiles for a in axes]
     total = int(np.prod(counts))
-    order = [v for v in out_vars if ranges[v].size != 1]
+    orders = [[v for v in vs if ranges[v].size != 1] for vs in out_vars]
 
     def one(k):
         rs = dict(ranges)
@@ -243,23 +262,26 @@ def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> object:
             rem = rem // n
             rs[v] = Range(i * a.tile, a.tile, v.extent)
         # a looped axis in tiles of 1 is a scalar in the program: give it back its length-1 axis
-        return jnp.reshape(program(rs), [rs[v].size for v in order])
+        return tuple(jnp.reshape(d, [rs[v].size for v in order]) for d, order in zip(program(rs), orders))
 
-    tiles = lax.map(one, jnp.arange(total, dtype=jnp.int32))  # [total, *tile shape]
-    tile_shape = list(tiles.shape[1:])
-    # un-flatten the tile index, then interleave (ntiles, tile) per looped axis
-    tiles = tiles.reshape(counts + tile_shape)
+    stacked = lax.map(one, jnp.arange(total, dtype=jnp.int32))  # per output: [total, *tile shape]
     nl = len(loops)
-    perm, shape = [], []
-    for j, v in enumerate(order):
-        if v in loops:
-            li = loops.index(v)
-            perm += [li, nl + j]
-            shape.append(counts[li] * tile_shape[j])
-        else:
-            perm.append(nl + j)
-            shape.append(tile_shape[j])
-    return jnp.transpose(tiles, perm).reshape(shape)
+    out = []
+    for tiles, order in zip(stacked, orders):
+        tile_shape = list(tiles.shape[1:])
+        # un-flatten the tile index, then interleave (ntiles, tile) per looped axis
+        tiles = tiles.reshape(counts + tile_shape)
+        perm, shape = [], []
+        for j, v in enumerate(order):
+            if v in loops:
+                li = loops.index(v)
+                perm += [li, nl + j]
+                shape.append(counts[li] * tile_shape[j])
+            else:
+                perm.append(nl + j)
+                shape.append(tile_shape[j])
+        out.append(jnp.transpose(tiles, perm).reshape(shape))
+    return tuple(out)
 
 
 __all__ = ["lower", "XlaBackend", "ONFError"]
