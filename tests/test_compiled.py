@@ -184,3 +184,10 @@ def test_value_and_grad_lowers_both_directions_to_pallas():
     names = [k.name for k in triton_kernels(f, *s)]
     assert any(n.startswith("moajax_relu2_attention") and "adjoint" not in n for n in names)
     assert any(n.startswith("moajax_relu2_attention_adjoint") for n in names)
+
+
+def test_jvp_of_a_call_raises_a_clear_error():
+    # forward mode is not built yet: JAX's own custom_vjp error says so, naming the cause
+    q, k, v, b = _args([(6, 4), (10, 4), (10, 3), (6, 10)], 7)
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff \\(jvp\\) to a custom_vjp function"):
+        jax.jvp(lambda q: relu2_attention(q, k, v, b), (q,), (q,))
