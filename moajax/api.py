@@ -128,7 +128,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     else:
         # the cotangents are the VJP of the XLA lowering of the same ONF (the same DNF: the
         # same meaning); the residuals are the inputs. A bool mask gets a float0 cotangent.
-        def backward(args, cts):
+        def backward(args, saved, cts):  # nothing saved: the inputs are the residuals
             import jax
 
             return jax.vjp(xla, *args)[1](*cts)

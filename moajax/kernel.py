@@ -27,7 +27,7 @@ from moajax import psi as _psi
 from moajax import reference as _reference
 
 REGISTRY: dict[str, "Kernel"] = {}
-RESERVED = ("onf", "implementation")  # keywords of a call, not kernel options
+RESERVED = ("onf", "implementation", "residuals")  # keywords of a call, not kernel options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,13 +157,15 @@ class Kernel:
 
         return tuple(jax.ShapeDtypeStruct(tuple(self.example[d] for d in p.dims), dtype) for p in self.params)
 
-    def __call__(self, *arrays, onf=None, implementation=None, **options):
+    def __call__(self, *arrays, onf=None, implementation=None, residuals="auto", **options):
         """Run the kernel compiled (see the module docstring); differentiable by ``jax.grad``.
 
         ``onf``: an ONF derived for exactly these shapes, or a ``Preset`` applied on top of the
         default schedule; ``implementation``: None (XLA on CPU, Pallas on CUDA), "xla",
-        "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU)."""
-        return self.compiled(*arrays, onf=onf, implementation=implementation, **options)(*arrays)
+        "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU); ``residuals``: what
+        the forward saves for the backward ("auto" or "none", see ``compiled``)."""
+        return self.compiled(*arrays, onf=onf, implementation=implementation, residuals=residuals,
+                             **options)(*arrays)
 
     def onf(self, *arrays, onf=None, implementation=None, **options):
         """The ONF a call with these arguments runs (on this process's default platform)."""
@@ -180,15 +182,23 @@ class Kernel:
 
         return gpu if jax.default_backend() in ("gpu", "cuda") else cpu
 
-    def compiled(self, *specs, onf=None, implementation=None, **options) -> Callable:
+    def compiled(self, *specs, onf=None, implementation=None, residuals="auto", **options) -> Callable:
         """The compiled function of the arrays for these shapes and options (cached), with its
-        backward: a ``jax.custom_vjp`` whose cotangents come from the compiled adjoint kernel."""
+        backward: a ``jax.custom_vjp`` whose cotangents come from the compiled adjoint kernel.
+
+        ``residuals``: "auto" saves the forward's row statistics (``row_statistics``: a
+        labelled or held-constant reduction with fewer elements than any output, e.g. a
+        softmax's max and denominator) for the backward to read, where the cost model counts
+        fewer flops for that backward; "none" saves only the inputs (the backward recomputes)."""
         from moajax import adjoint as _adjoint
         from moajax import runtime
+        from moajax.onf import ONF
 
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
-        key = (self._key(specs, options), onf, implementation)
+        if residuals not in ("auto", "none"):
+            raise ValueError(f"{self.name}: residuals must be 'auto' or 'none', got {residuals!r}")
+        key = (self._key(specs, options), onf, implementation, residuals)
         hit = self._compiled.get(key)
         if hit is not None:
             return hit
@@ -197,20 +207,87 @@ class Kernel:
                               options, onf, implementation)
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
+        chosen: list = []
 
-        def backward(args, cts):
+        def saving():
+            """The forward that also saves the row statistics, or None — decided (and its
+            adjoint derived) only when the call is first differentiated."""
+            if not chosen:
+                pays = residuals == "auto" and self._saving_pays(key[0], options)
+                chosen.append(self.with_row_statistics().compiled(
+                    *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
+                    **options) if pays else None)
+            return chosen[0]
+
+        def backward(args, saved, cts):
             import jax
 
             cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
                    for ct, (shape, dt) in zip(cts, out_specs)]
-            adj = self._adjoint_for(key[0], options)
-            grads = adj(*args, *cts, implementation=implementation, **options)
+            adj = self._adjoint_for(key[0], options, bool(saved))
+            grads = adj(*args, *cts, *saved, implementation=implementation, residuals="none", **options)
             grads = iter(grads if isinstance(grads, tuple) else (grads,))
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
-        fn = runtime.differentiable(run, backward, len(dnf.outputs))
+        fn = runtime.differentiable(run, backward, len(dnf.outputs), saving)
         self._compiled[key] = fn
         return fn
+
+    # ---- residuals
+    def row_statistics(self, outputs) -> list:
+        """The values a backward may read saved from the forward instead of recomputing: the
+        labelled (``moa.name``) or held-constant (``moa.stop_gradient``) subexpressions that
+        contain a reduction and have fewer elements than any output — row statistics such as
+        a softmax's max and denominator, or an RMS — outside Ω bodies, in a fixed order."""
+        from moajax.adjoint import _postorder
+
+        smallest = min(o.size for o in outputs)
+        out = []
+        for x in _postorder(outputs):
+            if isinstance(x, (moa.Name, moa.StopGradient)) and x.size < smallest and any(
+                    isinstance(y, (moa.Reduce, moa.Inner)) for y in moa.nodes(x.arg)) and moa._is_float(x.dtype):
+                out.append(x)
+        return out
+
+    def with_row_statistics(self) -> "Kernel":
+        """This kernel with its row statistics as further outputs (``saved0``, ``saved1``, …),
+        placed first so that its other outputs read them (``rewrites.hoist``)."""
+        hit = self._adjoints.get("with_row_statistics")
+        if hit is not None:
+            return hit
+        primal = self
+
+        def forward(*arrays, **opts):
+            outs = primal.fn(*arrays, **opts)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            return tuple(primal.row_statistics(outs)) + outs
+
+        names = self.output_names or ("out",)
+        forward.__signature__ = inspect.signature(self.fn)
+        forward.__name__ = f"{self.name}_saving"
+        hit = self._adjoints["with_row_statistics"] = _SavingKernel(forward, primal, names, self)
+        return hit
+
+    def _saving_pays(self, shape_key, options) -> bool:
+        """Does the backward that reads the saved row statistics cost fewer flops (cost model,
+        this machine's default ONFs) than the one that recomputes them?"""
+        from moajax import cost, machines, schedule
+
+        with_saved = self._adjoint_for(shape_key, options, True)
+        if len(with_saved.params) == len(self._adjoint_for(shape_key, options, False).params):
+            return False  # nothing to save
+        import jax
+
+        def flops(k, extra):
+            specs = [jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]] + extra
+            plan = schedule.derive_plan(k.dnf(*specs, **options), machines.local())
+            return sum(cost.estimate(o).flops for o in (plan if isinstance(plan, tuple) else (plan,)))
+
+        outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[1]
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+        saved = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.row_statistics(outs)]
+        return flops(with_saved, cts + saved) < flops(self._adjoint_for(shape_key, options, False), cts)
 
     def _batchable(self, run, n_outputs: int, options, onf, implementation):
         """``run`` under ``jax.vmap`` becomes the batched kernel's own compiled code: the
@@ -275,25 +352,27 @@ class Kernel:
                                            outputs=self.output_names, dims=dims)
         return hit
 
-    def _adjoint_for(self, shape_key, options) -> "Kernel":
+    def _adjoint_for(self, shape_key, options, saved: bool = False) -> "Kernel":
         """The adjoint kernel (cached per shapes and options) that ``compiled`` runs backward."""
         import jax
 
-        key = (shape_key, tuple(sorted(options.items())))
+        key = (shape_key, tuple(sorted(options.items())), saved)
         hit = self._adjoints.get(key)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
-            hit = self._adjoints[key] = self.adjoint(*specs, **options)
+            hit = self._adjoints[key] = self.adjoint(*specs, saved=saved, **options)
         return hit
 
-    def adjoint(self, *specs, wrt=None, **options) -> "Kernel":
+    def adjoint(self, *specs, wrt=None, saved: bool = False, **options) -> "Kernel":
         """The backward of this kernel as a ``Kernel`` (``moajax.adjoint``: derived in the algebra).
 
         Its inputs are the primals, then one cotangent per output (``d_<output>``, ρ and dims
         of the output); its outputs are the cotangents ``d_<input>`` of the differentiable
         inputs (``wrt``: names; default every floating input), each in its input's dtype.
         It ψ-reduces to a DNF like any kernel. ``specs`` (default: ``example_specs()``) and
-        ``options`` are only used to learn the outputs' dims and dtypes."""
+        ``options`` are only used to learn the outputs' dims and dtypes. With ``saved``, it
+        also takes the forward's row statistics (``row_statistics``: ``saved0``, …) and reads
+        them where it would recompute them (the derivative still flows through them)."""
         from moajax import adjoint as _adjoint
 
         key = self._key(specs or self.example_specs(), options)
@@ -308,31 +387,77 @@ class Kernel:
                                  f"floating inputs are {floats}")
         primal, n = self, len(self.params)
         ct_names = tuple(f"d_{o}" for o in names)
+        stats = self.row_statistics(outs) if saved else []
+        saved_names = tuple(f"saved{i}" for i in range(len(stats)))
 
         def backward(*arrays, **opts):
             outputs = primal.fn(*arrays[:n], **opts)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             by_name = dict(zip([p.name for p in primal.params], arrays[:n]))
-            grads = _adjoint.vjp(outputs, arrays[n:], [by_name[w] for w in wrt])
-            return tuple(_adjoint.zeros_like(by_name[w]) if d is None else d for w, d in zip(wrt, grads))
+            cts = arrays[n:n + len(ct_names)]
+            grads = _adjoint.vjp(outputs, cts, [by_name[w] for w in wrt])
+            grads = tuple(_adjoint.zeros_like(by_name[w]) if d is None else d for w, d in zip(wrt, grads))
+            if saved_names:  # read the saved values where the backward uses the statistics' values
+                values = dict(zip(primal.row_statistics(outputs), arrays[n + len(ct_names):]))
+                grads = tuple(moa.substitute(d, values) for d in grads)
+            return grads
 
         params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.params]
-        params += [inspect.Parameter(c, inspect.Parameter.POSITIONAL_OR_KEYWORD) for c in ct_names]
+        params += [inspect.Parameter(c, inspect.Parameter.POSITIONAL_OR_KEYWORD) for c in ct_names + saved_names]
         params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in self.options.items()]
         backward.__signature__ = inspect.Signature(params)
         backward.__name__ = f"{self.name}_adjoint"
         backward.__doc__ = f"The adjoint of {self.name}, derived by moajax.adjoint."
         dims = {p.name: " ".join(p.dims) for p in self.params}
         dims.update({c: " ".join(o.dims) for c, o in zip(ct_names, outs)})
+        dims.update({c: " ".join(x.dims) for c, x in zip(saved_names, stats)})
         example = dict(self.example)
         for o in outs:
             example.update({d: s for d, s in zip(o.dims, o.shape) if d not in example})
-        return Kernel(backward, example=example, name=f"{self.name}_adjoint", outputs=tuple(f"d_{w}" for w in wrt),
-                      dims=dims)
+        return Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved_names else ""),
+                      outputs=tuple(f"d_{w}" for w in wrt), dims=dims)
 
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)
         return f"<moajax kernel {self.name}({sig})>"
+
+
+class _SavingKernel(Kernel):
+    """A kernel's forward that also outputs its row statistics (``Kernel.with_row_statistics``)."""
+
+    def __init__(self, fn, primal: Kernel, names, _):
+        super().__init__(fn, example=primal.example, name=fn.__name__,
+                         outputs=None, dims={p.name: " ".join(p.dims) for p in primal.params})
+        self._primal_names = names
+
+    def _build(self, specs, options):
+        key = self._key(specs, options)
+        hit = self._cache.get(key)
+        if hit is None:
+            inputs = tuple(moa.array(p.name, shape, p.dims, dtype) for p, (shape, dtype) in zip(self.params, key[0]))
+            expr = self.fn(*inputs, **options)
+            n_saved = len(expr) - len(self._primal_names)
+            names = tuple(f"saved{i}" for i in range(n_saved)) + tuple(self._primal_names)
+            dnf, der = _psi.reduce_to_dnf(self.name, inputs, expr, names)
+            hit = (inputs, expr, dnf, der, _reference.to_jax(dnf))
+            self._cache[key] = hit
+        return hit
+
+    def compiled(self, *specs, onf=None, implementation=None, residuals="none", **options):
+        """The forward with its row statistics: saved first, then the primal outputs — returned
+        primal outputs first (what ``runtime.differentiable`` expects)."""
+        from moajax import runtime
+
+        dnf = self._build(specs, options)[2]
+        n_saved = len(dnf.outputs) - len(self._primal_names)
+        run = runtime.dispatch(*runtime.schedules(dnf, onf), implementation)
+
+        def both(*args):
+            res = run(*args)
+            res = res if isinstance(res, tuple) else (res,)
+            return tuple(res[n_saved:]) + tuple(res[:n_saved])
+
+        return both
 
 
 def kernel(fn: Callable | None = None, *, example: dict | None = None, name: str | None = None,

@@ -183,13 +183,18 @@ def hoist(onf: ONF) -> ONF:
             out_stages.append(s)
             continue
         body = go(s.body, (), frozenset(s.vars))
+        pre = body
         if isinstance(body, D.Red):
             body = factor_out_invariants(body)
         if isinstance(body, D.Red):
-            # the stage itself is one reduction: keep it (its loop is the stage's pass)
+            # the stage itself is one reduction: keep it (its loop is the stage's pass); a later
+            # stage that needs the same reduction (a row statistic a kernel also outputs, e.g. a
+            # saved softmax max) reads this one
             out_stages.extend(new_stages)
             new_stages.clear()
             out_stages.append(Stage(s.name, s.vars, body, s.place))
+            if tuple(s.vars) == stage_vars(pre, order):
+                memo.setdefault(D.canonical(pre), D.Ref(s.name, s.vars, pre.dtype))
             continue
         body = top_level(body)
         out_stages.extend(new_stages)

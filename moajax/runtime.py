@@ -108,10 +108,12 @@ def zero_cotangent(x):
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
-def differentiable(run, backward, n_outputs: int):
-    """``run`` with the derivative ``backward(args, cotangents) -> one cotangent per arg``.
+def differentiable(run, backward, n_outputs: int, saving=None):
+    """``run`` with the derivative ``backward(args, saved, cotangents) -> one cotangent per arg``.
 
-    The residuals are the primal inputs (the backward recomputes what it needs)."""
+    The residuals are the primal inputs and, where ``saving()`` (asked when the function is
+    first differentiated) gives a forward computing the outputs and then the values the
+    backward reads instead of recomputing them, those saved values (``saved``; else empty)."""
     import jax
 
     @jax.custom_vjp
@@ -119,11 +121,17 @@ def differentiable(run, backward, n_outputs: int):
         return run(*args)
 
     def fwd(*args):
-        return run(*args), args
+        run_saving = saving() if saving is not None else None
+        if run_saving is None:
+            return run(*args), (args, ())
+        both = run_saving(*args)
+        outs = both[:n_outputs]
+        return (outs if n_outputs > 1 else outs[0]), (args, tuple(both[n_outputs:]))
 
-    def bwd(args, cts):
+    def bwd(res, cts):
+        args, saved = res
         cts = tuple(cts) if n_outputs > 1 else (cts,)
-        return tuple(backward(args, cts))
+        return tuple(backward(args, saved, cts))
 
     f.defvjp(fwd, bwd)
     return f

@@ -191,3 +191,40 @@ def test_jvp_of_a_call_raises_a_clear_error():
     q, k, v, b = _args([(6, 4), (10, 4), (10, 3), (6, 10)], 7)
     with pytest.raises(TypeError, match="can't apply forward-mode autodiff \\(jvp\\) to a custom_vjp function"):
         jax.jvp(lambda q: relu2_attention(q, k, v, b), (q,), (q,))
+
+
+def test_the_forward_saves_row_statistics_the_backward_reads():
+    from moajax.kernels.attention import attention
+    from moajax.kernels.norm import rmsnorm
+
+    q, k, v, g = _args([(8, 4), (12, 4), (12, 6), (8, 6)], 8)
+    key = attention._key((q, k, v), {})
+    assert attention._saving_pays(key, {})  # the cost model: the backward skips the softmax pass
+    saved = attention._adjoint_for(key, {}, True).dnf(q, k, v, g, q[:, 0], q[:, 0])
+    assert {"saved0", "saved1"} <= saved.arrays_read()  # the row max and the denominator
+    assert "⌈" not in saved.pretty()  # no max is recomputed
+    fwd = attention.with_row_statistics().dnf(q, k, v)
+    assert [o.name for o in fwd.outputs] == ["saved0", "saved1", "out"]
+    loss = lambda res: (lambda q, k, v: jnp.sum(attention(q, k, v, residuals=res) * g))
+    auto = jax.jit(jax.grad(loss("auto"), argnums=(0, 1, 2)))(q, k, v)
+    none = jax.jit(jax.grad(loss("none"), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(lambda q, k, v: jnp.sum(attention.reference(q, k, v) * g), argnums=(0, 1, 2))(q, k, v)
+    for a, b, r in zip(auto, none, ref):
+        assert rel_err(a, r) <= F64 and rel_err(b, r) <= F64
+    x, w = _args([(6, 8), (8,)], 9)
+    gx = jax.grad(lambda x, w: jnp.sum(rmsnorm(x, w) * x), argnums=(0, 1))(x, w)
+    rx = jax.grad(lambda x, w: jnp.sum(rmsnorm.reference(x, w) * x), argnums=(0, 1))(x, w)
+    assert all(rel_err(a, b) <= F64 for a, b in zip(gx, rx))
+    assert relu2_attention.row_statistics(tuple([relu2_attention.expression(q, k, v, _args([(8, 12)], 1)[0])])) == []
+    with pytest.raises(ValueError, match="residuals must be 'auto' or 'none'"):
+        attention(q, k, v, residuals="lse")
+
+
+def test_value_and_grad_of_a_softmax_kernel_lowers_the_saving_forward_to_pallas():
+    from moajax.kernels.attention import attention
+
+    s = [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in [(64, 32), (128, 32), (128, 32)]]
+    f = jax.value_and_grad(lambda *a: jnp.sum(attention(*a)), argnums=(0, 1, 2))
+    names = [k.name for k in triton_kernels(f, *s)]
+    assert any(n.startswith("moajax_attention_saving") for n in names), names
+    assert any(n.startswith("moajax_attention_adjoint_saved") for n in names), names
