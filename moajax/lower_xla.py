@@ -233,13 +233,52 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
         return tuple(broadcast_to_vars(ev.eval(D.Ref(name, o.vars, o.dtype)), tuple(o.vars), rs)
                      for o, _, name in members)
 
-    datas = program(ranges) if not loops else _looped(onf, program, ranges, list(loops), [o.vars for o, _, _ in members])
+    if walked and len(loops) == 1:
+        datas = _rows_then_tiles(onf, backend, scope, members, loops[0], scatter, ranges)
+    else:
+        datas = program(ranges) if not loops else _looped(onf, program, ranges, list(loops),
+                                                           [o.vars for o, _, _ in members])
     out = []
     for (o, _, _), data in zip(members, datas):
         # slice the padding off, restore size-1 axes
         data = data[tuple(slice(0, v.extent) for v in o.vars if ranges[v].size != 1)]
         out.append(jnp.reshape(data, tuple(v.extent for v in o.vars)).astype(o.dtype))
     return out
+
+
+def _rows_then_tiles(onf: ONF, backend, scope, members, v, scatter, ranges) -> tuple:
+    """Scatter-added outputs over their own sequential axis v, the cpu_loop walking the grid
+    axis r they are summed over: for each tile of r (the papers' row-owning program), what does
+    not depend on v is computed once, then each tile of v adds its partial into the outputs —
+    the row statistics of a tile of r are never recomputed per tile of v."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    ar, av = onf.axis_of(scatter), onf.axis_of(v)
+    bodies = [st.accumulated for _, st, _ in members]
+    orders = [tuple(w for w in o.vars if ranges[w].size != 1) for o, _, _ in members]
+    root = scope(ranges)
+    root.hoist(bodies, scatter)
+
+    def over_rows(i, accs):
+        rows = root.child({scatter: Range(i * ar.tile, ar.tile, scatter.extent)})
+        rows.hoist(bodies, v)
+
+        def over_tiles(j, accs):
+            tile = rows.child({v: Range(j * av.tile, av.tile, v.extent)})
+            new = []
+            for acc, b, order in zip(accs, bodies, orders):
+                rs = {**ranges, v: tile.ranges[v]}
+                part = jnp.reshape(broadcast_to_vars(tile.eval(b), order, rs), [rs[w].size for w in order])
+                ax = order.index(v)
+                cur = lax.dynamic_slice_in_dim(acc, j * av.tile, av.tile, ax)
+                new.append(lax.dynamic_update_slice_in_dim(acc, cur + part.astype(acc.dtype), j * av.tile, ax))
+            return tuple(new)
+
+        return backend.fori_loop(av.ntiles, over_tiles, accs)
+
+    init = tuple(jnp.zeros(tuple(ranges[w].size for w in order), b.dtype) for b, order in zip(bodies, orders))
+    return backend.fori_loop(ar.ntiles, over_rows, init)
 
 
 def _looped(onf: ONF, program, ranges: dict, loops: list, out_vars) -> tuple:
