@@ -233,7 +233,7 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
         return tuple(broadcast_to_vars(ev.eval(D.Ref(name, o.vars, o.dtype)), tuple(o.vars), rs)
                      for o, _, name in members)
 
-    if walked and len(loops) == 1:
+    if walked and len(loops) == 1 and _row_statistics(onf, [st.accumulated for _, st, _ in members], scatter, loops[0]):
         datas = _rows_then_tiles(onf, backend, scope, members, loops[0], scatter, ranges)
     else:
         datas = program(ranges) if not loops else _looped(onf, program, ranges, list(loops),
@@ -244,6 +244,23 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
         data = data[tuple(slice(0, v.extent) for v in o.vars if ranges[v].size != 1)]
         out.append(jnp.reshape(data, tuple(v.extent for v in o.vars)).astype(o.dtype))
     return out
+
+
+def _row_statistics(onf: ONF, bodies, r, v) -> bool:
+    """Do ``bodies`` (or the local stages they read) hold a reduction that depends on r but not
+    on v — a statistic of a row tile, worth computing once per tile of r?"""
+    defs = {n: st for st in onf.program.stages for n in st.defines}
+    seen: set = set()
+    stack = list(bodies)
+    while stack:
+        e = stack.pop()
+        for x in D.walk(e):
+            if isinstance(x, D.Red) and r in x.free and v not in x.free and v not in D.bound_vars(x):
+                return True
+            if isinstance(x, D.Ref) and x.stage in defs and x.stage not in seen and defs[x.stage].place == "local":
+                seen.add(x.stage)
+                stack.extend(y for y in defs[x.stage].exprs() if y is not None)
+    return False
 
 
 def _rows_then_tiles(onf: ONF, backend, scope, members, v, scatter, ranges) -> tuple:

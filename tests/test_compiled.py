@@ -228,3 +228,23 @@ def test_value_and_grad_of_a_softmax_kernel_lowers_the_saving_forward_to_pallas(
     names = [k.name for k in triton_kernels(f, *s)]
     assert any(n.startswith("moajax_attention_saving") for n in names), names
     assert any(n.startswith("moajax_attention_adjoint_saved") for n in names), names
+
+
+@pytest.mark.parametrize("kern", ["attention", "relu2"])
+def test_scatter_outputs_walked_by_rows_then_tiles_on_xla(kern):
+    # dK, dV scatter-added over row tiles that the cpu_loop knob walks, over key tiles of their
+    # own: per row tile the statistics (softmax: Δ) are computed once, then each key tile adds
+    from moajax import lower_xla, machines, reference, schedule
+    from moajax.kernels.attention import attention
+
+    k = attention if kern == "attention" else relu2_attention
+    shapes = [(8, 4), (12, 4), (12, 6)] if kern == "attention" else [(8, 4), (12, 4), (12, 6), (8, 12)]
+    args = _args(shapes, 10)
+    adj = k.adjoint(*args)
+    args = args + _args([(8, 6)], 11)
+    dnf = adj.dnf(*args)
+    onf = schedule.derive(dnf, machines.local(), Preset.of(tiles={"t": 2, "s": 4}, roles={"s": "sequential"},
+                                                           cpu_loop=("t",)))
+    assert dict(onf.accumulate) == {"d_key": "atomic", "d_value": "atomic"} and onf.knobs.cpu_loop == ("t",)
+    for a, b in zip(lower_xla.lower(onf)(*args), reference.to_jax(dnf)(*args)):
+        assert rel_err(a, b) <= F64
