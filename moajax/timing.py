@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 
 def median_seconds(fn, *args, reps: int, warmups: int = 1) -> float:
@@ -40,3 +41,26 @@ def alternating(fns: dict, args, *, reps: int, warmups: int = 1) -> dict:
             jax.block_until_ready(fn(*args))
             out[name].append(time.perf_counter() - t)
     return out
+
+
+def machine_line() -> str:
+    """The line every committed results file starts with: the machine, JAX, Python, the date."""
+    import datetime
+    import os
+    import platform
+
+    import jax
+
+    from moajax.machines import cpu_model
+
+    return (f"Machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
+            f"JAX {jax.__version__}, Python {platform.python_version()}; date {datetime.date.today().isoformat()}.")
+
+
+def write_results(path, lines) -> str:
+    """Write a results table (markdown lines) to ``path``, print it, return its text."""
+    text = "\n".join(lines) + "\n"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+    print(text)
+    return text

@@ -15,9 +15,6 @@ bench/results/attention_forward_cpu.md (machine and date on the first lines).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -53,7 +50,6 @@ def main():
     import numpy as np
 
     import moajax
-    from moajax.machines import cpu_model
 
     budget = int(args.budget_gib * 2**30) if args.budget_gib else int(0.7 * _mem_total())
     N, D = args.heads, args.head_dim
@@ -76,6 +72,7 @@ def main():
     # (dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q): 12·T·S·N·H
     flop_factor = 12 if args.grad else 4
 
+    from moajax.timing import machine_line, write_results
     from moajax.timing import median_seconds as timed  # one warm-up (compile + first run)
 
     gn = 4096
@@ -112,13 +109,11 @@ def main():
     gemm_rates.append(2 * gn**3 / timed(gemm, ga, ga, reps=5) / 1e9)
     gemm_gfs = statistics.median(gemm_rates)
 
-    today = datetime.date.today().isoformat()
     lines = [
         f"# Attention {'gradient (jit(grad) w.r.t. q, k, v)' if args.grad else 'forward'} on the CPU: "
         "moajax vs jax.nn vs plain jnp",
         "",
-        f"Machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
-        f"JAX {jax.__version__}, Python {platform.python_version()}; date {today}.",
+        machine_line(),
         f"Run: `python scripts/bench_attention.py{' --grad' if args.grad else ''}` — B=1, N={N}, H={D}, float32, T = S; one process, "
         f"compiled once per size, median of repeated runs after a warm-up.",
         f"Same-run GEMM ({gn}×{gn}×{gn} float32, jitted jnp.dot): {gemm_gfs:.1f} GF/s "
@@ -162,10 +157,7 @@ def main():
         lines.append(f"- S=32768: moajax {'ran' if ran else 'did not run'} with {r['temp'] / 2**30:.2f} GiB temp "
                      f"(target < 2 GiB: {'met' if ran and r['temp'] < 2**31 else 'NOT met'}); "
                      f"jax.nn: {by[32768].get('jax.nn', {}).get('skip', 'ran')}.")
-    text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,6 @@ Results: bench/results/kernel_grad_cpu.md (machine and date on the first lines).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -44,8 +41,7 @@ def main():
 
     import moajax
     from moajax import moa
-    from moajax.machines import cpu_model
-    from moajax.timing import alternating
+    from moajax.timing import alternating, machine_line, write_results
 
     scale = 0.125
 
@@ -89,12 +85,10 @@ def main():
             print(f"t=s={T:6d} {name:10s} best {min(times[name]):8.4f} s  median {statistics.median(times[name]):8.4f} s"
                   f"  temp {temp[name] / 2**20:9.1f} MiB", flush=True)
 
-    today = datetime.date.today().isoformat()
     lines = [
         f"# jit(grad) of a DSL kernel on the CPU: {'softmax' if args.softmax else 'ReLU²'} attention, moajax vs plain jnp",
         "",
-        f"Machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
-        f"JAX {jax.__version__}, Python {platform.python_version()}; date {today}.",
+        machine_line(),
         f"Run: `python scripts/bench_kernel_grad.py{' --softmax' if args.softmax else ''}` — out = "
         f"{'softmax(0.125 · Q Kᵀ) V' if args.softmax else 'relu(0.125 · Q Kᵀ)² V'}, {args.heads} heads by jax.vmap, "
         "h = e = 64, float32, t = s; d/d(q, k, v) of sum(out · G). The contenders run in turn in one process; "
@@ -122,10 +116,7 @@ def main():
         _, temp = by[8192]
         lines.append(f"- t = s = 8192: temp memory {temp['moajax'] / 2**20:.1f} MiB (target ≤ 64 MiB: "
                      f"{'met' if temp['moajax'] <= 64 * 2**20 else 'NOT met'}); plain jnp {temp['plain jnp'] / 2**20:.0f} MiB.")
-    text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results(args.out, lines)
 
 
 if __name__ == "__main__":
