@@ -76,7 +76,7 @@ class Kernel:
         functools.update_wrapper(self, fn)
         self._cache: dict = {}
         self._compiled: dict = {}
-        self._adjoints: dict = {}
+        self._derived: dict = {}  # kernels derived from this one: adjoints, batched, saving
 
     # ---- tracing
     def define(self, *arrays: moa.Array, **options) -> moa.Array:
@@ -252,7 +252,7 @@ class Kernel:
     def with_row_statistics(self) -> "Kernel":
         """This kernel with its row statistics as further outputs (``saved0``, ``saved1``, …),
         placed first so that its other outputs read them (``rewrites.hoist``)."""
-        hit = self._adjoints.get("with_row_statistics")
+        hit = self._derived.get("with_row_statistics")
         if hit is not None:
             return hit
         primal = self
@@ -265,7 +265,7 @@ class Kernel:
         names = self.output_names or ("out",)
         forward.__signature__ = inspect.signature(self.fn)
         forward.__name__ = f"{self.name}_saving"
-        hit = self._adjoints["with_row_statistics"] = _SavingKernel(forward, primal, names, self)
+        hit = self._derived["with_row_statistics"] = _SavingKernel(forward, primal, names)
         return hit
 
     def _saving_pays(self, shape_key, options) -> bool:
@@ -314,7 +314,7 @@ class Kernel:
         its definition under Ω over that axis (an argument without it is shared by every
         batch index). What ``jax.vmap`` of a call runs."""
         key = ("batched", tuple(in_batched))
-        hit = self._adjoints.get(key)
+        hit = self._derived.get(key)
         if hit is not None:
             return hit
         if len(in_batched) != len(self.params) or not any(in_batched):
@@ -348,7 +348,7 @@ class Kernel:
         batched_fn.__doc__ = f"{self.name} under Ω over a leading batch axis {dim}."
         dims = {p.name: " ".join(((dim,) if b else ()) + p.dims) for p, b in zip(self.params, in_batched)}
         example = {**self.example, dim: 2}
-        hit = self._adjoints[key] = Kernel(batched_fn, example=example, name=f"{self.name}_vmap",
+        hit = self._derived[key] = Kernel(batched_fn, example=example, name=f"{self.name}_vmap",
                                            outputs=self.output_names, dims=dims)
         return hit
 
@@ -357,10 +357,10 @@ class Kernel:
         import jax
 
         key = (shape_key, tuple(sorted(options.items())), saved)
-        hit = self._adjoints.get(key)
+        hit = self._derived.get(key)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
-            hit = self._adjoints[key] = self.adjoint(*specs, saved=saved, **options)
+            hit = self._derived[key] = self.adjoint(*specs, saved=saved, **options)
         return hit
 
     def adjoint(self, *specs, wrt=None, saved: bool = False, **options) -> "Kernel":
@@ -425,7 +425,7 @@ class Kernel:
 class _SavingKernel(Kernel):
     """A kernel's forward that also outputs its row statistics (``Kernel.with_row_statistics``)."""
 
-    def __init__(self, fn, primal: Kernel, names, _):
+    def __init__(self, fn, primal: Kernel, names):
         super().__init__(fn, example=primal.example, name=fn.__name__,
                          outputs=None, dims={p.name: " ".join(p.dims) for p in primal.params})
         self._primal_names = names
