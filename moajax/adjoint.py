@@ -277,13 +277,21 @@ def _omega(node: moa.Omega, g, need):
             out.append(None)
             continue
 
+        unreached: list = []
+
         def cell_adjoint(*xs, i=i):
             cells, dy = xs[:k], xs[k]
             body = moa.substitute(node.body, dict(zip(node.cells, cells)))
             (d,) = vjp([body], [dy], [cells[i]])
-            return d if d is not None else zeros_like(cells[i])
+            if d is None:
+                unreached.append(i)
+                return zeros_like(cells[i])
+            return d
 
         d = moa.omega(cell_adjoint, tuple(node.ranks) + (node.body.rank,))(*node.args, g)
+        if unreached:  # no cotangent flows to this argument (e.g. a held-constant max): none
+            out.append(None)
+            continue
         out.append(d if node.frame[i] else sum_lead(d, nf))
     return out
 

@@ -39,7 +39,7 @@ def _check_broadcast(name, shape, target):
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, onf=None,
-                          implementation=None):
+                          implementation=None, residuals="auto"):
     """softmax(scale · Q Kᵀ + bias, masked) V — jax.nn.dot_product_attention's contract.
 
     query [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] / [B, S, K, E] with
@@ -51,11 +51,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     ``onf``: None (the machine's default schedule), a ``moajax.ONF`` derived for exactly
     these shapes, or a ``moajax.schedule.Preset`` (carry, tiles, γ, store, knobs) applied
     on top of the default. ``implementation``: None (XLA on CPU, Pallas on CUDA), "xla",
-    "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU).
+    "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU). ``residuals``: what
+    the forward saves for ``jax.grad`` — "auto" (the softmax's row max and sum, O(T) per
+    head, where the cost model says reading them is cheaper) or "none" (recompute).
+
+    It is a thin wrapper: the arguments are checked here, then ``moajax.kernels.mha_kernel``
+    (the DSL definition for this bias/mask broadcast pattern) runs like any ``@kernel``.
     """
     import jax.numpy as jnp
 
-    from moajax.kernels.attention import mha_dnf
+    from moajax.kernels.attention import broadcast_dims, mha_kernel
 
     qs, qd = _shape_dtype(query, "query")
     ks, kd = _shape_dtype(key, "key")
@@ -98,15 +103,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         if bias_dtype.name not in _FLOATS:
             raise TypeError(f"dot_product_attention: bias dtype must be floating, got {bias_dtype.name}")
         _check_broadcast("bias", bias_shape, target if batched else target[1:])
-        bias_shape = bias_shape if batched else (1,) * (4 - len(bias_shape)) + bias_shape
-        args.append(bias if batched else jnp.reshape(bias, bias_shape))
+        bias_shape = (1,) * (4 - len(bias_shape)) + bias_shape  # rank 4: one kernel per pattern
+        args.append(jnp.reshape(bias, bias_shape))
     if mask is not None:
         mask_shape, mask_dtype = _shape_dtype(mask, "mask")
         if mask_dtype != np.bool_:
             raise TypeError(f"dot_product_attention: mask must be a bool array (True = keep), got {mask_dtype.name}")
         _check_broadcast("mask", mask_shape, target if batched else target[1:])
-        mask_shape = mask_shape if batched else (1,) * (4 - len(mask_shape)) + mask_shape
-        args.append(mask if batched else jnp.reshape(mask, mask_shape))
+        mask_shape = (1,) * (4 - len(mask_shape)) + mask_shape  # rank 4: one kernel per pattern
+        args.append(jnp.reshape(mask, mask_shape))
     if scale is not None:
         if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
             raise TypeError(f"dot_product_attention: scale must be a static Python number, got {type(scale).__name__}")
@@ -116,24 +121,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         raise TypeError(f"dot_product_attention: is_causal must be a static bool, got {type(is_causal).__name__}")
     runtime.check_onf_argument(onf, "dot_product_attention")
     runtime.check_implementation(implementation, "dot_product_attention")
+    if residuals not in ("auto", "none"):
+        raise ValueError(f"dot_product_attention: residuals must be 'auto' or 'none', got {residuals!r}")
 
-    dnf = mha_dnf(qs, ks, vs, qd, bias_shape, bias_dtype, mask_shape, None if scale is None else float(scale), bool(is_causal))
-    cpu_onf, gpu_onf = runtime.schedules(dnf, onf)
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
-
-    xla = runtime.lowered(cpu_onf, "xla")
-    if implementation == "xla":
-        out = xla(*args)  # differentiated by JAX itself
-    else:
-        # the cotangents are the VJP of the XLA lowering of the same ONF (the same DNF: the
-        # same meaning); the residuals are the inputs. A bool mask gets a float0 cotangent.
-        def backward(args, saved, cts):  # nothing saved: the inputs are the residuals
-            import jax
-
-            return jax.vjp(xla, *args)[1](*cts)
-
-        out = runtime.differentiable(runtime.dispatch(cpu_onf, gpu_onf, implementation), backward, 1)(*args)
+    kern = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
+                      None if mask_shape is None else broadcast_dims(mask_shape), K != N)
+    # a kernel like any other: compiled per platform, its gradient the compiled adjoint kernel
+    # derived in the algebra (moajax.adjoint), reading the forward's saved row statistics
+    out = kern(*args, onf=onf, implementation=implementation, residuals=residuals,
+               scale=None if scale is None else float(scale), is_causal=bool(is_causal))
     return out if batched else out[0]
 
 

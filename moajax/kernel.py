@@ -234,20 +234,25 @@ class Kernel:
         return fn
 
     # ---- residuals
-    def row_statistics(self, outputs) -> list:
-        """The values a backward may read saved from the forward instead of recomputing: the
-        labelled (``moa.name``) or held-constant (``moa.stop_gradient``) subexpressions that
-        contain a reduction and have fewer elements than any output — row statistics such as
-        a softmax's max and denominator, or an RMS — outside Ω bodies, in a fixed order."""
+    @staticmethod
+    def _is_statistic(x) -> bool:
+        return (isinstance(x, (moa.Name, moa.StopGradient)) and moa._is_float(x.dtype)
+                and any(isinstance(y, (moa.Reduce, moa.Inner)) for y in moa.nodes(x.arg)))
+
+    def row_statistics(self, outputs) -> tuple:
+        """(outputs', statistics): the values a backward may read saved from the forward
+        instead of recomputing — the labelled (``moa.name``) or held-constant
+        (``moa.stop_gradient``) subexpressions that contain a reduction and have fewer
+        elements than any output, such as a softmax's max and denominator or an RMS, in a
+        fixed order. One inside an Ω body (smaller than the body's cell) is first lifted out
+        over the Ω's frame (``moa.lift_from_omega``): ``outputs'`` are the same arrays with
+        the statistics as nodes of their own, which the backward differentiates."""
         from moajax.adjoint import _postorder
 
+        outputs = moa.lift_from_omega(
+            outputs, lambda y, node: self._is_statistic(y) and y.size < node.body.size)
         smallest = min(o.size for o in outputs)
-        out = []
-        for x in _postorder(outputs):
-            if isinstance(x, (moa.Name, moa.StopGradient)) and x.size < smallest and any(
-                    isinstance(y, (moa.Reduce, moa.Inner)) for y in moa.nodes(x.arg)) and moa._is_float(x.dtype):
-                out.append(x)
-        return out
+        return outputs, [x for x in _postorder(outputs) if self._is_statistic(x) and x.size < smallest]
 
     def with_row_statistics(self) -> "Kernel":
         """This kernel with its row statistics as further outputs (``saved0``, ``saved1``, …),
@@ -259,8 +264,8 @@ class Kernel:
 
         def forward(*arrays, **opts):
             outs = primal.fn(*arrays, **opts)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            return tuple(primal.row_statistics(outs)) + outs
+            outs, stats = primal.row_statistics(outs if isinstance(outs, tuple) else (outs,))
+            return tuple(stats) + outs
 
         names = self.output_names or ("out",)
         forward.__signature__ = inspect.signature(self.fn)
@@ -269,8 +274,9 @@ class Kernel:
         return hit
 
     def _saving_pays(self, shape_key, options) -> bool:
-        """Does the backward that reads the saved row statistics cost fewer flops (cost model,
-        this machine's default ONFs) than the one that recomputes them?"""
+        """Do the forward that also outputs the row statistics and the backward that reads
+        them cost fewer flops together (cost model, this machine's default ONFs) than the
+        plain forward and the backward that recomputes them?"""
         from moajax import cost, machines, schedule
 
         with_saved = self._adjoint_for(shape_key, options, True)
@@ -286,8 +292,9 @@ class Kernel:
         outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[1]
         outs = outs if isinstance(outs, tuple) else (outs,)
         cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-        saved = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.row_statistics(outs)]
-        return flops(with_saved, cts + saved) < flops(self._adjoint_for(shape_key, options, False), cts)
+        saved = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.row_statistics(outs)[1]]
+        return (flops(self.with_row_statistics(), []) + flops(with_saved, cts + saved)
+                < flops(self, []) + flops(self._adjoint_for(shape_key, options, False), cts))
 
     def _batchable(self, run, n_outputs: int, options, onf, implementation):
         """``run`` under ``jax.vmap`` becomes the batched kernel's own compiled code: the
@@ -387,20 +394,24 @@ class Kernel:
                                  f"floating inputs are {floats}")
         primal, n = self, len(self.params)
         ct_names = tuple(f"d_{o}" for o in names)
-        stats = self.row_statistics(outs) if saved else []
+        stats = self.row_statistics(outs)[1] if saved else []
         saved_names = tuple(f"saved{i}" for i in range(len(stats)))
 
         def backward(*arrays, **opts):
             outputs = primal.fn(*arrays[:n], **opts)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            if saved_names:  # the statistics as nodes of their own (lifted out of Ω bodies)
+                outputs, stats = primal.row_statistics(outputs)
             by_name = dict(zip([p.name for p in primal.params], arrays[:n]))
             cts = arrays[n:n + len(ct_names)]
             grads = _adjoint.vjp(outputs, cts, [by_name[w] for w in wrt])
             grads = tuple(_adjoint.zeros_like(by_name[w]) if d is None else d for w, d in zip(wrt, grads))
             if saved_names:  # read the saved values where the backward uses the statistics' values
-                values = dict(zip(primal.row_statistics(outputs), arrays[n + len(ct_names):]))
+                values = dict(zip(stats, arrays[n + len(ct_names):]))
                 grads = tuple(moa.substitute(d, values) for d in grads)
-            return grads
+            # a cotangent has its input's dims (the output variables of the adjoint's DNF)
+            return tuple(d if d.dims == by_name[w].dims else moa.reshape(d, d.shape, dims=by_name[w].dims)
+                         for w, d in zip(wrt, grads))
 
         params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.params]
         params += [inspect.Parameter(c, inspect.Parameter.POSITIONAL_OR_KEYWORD) for c in ct_names + saved_names]

@@ -349,6 +349,65 @@ def substitute(expr: Array, mapping: dict) -> Array:
     return go(expr)
 
 
+def lift_from_omega(outputs, keep: Callable[[Array, "Omega"], bool]) -> tuple:
+    """``outputs`` with each subterm y of an Ω body for which ``keep(y, Ω)`` holds computed as
+    an array of its own over the Ω's frame, Y = Ω(λ c. y)(A…), and read by the body through a
+    further argument: Ω(λ c, y. body)(A…, Y). The same arrays (y is merely named once per
+    frame index); Y is a node outside every Ω body, so a forward can output it and a backward
+    read it. Inner Ω's are lifted first, so a statistic nested k levels deep comes out whole.
+    A kept Name or StopGradient keeps its form on the outside (``name``/``stop_gradient`` of Y)."""
+    memo: dict = {}
+
+    def go(x):
+        hit = memo.get(x.uid)
+        if hit is not None:
+            return hit
+        kids = tuple(go(c) for c in x.children)
+        if isinstance(x, Omega):
+            out = _lift_omega(x, kids, go(x.body))
+        else:
+            same = all(a is b for a, b in zip(kids, x.children))
+            out = x if same else rebuild(x, kids)
+        memo[x.uid] = out
+        return out
+
+    def _lift_omega(node, args, body):
+        k = len(node.cells)
+        order, seen, stack = [], set(), [(body, False)]
+        while stack:  # the body's subterms outside inner Ω bodies, operands first
+            y, done = stack.pop()
+            if done:
+                order.append(y)
+            elif y.uid not in seen:
+                seen.add(y.uid)
+                stack.append((y, True))
+                stack.extend((c, False) for c in y.children)
+        kept = [y for y in order if y is not body and keep(y, node) and free_cells(y) & set(node.cells)]
+        same = all(a is b for a, b in zip(args, node.args)) and body is node.body
+        if not kept:
+            return node if same else rebuild(node, args, body)
+        lifted: list = []  # (y, Y)
+
+        def binding(cells):
+            mapping = dict(zip(node.cells, cells[:k]))
+            mapping.update({y: c for (y, _), c in zip(lifted, cells[k:])})
+            return mapping
+
+        for y in kept:  # each reads the ones lifted before it (a denominator reads its max)
+            inner = y.arg if isinstance(y, (Name, StopGradient)) else y
+            Y = omega(lambda *cells, inner=inner: substitute(inner, binding(cells)),
+                      tuple(node.ranks) + tuple(z.rank for z, _ in lifted))(*args, *(Z for _, Z in lifted))
+            if isinstance(y, Name):
+                Y = name(y.label, Y)
+            elif isinstance(y, StopGradient):
+                Y = stop_gradient(Y)
+            lifted.append((y, Y))
+        return omega(lambda *cells: substitute(body, binding(cells)),
+                     tuple(node.ranks) + tuple(y.rank for y, _ in lifted))(*args, *(Y for _, Y in lifted))
+
+    return tuple(go(o) for o in outputs)
+
+
 def free_cells(node: Array, cache: dict | None = None) -> frozenset:
     """The Ω cells a subterm refers to without binding them: only their bindings can make its
     value differ from one frame index to the next (``cache``: uid → result, reused)."""
@@ -874,6 +933,7 @@ def logsumexp(A: Array, axis: int = -1) -> Array:
 
 
 __all__ = [
+    "lift_from_omega",
     "Array", "MoAShapeError", "MoATypeError", "array", "scalar", "iota", "psi", "take", "drop",
     "reverse", "rotate", "transpose", "reshape", "ravel", "catenate", "name", "cast", "add", "sub",
     "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne", "logical_and",

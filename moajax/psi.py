@@ -16,6 +16,8 @@ Each rule below rewrites ⟨p⟩ψ (op …) one step, into ψ of the operands at
     ψ-outer        ⟨p q⟩ψ A op.× B  → ⟨p⟩ψA op ⟨q⟩ψB
     ψ-reduce       ⟨p⟩ψ op/A        → op_{l<a₀} ⟨l p⟩ψ A
     ψ-inner        ⟨p q⟩ψ A op₁.op₂ B → op₁_{l} (⟨p l⟩ψA op₂ ⟨l q⟩ψB)
+    ψ-reduce-one   op/ or op₁.op₂ over one item (a₀ = 1) → that item, at l = 0 (no loop)
+    ψ-fuse-sums    Σ_{l<n} a + Σ_{m<n} b → Σ_{l<n} c·(a' + b')  (c: the factors a and b share)
     ψ-omega        ⟨f c⟩ψ Ω f(A…)   → ⟨c⟩ψ f(□…) with each cell □ᵢ bound to ⟨f⟩ψ Aᵢ
     ψ-cell         ⟨c⟩ψ □ᵢ          → ⟨f ⧺ c⟩ψ Aᵢ
     ψ-name         ⟨p⟩ψ name(ℓ, A)  → ℓ: ⟨p⟩ψA   (a transparent label)
@@ -265,6 +267,9 @@ class Reducer:
         self.log("ψ-reduce", p, node, f"{sym}_{{{v.name}<{n}}} {_psi_str((Ix.of(v),) + p, node.arg)}")
         if n == 0:
             return D.Lit(node.monoid.identity(node.dtype).item(), node.dtype)
+        if n == 1:  # op/ of one item is that item
+            self.log("ψ-reduce-one", p, node, _psi_str((Ix.of(0),) + p, node.arg))
+            return self.psi((Ix.of(0),) + p, node.arg, env)
         body = self.psi((Ix.of(v),) + p, node.arg, env)
         return D.Red(node.monoid.name, v, body)
 
@@ -280,6 +285,10 @@ class Reducer:
         )
         if n == 0:
             return D.Lit(node.monoid.identity(node.dtype).item(), node.dtype)
+        if n == 1:  # a sum of one product is that product
+            pa, pb = p[: ra - 1] + (Ix.of(0),), (Ix.of(0),) + p[ra - 1:]
+            self.log("ψ-reduce-one", p, node, f"({_psi_str(pa, node.a)}) {node.op.symbol} ({_psi_str(pb, node.b)})")
+            return D.Call(node.op.name, (self.psi(pa, node.a, env), self.psi(pb, node.b, env)))
         body = D.Call(node.op.name, (self.psi(pa, node.a, env), self.psi(pb, node.b, env)))
         return D.Red(node.monoid.name, v, body)
 
@@ -299,6 +308,11 @@ class Reducer:
         parts = [_psi_str(p if a.rank else (), a) for a in node.args]
         self.log("ψ-map", p, node, f"{node.op.symbol}({', '.join(parts)})")
         args = tuple(self.psi(p if a.rank else (), a, env) for a in node.args)
+        if node.op.name == "add":
+            fused = fuse_sums(*args)
+            if fused is not None:
+                self.log("ψ-fuse-sums", p, node, "+/(A + B) for (+/A) + (+/B)")
+                return fused
         return D.Call(node.op.name, args)
 
     def r_outer(self, p, node, env):
@@ -318,6 +332,52 @@ class Reducer:
         )
         self.log("ψ-omega", p, node, f"{_psi_str(pc, node.body)} with {binds}")
         return self.psi(pc, node.body, env2)
+
+
+def fuse_sums(a: D.Expr, b: D.Expr) -> D.Expr | None:
+    """Σ_{v<n} x + Σ_{w<n} y = Σ_{v<n} (x + y[w:=v]): two sums over one extent become one pass
+    (what an adjoint adds up from the paths through a lifted statistic and around it). None
+    where a and b are not two float +-reductions of one extent."""
+    if not (isinstance(a, D.Red) and isinstance(b, D.Red) and a.monoid == b.monoid == "add"
+            and a.var.extent == b.var.extent and a.dtype == b.dtype and a.dtype.kind == "f"):
+        return None
+    v = a.var
+    if v != b.var:
+        names = {x.var.name for e in (a, b) for x in D.walk(e) if isinstance(x, D.Red)}
+        names |= {u.name for e in (a, b) for u in e.free}
+        if v in b.free or any(x.var == v for x in D.walk(b.body) if isinstance(x, D.Red)):  # capture
+            base, k = v.name, 1
+            while f"{base}{k}" in names:
+                k += 1
+            v = Var(f"{base}{k}", v.extent)
+        x = D.substitute(a.body, {a.var: Ix.of(v)}) if v != a.var else a.body
+        y = D.substitute(b.body, {b.var: Ix.of(v)})
+    else:
+        x, y = a.body, b.body
+    return D.Red("add", v, _factored_add(x, y))
+
+
+def _factored_add(x: D.Expr, y: D.Expr) -> D.Expr:
+    """c·x' + c·y' = c·(x' + y') for the factors c the two products share (one product, so a
+    contraction stays one contraction: dSᵀQ, not dS₁ᵀQ + dS₂ᵀQ)."""
+    fx, rest_y = D.product_factors(x), D.product_factors(y)
+    common, rest_x = [], []
+    for f in fx:
+        hit = next((i for i, g in enumerate(rest_y) if g is f), None)
+        if hit is None:
+            rest_x.append(f)
+        else:
+            common.append(rest_y.pop(hit))
+    if not common:
+        return D.Call("add", (x, y))
+
+    def product(fs):
+        out = fs[0] if fs else D.Lit(1.0, x.dtype)
+        for f in fs[1:]:
+            out = D.Call("mul", (out, f))
+        return out
+
+    return D.Call("mul", (product(common), D.Call("add", (product(rest_x), product(rest_y)))))
 
 
 def output_vars(dims, shape) -> tuple:

@@ -85,6 +85,8 @@ def factor_out_invariants(red: D.Red) -> D.Expr:
         return red
     var_n = [f for f in num if red.var in f.free]
     var_d = [f for f in den if red.var in f.free]
+    if not var_n and not var_d:  # Σ_{v<n} c = n·c
+        return _quotient([D.Lit(red.var.extent, red.dtype)] + inv_n, inv_d, red.dtype)
     inner = D.Red("add", red.var, _quotient(var_n, var_d, red.dtype))
     return _quotient([inner] + inv_n, inv_d, red.dtype)
 
@@ -139,7 +141,7 @@ def hoist(onf: ONF) -> ONF:
     memo: dict = {}  # canonical reduction → stage name
     new_stages: list = []
 
-    def stage_for(red: D.Red) -> D.Expr:
+    def stage_for(red: D.Red, place: str = "local") -> D.Expr:
         key = D.canonical(red)
         hit = memo.get(key)
         if hit is not None:
@@ -149,25 +151,38 @@ def hoist(onf: ONF) -> ONF:
         body = factor_out_invariants(red)
         if not isinstance(body, D.Red):
             body = top_level(body)  # Σ_v(a)·c: the inner sum gets its own stage first
-        new_stages.append(Stage(name, vs, body))
+        new_stages.append(Stage(name, vs, body, place))
         ref = D.Ref(name, vs, red.dtype)
         memo[key] = ref
         return ref
 
-    def go(e: D.Expr, loops: tuple, own: frozenset) -> D.Expr:
+    def go(e: D.Expr, loops: tuple, own: frozenset, last) -> D.Expr:
+        # own: the variables of the stage being built (``last``: the one a program holds whole)
         if not e.children:
             return e
         if isinstance(e, D.Red):
-            out = D.Red(e.monoid, e.var, go(e.body, loops + (e.var,), own))
+            if (loops and e.free & set(loops) and not e.free & set(loops) & set(order)
+                    and any(v.extent > 1 for v in own - e.free - {last})):
+                # (not over a loop variable that shadows an output's: separate_walks renames it)
+                # a statistic of the loop's rows that an output variable a program owns does not
+                # index (the softmax backward's Δ[t] inside dK[s] = Σ_t …): once per row, in
+                # memory, read by every program — not a pass over its variable per program
+                vs = stage_vars(e, order)
+                first = len(new_stages)
+                ref = stage_for(D.Red(e.monoid, e.var, go(e.body, (e.var,), frozenset(vs), vs[-1])), "memory")
+                # the stages it reads (its row max) are read by the loop too: in memory as well
+                new_stages[first:] = [dataclasses.replace(st, place="memory") for st in new_stages[first:]]
+                return ref
+            out = D.Red(e.monoid, e.var, go(e.body, loops + (e.var,), own, last))
             if loops and not (out.free & set(loops)):
                 return stage_for(out)  # invariant in every enclosing loop: once per row
-            if loops and not (out.free & own) and D.canonical(out) in memo:
+            if loops and D.canonical(out) in memo:
                 # a row statistic an earlier stage already computes (the softmax max and
                 # denominator inside dK = Σ_t …, hoisted for dQ): read it, never recompute it
                 # per element. (A new stage over loop variables would be a stored row.)
                 return memo[D.canonical(out)]
             return out
-        return D.rebuild(e, [go(c, loops, own) for c in e.children])
+        return D.rebuild(e, [go(c, loops, own, last) for c in e.children])
 
     def top_level(e: D.Expr) -> D.Expr:
         # reductions not nested in another reduction become stages of their own
@@ -182,7 +197,7 @@ def hoist(onf: ONF) -> ONF:
         if not isinstance(s, Stage):
             out_stages.append(s)
             continue
-        body = go(s.body, (), frozenset(s.vars))
+        body = go(s.body, (), frozenset(s.vars), s.vars[-1] if s.vars else None)
         pre = body
         if isinstance(body, D.Red):
             body = factor_out_invariants(body)

@@ -175,7 +175,7 @@ def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int
     # the last-level cache keeps the softmax passes in cache while the dots stay large.
     # Measured on the 2-core EPYC (bench/results/attention_forward_cpu.md): 512 × 256 at
     # 8 heads beats 256 × 256 by 1.6× and 4096 × 256 (no loop) by 1.4×.
-    budget = max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
+    budget = _cpu_cache_budget(machine)
     bt = next_pow2(rows_ext)
     while bt > 128 and other * bt * bs * 4 > budget:
         bt //= 2
@@ -184,13 +184,27 @@ def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int
 
 def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     cands = _gpu_candidates(GPU_TILES, onf, [v.extent for v in inner + out_vars[-1:]])
-    return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=True))
+    o = _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=True))
+    last = out_vars[-1] if out_vars else None
+    if onchip_bytes(o) <= machine.onchip_limit_bytes or last is None or last in loops or last.extent <= 16:
+        return o
+    # the last output axis held whole does not fit (a row statistic over many rows, a wide
+    # matmul output): tile it over the grid too, widest tile first
+    for lt in (128, 64, 32, 16):
+        if lt < next_pow2(last.extent):
+            o = _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
+                onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt))
+            if onchip_bytes(o) <= machine.onchip_limit_bytes:
+                return o
+    return o
 
 
-def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool) -> ONF:
+def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last_tile: int = 0) -> ONF:
     axes = []
     for v in out_vars:
-        if v == out_vars[-1]:
+        if v == out_vars[-1] and last_tile:
+            axes.append(Axis(v.name, v.extent, last_tile, "grid"))
+        elif v == out_vars[-1]:
             axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
         elif v in rows:
             t = min(bt, next_pow2(v.extent)) if gpu else min(bt, v.extent)
@@ -250,8 +264,13 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
 
 def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False) -> ONF:
     outs = onf.dnf.outputs
+    names: dict = {}
+    for v in onf.program.vars():  # the outputs' ψ-reductions name their variables apart only
+        if names.setdefault(v.name, v) != v:  # within each output: axes are named, so no fusing
+            raise ONFError(f"{onf.dnf.name}: two index variables are named {v.name!r} "
+                           f"(extents {names[v.name].extent} and {v.extent})")
     for o in outs:
-        if r not in o.vars:
+        if r not in o.vars and r.extent > 1:  # (over one row there is one program: no partials)
             onf = W.accumulate(onf, o.name, "atomic")
     shared = set(outs[0].vars)
     for o in outs[1:]:
@@ -294,11 +313,38 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     """The ONF of ``dnf`` for ``machine`` (``derive``); for a multi-output DNF that no fused
     schedule fits (no output variable can own the programs), a tuple of one ONF per output."""
     try:
-        return derive(dnf, machine, preset)
+        onf = derive(dnf, machine, preset)
     except ONFError:
         if len(dnf.outputs) == 1:
             raise
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
+    if not machine.is_gpu and _scatter_partial_bytes(onf) > _cpu_cache_budget(machine):
+        # XLA holds each row tile's scatter-added partial whole over the output's other axes
+        # (dK[s h]: bt × S scores deep). Past the cache budget of ``_cpu_rows`` one program per
+        # output is faster: 1.4–2.0× on the 2-core EPYC for the attention backward at
+        # S = 1024…4096 (measured side by side, bench/results/attention_grad_cpu.md)
+        try:
+            return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
+        except ONFError:
+            return onf
+    return onf
+
+
+def _cpu_cache_budget(machine: Machine) -> int:
+    return max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
+
+
+def _scatter_partial_bytes(onf: ONF) -> int:
+    """The largest partial one step of a walked scatter-add holds on XLA: the row tile times
+    the output's other axes, vectorised whole (0 where no output is scatter-added)."""
+    out = 0
+    stage_of = dict(onf.program.outputs)
+    for o in onf.dnf.outputs:
+        r = onf.scatter_var(onf.program.stage_of(stage_of[o.name]))
+        if r is not None:
+            deep = int(np.prod([v.extent for v in o.vars[:-1]]))
+            out = max(out, np.dtype(o.dtype).itemsize * onf.axis_of(r).tile * deep)
+    return out
 
 
 def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
@@ -335,13 +381,19 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
             onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows)
         else:
             onf = _cpu_tiles(onf, machine, loops, out_vars, inner, rows)
-    roles = dict(preset.roles)
+    # a preset names axes by dimension; one of extent 1 has no loop in the DNF (ψ: op/ over one
+    # item is that item), so there is nothing to tile: the choice is moot, not an error
+    present = {v.name for v in onf.program.vars()}
+    moot = {d for spec in dnf.inputs for d, n in zip(spec.dims, spec.shape) if n == 1} - present
+    roles = {name: role for name, role in preset.roles if name not in moot}
     for name, t in preset.tiles:
-        onf = W.tile(onf, name, int(t), roles.pop(name, None))
+        if name not in moot:
+            onf = W.tile(onf, name, int(t), roles.pop(name, None))
     for name, role in roles.items():
         onf = W.tile(onf, name, onf.axis(name).tile if name in {a.name for a in onf.axes} else 1, role)
     for name, parts in preset.split:
-        onf = W.split_k(onf, name, int(parts))
+        if name not in moot:
+            onf = W.split_k(onf, name, int(parts))
     for name, g in preset.gamma:
         onf = W.with_gamma(onf, name, g)
     if preset.knobs:

@@ -173,3 +173,34 @@ def test_bad_arguments_name_the_argument(args, kw, exc, msg):
     q, k, v = qkv()
     with pytest.raises(exc, match=msg):
         moajax.dot_product_attention(*args(q, k, v), **kw)
+
+
+def test_grad_runs_the_derived_adjoint_with_linear_temp_memory():
+    # the gradient is the compiled adjoint kernel (moajax.adjoint), never autodiff of the
+    # forward's loops (which keeps every score: temp ∝ S²). Quadrupling S must grow jit(grad)'s
+    # temp memory about 4× (tiles of rows × 256 keys), far from the 16× of stored scores.
+    def temp(S):
+        q = jax.ShapeDtypeStruct((1, S, 2, 32), jnp.float32)
+        loss = lambda q, k, v: moajax.dot_product_attention(q, k, v).sum()
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp(1024), temp(4096)
+    assert large < 8 * small and large < 2 * 4096 * 4096 * 4 / 4
+
+
+def test_mha_row_statistics_come_out_of_the_omega_levels():
+    # the softmax's max and denominator live inside Ω bodies (per batch, kv head, group); they
+    # are lifted out whole (moa.lift_from_omega) and match an independent float64 computation
+    from moajax.kernels.attention import mha_kernel
+
+    q, k, v = qkv(B=2, T=5, S=11, N=4, K=2, H=8, E=8, dtype=np.float64)
+    kern = mha_kernel(None, None, True)
+    _, stats = kern.row_statistics((kern.expression(q, k, v),))
+    assert [x.shape for x in stats] == [(2, 2, 2, 5), (2, 2, 2, 5)]  # [b kv g t]
+    saved_max, saved_den, out = kern.with_row_statistics().reference(q, k, v)
+    s = np.einsum("btnh,bsnh->bnts", np.asarray(q), np.repeat(np.asarray(k), 2, axis=2)) / np.sqrt(8)
+    m = s.max(-1)
+    den = np.exp(s - m[..., None]).sum(-1)
+    assert rel_err(np.asarray(saved_max).reshape(2, 4, 5), m) <= F64
+    assert rel_err(np.asarray(saved_den).reshape(2, 4, 5), den) <= F64
+    assert rel_err(out, R.mha(*(np.asarray(a) for a in (q, k, v)))) <= F64

@@ -194,3 +194,25 @@ def test_empty_reduction_is_the_identity():
     a = arr("a", (0, 3), "i j")
     d, _ = psi_reduce(moa.reduce("add", a))
     assert isinstance(d.output.body, D.Lit) and d.output.body.value == 0.0
+
+
+def test_reduction_over_one_item_is_that_item():
+    a, b = arr("a", (1, 3), "g j"), arr("b", (4, 1), "i g")
+    d = check(moa.sum(a, 0) * 2.0, dict(a=data((1, 3))[0]), "ψ-reduce-one")
+    assert not D.reductions(d.output.body) and only_read(d).index[0] == Ix.of(0)
+    x = dict(a=data((1, 3))[0], b=data((4, 1))[0])
+    d2 = check(moa.dot(b, a), x, "ψ-reduce-one")
+    assert not D.reductions(d2.output.body)  # Σ_{g<1} of one product is that product
+
+
+def test_rule_fuse_sums_and_factor_the_shared_product():
+    # +/(c × a) + +/(c × b) along one axis of one extent: one pass, c factored out of both
+    a, b, c = arr("a", (5, 3), "i j"), arr("b", (5, 3), "i j"), arr("c", (5, 3), "i j")
+    x = dict(zip("abc", data((5, 3), (5, 3), (5, 3))))
+    d = check(moa.sum(c * a, 0) + moa.sum(c * b, 0), x, "ψ-fuse-sums")
+    (red,) = D.reductions(d.output.body)
+    assert isinstance(red.body, D.Call) and red.body.op == "mul"  # c × (a + b)
+    # sums over different extents, or of a non-float, stay two sums
+    e = arr("e", (4, 3), "k j")
+    d2, der = psi_reduce(moa.sum(a, 0) + moa.sum(e, 0))
+    assert "ψ-fuse-sums" not in der.rules_used() and len(D.reductions(d2.output.body)) == 2

@@ -202,36 +202,71 @@ def mha_expression(query, key, value, bias=None, mask=None, *, scale: float, is_
     return moa.cast(out, query.dtype)
 
 
-@functools.lru_cache(maxsize=256)
-def mha_dnf(qshape, kshape, vshape, dtype, bias_shape=None, bias_dtype=None, mask_shape=None,
-            scale: float | None = None, is_causal: bool = False):
-    """The DNF of multi-head attention in jax.nn's layout for these static shapes (cached)."""
-    from moajax.psi import reduce_to_dnf
+def broadcast_dims(shape) -> str:
+    """The dims of a bias or mask broadcastable to [b n t s]: each axis named as the target's
+    (right-aligned, as jax.nn broadcasts), a size-1 axis named apart (``b1``, ``n1``, …) so
+    that it never fixes the size of the target's dimension."""
+    full = ("b", "n", "t", "s")[4 - len(shape):]
+    return " ".join(d + "1" if size == 1 else d for d, size in zip(full, shape))
 
-    dtype = np.dtype(dtype)
-    scale = 1.0 / math.sqrt(qshape[-1]) if scale is None else float(scale)
-    query = moa.array("query", qshape, ("b", "t", "n", "h"), dtype)
-    key = moa.array("key", kshape, ("b", "s", "n_kv", "h"), dtype)
-    value = moa.array("value", vshape, ("b", "s", "n_kv", "e"), dtype)
-    inputs = [query, key, value]
-    bias = mask = None
-    if bias_shape is not None:
-        bias = moa.array("bias", bias_shape, ("b", "n", "t", "s")[4 - len(bias_shape):], bias_dtype)
-        inputs.append(bias)
-    if mask_shape is not None:
-        mask = moa.array("mask", mask_shape, ("b", "n", "t", "s")[4 - len(mask_shape):], np.bool_)
-        inputs.append(mask)
-    expr = mha_expression(query, key, value, bias, mask, scale=scale, is_causal=bool(is_causal))
-    dnf, _ = reduce_to_dnf("mha", inputs, expr, ("out",), record=False)
-    return dnf
+
+def _mha(query, key, value, bias=None, mask=None, *, scale: float | None = None, is_causal: bool = False):
+    B, T, N, H = query.shape
+    if N % key.shape[2]:
+        raise moa.MoAShapeError(f"mha: {N} query heads are not a multiple of {key.shape[2]} kv heads")
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    return mha_expression(query, key, value, bias, mask, scale=scale, is_causal=bool(is_causal))
 
 
 @kernel(example=dict(b=2, t=8, n=4, s=12, n_kv=2, h=4, e=4))
 def mha(query: "b t n h", key: "b s n_kv h", value: "b s n_kv e", *, scale: float | None = None,
         is_causal: bool = False):
     """jax.nn layout: per (b, n), attention against kv head ⌊n·K/N⌋ (GQA by ψ-selection)."""
-    B, T, N, H = query.shape
-    if N % key.shape[2]:
-        raise moa.MoAShapeError(f"mha: {N} query heads are not a multiple of {key.shape[2]} kv heads")
-    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-    return mha_expression(query, key, value, scale=scale, is_causal=is_causal)
+    return _mha(query, key, value, scale=scale, is_causal=is_causal)
+
+
+@functools.lru_cache(maxsize=64)
+def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, grouped: bool = True):
+    """``mha`` with a bias and/or a mask of these dims (``broadcast_dims``): one kernel per
+    broadcast pattern, each compiled and differentiated like any kernel — what
+    ``moajax.dot_product_attention`` calls. Without ``grouped`` (as many kv heads as query
+    heads) key and value name their head axis ``n`` like the query: dQ, dK and dV then share
+    it, so one program per head computes all three and the row statistics are shared."""
+    import inspect
+
+    from moajax.kernel import Kernel
+
+    if bias_dims is None and mask_dims is None and grouped:
+        return mha
+    names = ["query", "key", "value"] + (["bias"] if bias_dims is not None else []) + (
+        ["mask"] if mask_dims is not None else [])
+
+    def mha_masked(*arrays, scale=None, is_causal=False):
+        extra = dict(zip(names[3:], arrays[3:]))
+        return _mha(*arrays[:3], **extra, scale=scale, is_causal=is_causal)
+
+    P = inspect.Parameter
+    mha_masked.__signature__ = inspect.Signature(
+        [P(n, P.POSITIONAL_OR_KEYWORD) for n in names]
+        + [P("scale", P.KEYWORD_ONLY, default=None), P("is_causal", P.KEYWORD_ONLY, default=False)])
+    dims = {p.name: " ".join(p.dims) if grouped else " ".join(p.dims).replace("n_kv", "n") for p in mha.params}
+    dims.update({n: d for n, d in (("bias", bias_dims), ("mask", mask_dims)) if d is not None})
+    suffix = "".join(f"_{n}" for n in names[3:]) + ("" if grouped else "_mh")
+    return Kernel(mha_masked, example=mha.example, name=f"mha{suffix}", dims=dims)
+
+
+def mha_dnf(qshape, kshape, vshape, dtype, bias_shape=None, bias_dtype=None, mask_shape=None,
+            scale: float | None = None, is_causal: bool = False):
+    """The DNF of multi-head attention in jax.nn's layout for these static shapes: the DNF of
+    ``mha_kernel`` (cached by the kernel), the one ``dot_product_attention`` runs."""
+    import jax
+
+    dtype = np.dtype(dtype)
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in (qshape, kshape, vshape)]
+    if bias_shape is not None:
+        specs.append(jax.ShapeDtypeStruct(bias_shape, np.dtype(bias_dtype)))
+    if mask_shape is not None:
+        specs.append(jax.ShapeDtypeStruct(mask_shape, np.bool_))
+    k = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
+                   None if mask_shape is None else broadcast_dims(mask_shape), kshape[2] != qshape[2])
+    return k.dnf(*specs, scale=None if scale is None else float(scale), is_causal=bool(is_causal))
