@@ -310,7 +310,7 @@ def vjp(outputs: Sequence[moa.Array], cotangents: Sequence[moa.Array], wrt: Sequ
     for o, c in zip(outputs, cotangents):
         if tuple(o.shape) != tuple(c.shape):
             raise ValueError(f"vjp: cotangent shape {list(c.shape)} does not match output shape {list(o.shape)}")
-    order = _postorder(outputs)
+    order = moa.postorder(outputs)
     targets = {w.uid for w in wrt}
     reaches: dict = {}
     for x in order:  # operands first
@@ -337,24 +337,6 @@ def vjp(outputs: Sequence[moa.Array], cotangents: Sequence[moa.Array], wrt: Sequ
             if d is not None and reaches[c.uid]:
                 add(c, d)
     return tuple(ct.get(w.uid) for w in wrt)
-
-
-def _postorder(outputs) -> list:
-    """The nodes reachable through operands (not into Ω bodies), each after its operands."""
-    out, seen = [], set()
-    for root in outputs:
-        stack = [(root, False)]
-        while stack:
-            x, done = stack.pop()
-            if done:
-                out.append(x)
-                continue
-            if x.uid in seen:
-                continue
-            seen.add(x.uid)
-            stack.append((x, True))
-            stack.extend((c, False) for c in reversed(x.children) if c.uid not in seen)
-    return out
 
 
 __all__ = ["AdjointError", "vjp", "zeros", "zeros_like", "differentiable", "contract_trailing", "broadcast_lead"]

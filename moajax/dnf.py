@@ -291,6 +291,16 @@ def product_factors(e: Expr) -> list[Expr]:
     return [e]
 
 
+def product(factors, dtype) -> Expr:
+    """f₁ × f₂ × … (1 for no factors): the inverse of ``product_factors``."""
+    if not factors:
+        return Lit(1.0 if np.dtype(dtype).kind == "f" else 1, dtype)
+    out = factors[0]
+    for f in factors[1:]:
+        out = Call("mul", (out, f))
+    return out
+
+
 def reads(e: Expr) -> list[Read]:
     """The distinct input reads of e."""
     return [x for x in walk(e) if isinstance(x, Read)]

@@ -247,12 +247,10 @@ class Kernel:
         fixed order. One inside an Ω body (smaller than the body's cell) is first lifted out
         over the Ω's frame (``moa.lift_from_omega``): ``outputs'`` are the same arrays with
         the statistics as nodes of their own, which the backward differentiates."""
-        from moajax.adjoint import _postorder
-
         outputs = moa.lift_from_omega(
             outputs, lambda y, node: self._is_statistic(y) and y.size < node.body.size)
         smallest = min(o.size for o in outputs)
-        return outputs, [x for x in _postorder(outputs) if self._is_statistic(x) and x.size < smallest]
+        return outputs, [x for x in moa.postorder(outputs) if self._is_statistic(x) and x.size < smallest]
 
     def with_row_statistics(self) -> "Kernel":
         """This kernel with its row statistics as further outputs (``saved0``, ``saved1``, …),

@@ -349,6 +349,25 @@ def substitute(expr: Array, mapping: dict) -> Array:
     return go(expr)
 
 
+def postorder(outputs) -> list:
+    """The nodes reachable from ``outputs`` through operands (not into Ω bodies), each once
+    and after its operands."""
+    out, seen = [], set()
+    for root in outputs:
+        stack = [(root, False)]
+        while stack:
+            x, done = stack.pop()
+            if done:
+                out.append(x)
+                continue
+            if x.uid in seen:
+                continue
+            seen.add(x.uid)
+            stack.append((x, True))
+            stack.extend((c, False) for c in reversed(x.children) if c.uid not in seen)
+    return out
+
+
 def lift_from_omega(outputs, keep: Callable[[Array, "Omega"], bool]) -> tuple:
     """``outputs`` with each subterm y of an Ω body for which ``keep(y, Ω)`` holds computed as
     an array of its own over the Ω's frame, Y = Ω(λ c. y)(A…), and read by the body through a
@@ -373,16 +392,7 @@ def lift_from_omega(outputs, keep: Callable[[Array, "Omega"], bool]) -> tuple:
 
     def _lift_omega(node, args, body):
         k = len(node.cells)
-        order, seen, stack = [], set(), [(body, False)]
-        while stack:  # the body's subterms outside inner Ω bodies, operands first
-            y, done = stack.pop()
-            if done:
-                order.append(y)
-            elif y.uid not in seen:
-                seen.add(y.uid)
-                stack.append((y, True))
-                stack.extend((c, False) for c in y.children)
-        kept = [y for y in order if y is not body and keep(y, node) and free_cells(y) & set(node.cells)]
+        kept = [y for y in postorder([body]) if y is not body and keep(y, node) and free_cells(y) & set(node.cells)]
         same = all(a is b for a, b in zip(args, node.args)) and body is node.body
         if not kept:
             return node if same else rebuild(node, args, body)
@@ -933,7 +943,7 @@ def logsumexp(A: Array, axis: int = -1) -> Array:
 
 
 __all__ = [
-    "lift_from_omega",
+    "lift_from_omega", "postorder",
     "Array", "MoAShapeError", "MoATypeError", "array", "scalar", "iota", "psi", "take", "drop",
     "reverse", "rotate", "transpose", "reshape", "ravel", "catenate", "name", "cast", "add", "sub",
     "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne", "logical_and",

@@ -370,14 +370,8 @@ def _factored_add(x: D.Expr, y: D.Expr) -> D.Expr:
             common.append(rest_y.pop(hit))
     if not common:
         return D.Call("add", (x, y))
-
-    def product(fs):
-        out = fs[0] if fs else D.Lit(1.0, x.dtype)
-        for f in fs[1:]:
-            out = D.Call("mul", (out, f))
-        return out
-
-    return D.Call("mul", (product(common), D.Call("add", (product(rest_x), product(rest_y)))))
+    dt = x.dtype
+    return D.Call("mul", (D.product(common, dt), D.Call("add", (D.product(rest_x, dt), D.product(rest_y, dt)))))
 
 
 def output_vars(dims, shape) -> tuple:

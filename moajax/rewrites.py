@@ -60,18 +60,9 @@ def mul_div_factors(e: D.Expr) -> tuple[list, list]:
     return [e], []
 
 
-def _product(factors: list, dtype) -> D.Expr:
-    if not factors:
-        return D.Lit(1.0 if dtype.kind == "f" else 1, dtype)
-    out = factors[0]
-    for f in factors[1:]:
-        out = D.Call("mul", (out, f))
-    return out
-
-
 def _quotient(num: list, den: list, dtype) -> D.Expr:
-    n = _product(num, dtype)
-    return n if not den else D.Call("div", (n, _product(den, dtype)))
+    n = D.product(num, dtype)
+    return n if not den else D.Call("div", (n, D.product(den, dtype)))
 
 
 def factor_out_invariants(red: D.Red) -> D.Expr:
@@ -112,7 +103,7 @@ def sink_invariant_factors(e: D.Expr, loop: Var) -> D.Expr:
             for i, f in enumerate(num):
                 if loop not in f.free and c.free <= f.free | set():
                     num2 = num[:i] + [D.Call("mul", (f, c))] + num[i + 1:]
-                    out = D.Red("add", inner.var, _product(num2, inner.dtype))
+                    out = D.Red("add", inner.var, D.product(num2, inner.dtype))
                     return D.Tag(red.label, out) if isinstance(red, D.Tag) else out
         return None
 
@@ -161,12 +152,12 @@ def hoist(onf: ONF) -> ONF:
         if not e.children:
             return e
         if isinstance(e, D.Red):
+            # a statistic of the loop's rows that an output variable a program owns does not
+            # index (the softmax backward's Δ[t] inside dK[s] = Σ_t …): once per row, in memory,
+            # read by every program — not a pass over its variable per program. (Not over a
+            # loop variable that shadows an output's: separate_walks renames that one.)
             if (loops and e.free & set(loops) and not e.free & set(loops) & set(order)
                     and any(v.extent > 1 for v in own - e.free - {last})):
-                # (not over a loop variable that shadows an output's: separate_walks renames it)
-                # a statistic of the loop's rows that an output variable a program owns does not
-                # index (the softmax backward's Δ[t] inside dK[s] = Σ_t …): once per row, in
-                # memory, read by every program — not a pass over its variable per program
                 vs = stage_vars(e, order)
                 first = len(new_stages)
                 ref = stage_for(D.Red(e.monoid, e.var, go(e.body, (e.var,), frozenset(vs), vs[-1])), "memory")

@@ -321,8 +321,8 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     if not machine.is_gpu and _scatter_partial_bytes(onf) > _cpu_cache_budget(machine):
         # XLA holds each row tile's scatter-added partial whole over the output's other axes
         # (dK[s h]: bt × S scores deep). Past the cache budget of ``_cpu_rows`` one program per
-        # output is faster: 1.4–2.0× on the 2-core EPYC for the attention backward at
-        # S = 1024…4096 (measured side by side, bench/results/attention_grad_cpu.md)
+        # output is faster: 1.42×/2.02×/2.81× on the 2-core EPYC for the attention adjoint at
+        # S = 1024/2048/4096 (side by side: bench/results/backward_plans_cpu.md)
         try:
             return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
         except ONFError:

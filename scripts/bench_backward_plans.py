@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""The attention adjoint on this CPU under its two XLA plans, side by side in one process.
+
+The adjoint kernel of multi-head attention (dQ, dK, dV; ``mha_kernel(...).adjoint``, derived in
+the algebra) is run as
+  - fused: one ONF, programs own query-row tiles, dK and dV scatter-added over them
+    (``schedule.derive``);
+  - split: one ONF per output (``schedule.split_outputs``), each output's rows owned.
+``schedule.derive_plan`` takes the split plan on a CPU when the fused plan's scatter-added
+partial per row tile exceeds the cache budget; this table is the measurement behind that rule.
+Contenders alternate; best and median of the repetitions. B=1, N=8, H=E=64, float32.
+Results: bench/results/backward_plans_cpu.md.
+
+    python scripts/bench_backward_plans.py                  # S = T = 1024 2048 4096
+    python scripts/bench_backward_plans.py --sizes 1024 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 2048, 4096])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backward_plans_cpu.md"))
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from moajax import machines, runtime, schedule, timing
+    from moajax.kernels.attention import mha_kernel
+
+    kern = mha_kernel(None, None, False)
+    machine = machines.local()
+    rows = []
+    for S in args.sizes:
+        spec = jax.ShapeDtypeStruct((1, S, args.heads, 64), np.float32)
+        adj = kern.adjoint(spec, spec, spec)
+        dnf = adj.dnf(spec, spec, spec, spec)
+        plans = {"fused": schedule.derive(dnf, machine),
+                 "split": tuple(schedule.derive(d, machine) for d in schedule.split_outputs(dnf))}
+        chosen = schedule.derive_plan(dnf, machine)
+        r = np.random.default_rng(0)
+        arrays = [jnp.asarray(r.standard_normal(spec.shape), jnp.float32) for _ in range(4)]
+        fns = {n: jax.jit(runtime.lowered(p, "xla")) for n, p in plans.items()}
+        got = {n: f(*arrays) for n, f in fns.items()}
+        diff = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got["fused"], got["split"]))
+        times = timing.alternating(fns, arrays, reps=args.reps)
+        for n, ts in times.items():
+            picked = "yes" if (n == "split") == isinstance(chosen, tuple) else ""
+            rows.append(f"| {S} | {n} | {min(ts):.4f} | {statistics.median(ts):.4f} | "
+                        f"{statistics.median(times['fused']) / statistics.median(ts):.2f}× | {picked} | "
+                        f"{'max rel. diff fused vs split %.1e' % diff if n == 'split' else ''} |")
+    lines = [
+        "# The attention adjoint (dQ, dK, dV) on the CPU: fused vs split XLA plans",
+        "",
+        timing.machine_line(),
+        f"Run: `python scripts/bench_backward_plans.py` — B=1, N={args.heads}, H=E=64, float32, T = S; the adjoint "
+        "kernel alone (no forward); contenders alternate in one process.",
+        "",
+        "| S | plan | best s | median s | speed-up vs fused (median) | derive_plan picks | note |",
+        "|---:|---|---:|---:|---:|---|---|",
+        *rows,
+    ]
+    timing.write_results(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()
