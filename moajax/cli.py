@@ -51,6 +51,7 @@ def cmd_gpu_report(args) -> int:
     cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes))
     cases += gpu_report.backward_cases(tuple(h for h in args.head_dims if h in (64, 128)) or (64,),
                                        tuple(args.dtypes))
+    cases += gpu_report.model_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes))
     reg = _kernels()
     for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
         for m in machines.available().values():
@@ -73,9 +74,12 @@ def cmd_gpu_report(args) -> int:
             print(lines[-1], flush=True)
             continue
         tiles = "×".join(str(a.tile) for a in onf.axes if a.role in ("grid", "sequential") and a.tile > 1) or "1"
-        # one row per kernel of a multi-kernel ONF (the backward's scatter-add kernels), else the final one
-        for r in reports if len(reports) > 1 and onf.accumulate else reports[-1:]:
-            name = label if len(reports) == 1 or not onf.accumulate else f"{label} {r.kernel.removeprefix('moajax_')}"
+        # one row per kernel of a multi-kernel ONF (memory stages, split-K partials and combine,
+        # the backward's scatter-add kernels): each is compiled, each must be free of spills
+        distinct = len({r.kernel for r in reports}) == len(reports)
+        for i, r in enumerate(reports):
+            name = (label if len(reports) == 1 else f"{label} {r.kernel.removeprefix('moajax_')}" if distinct
+                    else f"{label} kernel {i + 1}/{len(reports)}")
             ok = r.spill_stores == 0 and r.spill_loads == 0 and r.smem_bytes <= m.shared_memory_per_block
             bad += not ok
             lines.append(

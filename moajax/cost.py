@@ -203,7 +203,13 @@ def _tile(onf: ONF, v: Var) -> int:
 
 
 def onchip_bytes(onf: ONF) -> int:
-    """Shared memory one program of the final kernel needs: an upper bound, calibrated on
+    """Shared memory one program needs, in the most demanding of the ONF's kernels (memory
+    stages and split-K partials are kernels of their own, before the final one)."""
+    return max(_kernel_onchip(onf, stages) for _, stages in _kernel_stages(onf))
+
+
+def _kernel_onchip(onf: ONF, stages) -> int:
+    """Shared memory one program of a kernel (its ``stages``) needs: an upper bound, calibrated on
     Triton's allocation (bench/results/smem_sweep.md; ≥ ptxas on sm_80, sm_86 and sm_90a in
     every row, re-checked by tests/test_cost.py) and checked for each default ONF by
     ``moajax gpu-report``.
@@ -213,7 +219,6 @@ def onchip_bytes(onf: ONF) -> int:
     to the second contraction, are staged once in the dot's operand dtype; other contractions
     stage their result tile for the dot's layout conversion. A kernel that scatter-adds (the
     fused backward) has a model of its own (``_scatter_onchip``)."""
-    _, stages = _kernel_stages(onf)[-1]
     seq_vars = {a.name for a in onf.axes if a.role == "sequential"}
     if any(onf.scatter_var(st) is not None for st in stages):
         return _scatter_onchip(onf, stages, seq_vars)
@@ -389,5 +394,11 @@ def estimate(onf: ONF, machine=None) -> Cost:
     t_mem = streamed / machine.bandwidth
     t_launch = launches * machine.launch_overhead_us * 1e-6
     compute = t_mm + t_vec
+    if machine.is_gpu and machine.multiprocessors:
+        # fewer programs than multiprocessors leave the rest idle: the peak rates (and the
+        # bandwidth, which one multiprocessor's loads cannot saturate) scale with the share busy
+        programs = math.prod(a.ntiles for a in onf.axes if a.role == "grid")
+        busy = min(1.0, programs / machine.multiprocessors)
+        compute, t_mem = compute / busy, t_mem / busy
     return dataclasses.replace(cost, time_s=max(compute, t_mem) + t_launch,
                                bound="compute" if compute >= t_mem else "memory")

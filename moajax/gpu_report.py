@@ -173,9 +173,9 @@ def report(kernel: TritonKernel, arch: str) -> PtxReport:
 # ----------------------------------------------------------------------------- the CLI's matrix
 
 
-def _cases(label: str, dnf_for, head_dims, dtypes) -> list:
+def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}") -> list:
     """(label, machine, default ONF — or the ONFError saying why none fits) for every
-    configured GPU × dtype × head dim."""
+    configured GPU × dtype × head dim (or other size: ``size`` names it in the label)."""
     import numpy as np
 
     from moajax import machines, schedule
@@ -192,7 +192,7 @@ def _cases(label: str, dnf_for, head_dims, dtypes) -> list:
                     onf = schedule.derive(dnf_for(np.dtype(dt), h), m)
                 except ONFError as e:  # no default fits this GPU: a finding, reported as such
                     onf = e
-                out.append((f"{label} {dt} H={h}", m, onf))
+                out.append((f"{label} {dt} {size(h)}", m, onf))
     return out
 
 
@@ -212,6 +212,34 @@ def backward_cases(head_dims=(64, 128), dtypes=("bfloat16", "float32", "float64"
 
     return _cases("fwd+bwd", lambda dt, h: attention_forward_backward.dnf(
         *[jax.ShapeDtypeStruct((1024, h), dt) for _ in range(4)]), head_dims, dtypes)
+
+
+def model_cases(dtypes=("bfloat16", "float32")):
+    """Kernels other than plain attention at realistic sizes: RMSNorm fused into a matmul and
+    the SwiGLU MLP at n=4096, d=1024, f=4096; a row log-sum-exp over 4096 × 32768; decode of one
+    query over a 32768-key cache (split-K: one program would walk it all); attention
+    (jax.nn layout, B=1, T=S=1024, N=8, H=64) with a full [B N T S] bias, whose rows × keys
+    tiles read 2-D blocks of the bias."""
+    import jax
+
+    from moajax.kernels import decode, logsumexp, rmsnorm_matmul, swiglu
+    from moajax.kernels.attention import mha_dnf
+
+    S = jax.ShapeDtypeStruct
+    n, d, f = 4096, 1024, 4096
+    mlp = "n=4096 d=1024 f=4096"
+    return (
+        _cases("rmsnorm→matmul", lambda dt, _: rmsnorm_matmul.dnf(S((n, d), dt), S((d,), dt), S((d, f), dt)),
+               (mlp,), dtypes, size=str)
+        + _cases("swiglu", lambda dt, _: swiglu.dnf(S((n, d), dt), S((d, f), dt), S((d, f), dt), S((f, d), dt)),
+                 (mlp,), dtypes, size=str)
+        + _cases("logsumexp", lambda dt, _: logsumexp.dnf(S((4096, 32768), dt)), ("4096×32768",), dtypes, size=str)
+        + _cases("decode", lambda dt, _: decode.dnf(S((128,), dt), S((32768, 128), dt), S((32768, 128), dt)),
+                 ("s=32768 H=128",), dtypes, size=str)
+        + _cases("mha+bias[B N T S]", lambda dt, h: mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), dt,
+                                                            bias_shape=(1, 8, 1024, 1024), bias_dtype=dt),
+                 (64,), dtypes)
+    )
 
 
 def sweep_onf(kernel: str, dtype: str, h: int, rows: int, keys: int, warps: int, stages: int):

@@ -26,7 +26,7 @@ import numpy as np
 
 from moajax import dnf as D
 from moajax import rewrites as W
-from moajax.cost import check_fits, onchip_bytes
+from moajax.cost import check_fits, estimate, onchip_bytes
 from moajax.machines import Machine
 from moajax.onf import ONF, Axis, ONFError, initial, next_pow2
 
@@ -81,7 +81,15 @@ def _heavy_reads(onf: ONF, loops) -> list:
     return reads
 
 
-def _structure(onf: ONF):
+def _structure(onf: ONF, gpu: bool = False):
+    """(walked loops, output variables, inner reductions, the row axis: [] or [v]).
+
+    The row axis is the output variable (not the last) whose tile the main loop's reads
+    reuse most: the queries of attention (K and V do not depend on t), the rows of a matmul
+    (W does not depend on n). On a CPU only a variable no main-loop read depends on is a row
+    axis (its loop tiles the cache). On a GPU a variable that some reads do depend on may be
+    one too, as long as each such read stays a 2-D block (a [t s] bias or mask: rows × keys),
+    so that the program's contraction is one ``tl.dot`` over a rows tile, not one row."""
     loops = onf.program.walked()
     out_vars = list(onf.dnf.output_vars)
     inner = set()
@@ -90,8 +98,17 @@ def _structure(onf: ONF):
             if isinstance(x, D.Red) and x.var not in loops:
                 inner.add(x.var)
     reads = _heavy_reads(onf, loops)
-    rows = [v for v in out_vars[:-1] if reads and all(v not in r.free for r in reads) and v.extent > 1]
-    return loops, out_vars, sorted(inner), rows[:1]
+    if not gpu:
+        rows = [v for v in out_vars[:-1] if reads and all(v not in r.free for r in reads) and v.extent > 1]
+        return loops, out_vars, sorted(inner), rows[:1]
+    blocked = set(loops) | inner | set(out_vars[-1:])  # the axes a read's block spans (tile > 1)
+
+    def reuse(v) -> int:  # elements of the main loop's reads a tile of v shares between its rows
+        return sum(int(np.prod([u.extent for u in r.free])) for r in reads if v not in r.free)
+
+    rows = [v for v in out_vars[:-1] if reads and v.extent > 1 and reuse(v) > 0
+            and all(len((r.free & blocked) | {v}) <= 2 for r in reads if v in r.free)]
+    return loops, out_vars, sorted(inner), sorted(rows, key=lambda v: -reuse(v))[:1]
 
 
 # (rows, keys, num_warps, num_stages) per dtype width and (padded) head dim, best first.
@@ -118,6 +135,11 @@ GPU_SCATTER_TILES = {
     (8, 64): [(32, 16, 8, 2), (16, 16, 8, 2), (16, 16, 8, 1)],
     (8, 128): [(16, 16, 8, 2), (16, 16, 8, 1)],
 }
+
+
+# The widest axis a GPU program holds whole inside a contraction (the widest head dim the
+# tables above are calibrated for); a wider nested reduction is walked in tiles.
+GPU_WHOLE_MAX = 128
 
 
 def _gpu_candidates(table: dict, onf: ONF, widths) -> list:
@@ -183,23 +205,87 @@ def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int
 
 
 def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
-    cands = _gpu_candidates(GPU_TILES, onf, [v.extent for v in inner + out_vars[-1:]])
-    o = _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=True))
-    last = out_vars[-1] if out_vars else None
-    if onchip_bytes(o) <= machine.onchip_limit_bytes or last is None or last in loops or last.extent <= 16:
+    """The first lifting that fits, trying in order: the last output axis whole and every
+    nested reduction whole; then the last output axis tiled over the grid (a row statistic
+    over many rows, a wide matmul output), widest tile first; then, as well, each nested
+    reduction walked in tiles (SwiGLU's Z·W_g inside its Σ_f: a loop inside the loop)."""
+    def fits(o):
+        return onchip_bytes(o) <= machine.onchip_limit_bytes
+
+    def attempt(lt, it):
+        cands = _gpu_candidates(GPU_TILES, onf, [v.extent for v in inner + out_vars[-1:]])
+        return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
+            onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt, inner_tile=it))
+
+    # a nested reduction wider than the widest calibrated head dim is walked from the start:
+    # held whole it fits shared memory yet spills registers (SwiGLU's Σ_d, d = 1024, on sm_90a:
+    # 8800 B of spill stores under ptxas with 16 × 128 output tiles)
+    wide = any(next_pow2(v.extent) > GPU_WHOLE_MAX for v in inner)
+    o = attempt(0, 0)
+    if fits(o) and not wide:
         return o
-    # the last output axis held whole does not fit (a row statistic over many rows, a wide
-    # matmul output): tile it over the grid too, widest tile first
-    for lt in (128, 64, 32, 16):
-        if lt < next_pow2(last.extent):
-            o = _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
-                onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt))
-            if onchip_bytes(o) <= machine.onchip_limit_bytes:
-                return o
+    last = out_vars[-1] if out_vars else None
+    lts = [0]
+    if last is not None and last not in loops and last.extent > 16:
+        # a reduction inside that shadows the last variable (SwiGLU's Σ_d of Z·W_g under
+        # the output's d) walks an axis of its own once the programs own tiles of d
+        named = W.separate_walks(onf, [last.name])
+        if named is not onf:
+            onf = named
+            loops, out_vars, inner, rows = _structure(onf, gpu=True)
+        lts = [lt for lt in (128, 64, 32, 16) if lt < next_pow2(last.extent)] or [0]
+    for it in ((64, 32, 16) if wide else (0, 64, 32, 16)):
+        for lt in lts:
+            if (lt, it) != (0, 0) and (it == 0 or any(v.extent > it for v in inner)):
+                o = attempt(lt, it)
+                if fits(o):
+                    return o
     return o
 
 
-def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last_tile: int = 0) -> ONF:
+# split-K: each part walks at least this many tiles of its chunk (the partials and their
+# combine are a second kernel and a round trip through memory: not worth it for short walks)
+SPLIT_MIN_TILES = 4
+# ... and the cost model must predict it at least this much faster: the roofline's idle-
+# multiprocessor term is not calibrated on a GPU yet, so a modest predicted gain (attention at
+# T=S=1024, N=8, H=128 in float16 on the A100: 64 programs for 108 multiprocessors, 1.28×
+# predicted) does not buy a second kernel; decode (one query, one program per head over the
+# cache) predicts 74× at 32768 keys.
+SPLIT_MIN_GAIN = 2.0
+
+
+def _split_to_fill(onf: ONF, machine: Machine) -> ONF:
+    """Split-K where the programs are too few to fill the GPU (decode: one program per head
+    walks the whole cache). The longest walked axis is cut into P parts, each a grid program
+    that reduces its chunk to partials (for an online softmax: max, sum and accumulator per
+    part), then the monoid combine (``rewrites.split_k``); P, a power of two, brings the
+    programs to about twice the multiprocessors, each part walking ≥ SPLIT_MIN_TILES tiles.
+    The split is taken where the cost model's time (idle multiprocessors against the extra
+    launch and the partials' round trip through memory) is SPLIT_MIN_GAIN times faster."""
+    sms = machine.multiprocessors
+    programs = int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"]))
+    walked = [onf.axis_of(v) for v in onf.program.walked()]
+    walked = [a for a in walked if a.role == "sequential"]
+    if not sms or programs >= sms or not walked:
+        return onf
+    axis = max(walked, key=lambda a: a.ntiles)
+    parts = 1
+    while parts * 2 * programs <= 2 * sms and axis.ntiles // (parts * 2) >= SPLIT_MIN_TILES:
+        parts *= 2
+    if parts < 2:
+        return onf
+    try:
+        split = W.split_k(onf, axis.name, parts).validate()
+    except ONFError:  # a stored stage read along the axis: the walk stays whole
+        return onf
+    if onchip_bytes(split) > machine.onchip_limit_bytes:
+        return onf
+    gain = estimate(onf, machine).time_s / estimate(split, machine).time_s
+    return split if gain >= SPLIT_MIN_GAIN else onf
+
+
+def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last_tile: int = 0,
+                 inner_tile: int = 0) -> ONF:
     axes = []
     for v in out_vars:
         if v == out_vars[-1] and last_tile:
@@ -219,7 +305,10 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last
     for v in inner:
         if any(a.name == v.name for a in axes):
             continue
-        axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
+        if inner_tile and v.extent > inner_tile:
+            axes.append(Axis(v.name, v.extent, inner_tile, "sequential"))
+        else:
+            axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
     return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
 
 
@@ -376,9 +465,11 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
         onf = _scatter_schedule(onf, machine)
     else:
         onf = W.separate_walks(onf, [v.name for v in dnf.outputs[0].vars[:-1]])  # the grid's
-        loops, out_vars, inner, rows = _structure(onf)
+        loops, out_vars, inner, rows = _structure(onf, machine.is_gpu)
         if machine.is_gpu:
             onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows)
+            if not preset.split and not preset.tiles:
+                onf = _split_to_fill(onf, machine)
         else:
             onf = _cpu_tiles(onf, machine, loops, out_vars, inner, rows)
     # a preset names axes by dimension; one of extent 1 has no loop in the DNF (ψ: op/ over one

@@ -69,3 +69,23 @@ def test_cli_gpu_report_smoke(capsys):
     rc = main(["gpu-report", "--arch", "sm_86", "--head-dims", "64", "--dtypes", "bfloat16"])
     out = capsys.readouterr().out
     assert rc == 0 and "delta-a40" in out and "| yes |" in out
+
+
+@needs_compiler
+@pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
+def test_model_kernels_at_realistic_sizes_fit_without_spills(machine):
+    """RMSNorm→matmul and SwiGLU at n=4096, d=1024, f=4096, log-sum-exp over 4096 × 32768,
+    decode over a 32768-key cache, attention with a [B N T S] bias: the general scheduler tiles every axis (2-D rows × keys
+    tiles, the last output axis over the grid, nested reductions walked), 0 spill bytes."""
+    cases = [c for c in gpu_report.model_cases(("float32",)) if c[1] == machine]
+    assert len(cases) == 5
+    for label, m, onf in cases:
+        assert not isinstance(onf, Exception), (label, onf)
+        if label.startswith("decode"):  # one query: the cache walk is split over the grid
+            assert any(a.role == "grid" and a.extent > 1 for a in onf.axes), (label, onf.axes)
+        else:  # rows × columns tiles, not one row per program
+            assert max(a.tile for a in onf.axes if a.role == "grid") >= 16, (label, onf.axes)
+        for r in gpu_report.onf_reports(onf, machine.arch):
+            assert r.spill_stores == 0 and r.spill_loads == 0, (label, r)
+            assert r.smem_bytes <= machine.shared_memory_per_block, (label, r)
+            assert onchip_bytes(onf) >= r.smem_bytes, (label, onchip_bytes(onf), r.smem_bytes)

@@ -8,7 +8,7 @@ import pytest
 
 import references as R
 from helpers import rel_err
-from moajax.kernels import attention, block, decode, rmsnorm, swiglu
+from moajax.kernels import attention, block, decode, logsumexp, rmsnorm, rmsnorm_matmul, swiglu
 
 # float64 end to end: errors are a few ulps times the depth of the sum trees.
 F64 = 1e-12
@@ -60,6 +60,38 @@ def test_rmsnorm_float64():
     assert rel_err(rmsnorm(x, w, eps=0.5), R.rmsnorm(x, w, eps=0.5)) <= F64
 
 
+def test_rmsnorm_matmul_float64():
+    x, w, W = randn(7, 16), randn(16), randn(16, 5)
+    assert rel_err(rmsnorm_matmul(x, w, W), R.rmsnorm(x, w) @ W) <= F64
+    assert rel_err(rmsnorm_matmul(x, w, W, eps=0.5), R.rmsnorm(x, w, eps=0.5) @ W) <= F64
+
+
+def test_logsumexp_float64_is_overflow_free():
+    x = randn(6, 40) * 30 + 700  # exp(x) alone overflows float64 past ~709.8
+    m = x.max(axis=-1, keepdims=True)
+    ref = (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))[:, 0]
+    out = logsumexp(x)
+    assert np.all(np.isfinite(out))
+    assert rel_err(out, ref) <= F64
+
+
+def test_grad_of_rmsnorm_matmul_and_logsumexp_float64():
+    """The compiled adjoints against jax.grad of plain-jnp formulas (float64)."""
+    x, w, W, g = randn(7, 16), randn(16), randn(16, 5), randn(7, 5)
+
+    def plain(x, w, W):
+        return (x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w) @ W
+
+    ours = jax.grad(lambda *a: jnp.sum(rmsnorm_matmul(*a) * g), argnums=(0, 1, 2))(x, w, W)
+    theirs = jax.grad(lambda *a: jnp.sum(plain(*a) * g), argnums=(0, 1, 2))(x, w, W)
+    for a, b in zip(ours, theirs):
+        assert rel_err(a, b) <= F64
+    y, gy = randn(6, 9), randn(6)
+    ours = jax.grad(lambda y: jnp.sum(logsumexp(y) * gy))(y)
+    soft = np.exp(y - y.max(-1, keepdims=True))
+    assert rel_err(ours, gy[:, None] * soft / soft.sum(-1, keepdims=True)) <= F64
+
+
 def test_swiglu_float64():
     args = randn(7, 6), randn(6, 12), randn(6, 12), randn(12, 6)
     assert rel_err(swiglu(*args), R.swiglu(*args)) <= F64
@@ -94,6 +126,8 @@ def all_kernels():
         (decode, (randn(4), randn(12, 4), randn(12, 6)), {}),
         (rmsnorm, (randn(7, 16), randn(16)), {}),
         (swiglu, (randn(7, 6), randn(6, 12), randn(6, 12), randn(12, 6)), {}),
+        (rmsnorm_matmul, (randn(7, 16), randn(16), randn(16, 5)), {}),
+        (logsumexp, (randn(5, 11),), {}),
         (block, (x, *p.values()), {"is_causal": True}),
     ]
 

@@ -32,3 +32,14 @@ def rmsnorm_forward_backward(x: "n d", weight: "d", g: "n d", *, eps: float = 1e
     dw = moa.sum(ga * xhat, axis=0)
     z = moa.omega(moa.mul, (1, 1))(xhat, w)
     return moa.cast(z, x.dtype), moa.cast(dx, x.dtype), moa.cast(dw, weight.dtype)
+
+
+@kernel(example=dict(n=8, d=16, f=12))
+def rmsnorm_matmul(x: "n d", weight: "d", w: "d f", *, eps: float = 1e-6):
+    """Y = (w ⊙ x ÷ r) +.× W, r_n = √(Σ_d x²/D + ε): RMSNorm fused into the projection after it
+    (paper IV's block: norm → QKV projection); the normalised rows are never stored."""
+    acc = accumulation_dtype(x.dtype)
+    xa, g, wa = moa.cast(x, acc), moa.cast(weight, acc), moa.cast(w, acc)
+    r = moa.name("rms", moa.sqrt(moa.mean(xa * xa, axis=-1) + float(eps)))
+    z = moa.omega(moa.mul, (1, 1))(moa.omega(moa.div, (1, 0))(xa, r), g)
+    return moa.cast(moa.dot(z, wa), x.dtype)

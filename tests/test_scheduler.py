@@ -1,0 +1,113 @@
+"""The general GPU scheduler (``schedule.derive``) on kernels other than plain attention.
+
+A small shared-memory budget makes the scheduler take, at sizes the Pallas interpreter runs
+in seconds, the choices it takes at realistic sizes on a real GPU (``moajax gpu-report``):
+rows × columns tiles of a matmul, 2-D rows × keys tiles of a [B N T S] bias, the last output
+axis tiled over the grid, a nested reduction walked in a loop inside the main loop. Each
+ONF then runs (interpret mode) against float64 references written in numpy."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import references as R
+from helpers import rel_err
+from moajax import compat, machines, schedule
+from moajax.kernels import logsumexp, rmsnorm_matmul, swiglu
+from moajax.kernels.attention import mha_dnf
+
+# float64 end to end through tiled loops: a few ulps times the depth of the sum trees
+F64 = 1e-12
+
+# 16 KiB of shared memory; one multiprocessor, so that no split-K hides the tiling choices
+TINY_GPU = dataclasses.replace(machines.load("delta-a100"), name="tiny-gpu", shared_memory_per_block=16384,
+                               multiprocessors=1)
+S = jax.ShapeDtypeStruct
+f64 = np.float64
+
+
+def _lse(x):
+    m = x.max(axis=-1, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))[:, 0]
+
+
+CASES = {
+    "swiglu": (lambda: swiglu.dnf(S((16, 256), f64), S((256, 64), f64), S((256, 64), f64), S((64, 256), f64)),
+               R.swiglu),
+    "rmsnorm_matmul": (lambda: rmsnorm_matmul.dnf(S((32, 256), f64), S((256,), f64), S((256, 64), f64)),
+                       lambda x, w, W: R.rmsnorm(x, w) @ W),
+    "logsumexp": (lambda: logsumexp.dnf(S((64, 512), f64)), _lse),
+    "mha_bias": (lambda: mha_dnf((1, 64, 2, 16), (1, 64, 2, 16), (1, 64, 2, 16), f64, bias_shape=(1, 2, 64, 64),
+                                 bias_dtype=f64),
+                 lambda q, k, v, b: R.mha(q, k, v, bias=b)),
+}
+
+
+def _axes(onf):
+    return {a.name: (a.tile, a.role) for a in onf.axes}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_general_gpu_onfs_run_and_match_float64(name):
+    import pallas_kernels
+
+    make, ref = CASES[name]
+    with compat.enable_x64_context(True):
+        dnf = make()
+        onf = schedule.derive(dnf, TINY_GPU)
+        ax = _axes(onf)
+        if name == "swiglu":  # last axis d over the grid; Z·W_g's Σ_d walked inside the Σ_f loop
+            assert ax["d"][1] == "grid" and 1 < ax["d"][0] < 256
+            assert ax["f"][1] == "sequential" and ax["d_"][1] == "sequential"
+        elif name == "rmsnorm_matmul":  # rows × columns tiles: one tl.dot per step, not one row
+            assert ax["n"] == (ax["n"][0], "grid") and ax["n"][0] >= 16 and ax["f"][1] == "grid"
+        elif name == "logsumexp":  # the only output axis is tiled over the grid, m walked
+            assert ax["n"][1] == "grid" and ax["n"][0] < 64 and ax["m"][1] == "sequential"
+        else:  # a [B N T S] bias no longer forces one query row per program
+            assert ax["t"][0] >= 16 and ax["s"][1] == "sequential"
+        xs = [np.random.default_rng(7).standard_normal(i.shape) for i in dnf.inputs]
+        got = pallas_kernels.lower(onf, interpret=True)(*xs)
+    assert rel_err(got, ref(*xs)) <= F64
+
+
+def test_a_wide_nested_reduction_is_walked_even_where_it_fits():
+    # held whole, SwiGLU's Σ_d over d = 1024 fits the H200's shared memory but spills
+    # registers (8800 B of spill stores under ptxas): the scheduler walks it
+    dnf = swiglu.dnf(S((4096, 1024), np.float32), S((1024, 4096), np.float32), S((1024, 4096), np.float32),
+                     S((4096, 1024), np.float32))
+    onf = schedule.derive(dnf, machines.load("h200"))
+    assert onf.axis("d_").role == "sequential" and onf.axis("d_").tile <= schedule.GPU_WHOLE_MAX
+
+
+def test_cpu_schedules_are_unchanged_by_the_gpu_row_rule():
+    # on a CPU, a read that depends on t keeps t from being the row loop (XLA vectorises it)
+    dnf = mha_dnf((1, 64, 2, 16), (1, 64, 2, 16), (1, 64, 2, 16), np.float32, bias_shape=(1, 2, 64, 64),
+                  bias_dtype=np.float32)
+    cpu = schedule.derive(dnf, machines.load("delta-epyc-7763"))
+    assert not cpu.knobs.cpu_loop
+
+
+def test_decode_splits_the_cache_walk_when_programs_are_too_few():
+    """One query over a long cache is one program: split-K cuts the walk into parts (grid
+    programs, partial max/sum/accumulator each), then the monoid combine; float64-exact."""
+    import pallas_kernels
+    from moajax.kernels import decode
+
+    # eight multiprocessors and free launches: at this size the cost model's only term that
+    # split-K changes much is the seven idle multiprocessors
+    eight_sms = dataclasses.replace(TINY_GPU, multiprocessors=8, launch_overhead_us=0.0)
+    with compat.enable_x64_context(True):
+        dnf = decode.dnf(S((16,), f64), S((1024, 16), f64), S((1024, 8), f64))
+        onf = schedule.derive(dnf, eight_sms)
+        parts = onf.axis("s_o")
+        assert parts.role == "grid" and 2 <= parts.extent <= 16
+        assert onf.axis("s_i").role == "sequential"
+        assert onf.axis("s_i").ntiles >= schedule.SPLIT_MIN_TILES
+        xs = [np.random.default_rng(3).standard_normal(i.shape) for i in dnf.inputs]
+        got = pallas_kernels.lower(onf, interpret=True)(*xs)
+        # enough programs already (or a preset's own tiles): no split
+        assert "s_o" not in _axes(schedule.derive(dnf, TINY_GPU))
+        assert "s_o" not in _axes(schedule.derive(dnf, eight_sms, tiles={"s": 16}))
+    assert rel_err(got, R.decode(*xs)) <= F64
