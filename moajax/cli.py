@@ -1,4 +1,4 @@
-"""The ``moajax`` command line: ``moajax derive [--list | KERNEL [--adjoint]]``, ``moajax gpu-report``,
+"""The ``moajax`` command line: ``moajax derive [--list | KERNEL [--adjoint] [--saved]]``, ``moajax gpu-report``,
 ``moajax measure [--out PATH]``."""
 
 from __future__ import annotations
@@ -28,11 +28,17 @@ def cmd_derive(args) -> int:
         if name not in reg:
             print(f"moajax derive: unknown kernel {name!r}; known: {', '.join(reg)}", file=sys.stderr)
             return 2
-        k = reg[name].adjoint() if args.adjoint else reg[name]
+        k = reg[name].adjoint(saved=args.saved) if args.adjoint or args.saved else reg[name]
         print(f"== {k.name}: example sizes {k.example}")
         print(k.dnf().pretty())
         print()
-        print(k.derivation().pretty(max_steps=None if args.full else 60))
+        der = k.derivation()
+        print(der.pretty(max_steps=None if args.full else 60))
+        identities = [st for st in der.steps if not st.rule.startswith("ψ")]
+        if identities:  # the rewrites after ψ-reduction (moajax.identities), never cut off
+            print("identities applied to the DNF:")
+            for st in identities:
+                print(f"  [{st.rule}] {st.before}  ⇒  {st.after}")
         print()
     return 0
 
@@ -130,6 +136,9 @@ def main(argv=None) -> int:
     d.add_argument("--full", action="store_true", help="print every derivation step")
     d.add_argument("--adjoint", action="store_true",
                    help="the kernel's backward, derived in the algebra (moajax.adjoint): its DNF and derivation")
+    d.add_argument("--saved", action="store_true",
+                   help="the adjoint that reads the forward's row statistics and outputs (what jax.grad runs "
+                        "where saving pays), with the papers' identities (moajax.identities) in its derivation")
     d.set_defaults(func=cmd_derive)
     g = sub.add_parser("gpu-report", help="compile each kernel's default GPU ONF to PTX offline; print resources")
     g.add_argument("--arch", nargs="*", default=[], help="only these archs (sm_80 sm_86 sm_90a)")

@@ -301,6 +301,27 @@ def product(factors, dtype) -> Expr:
     return out
 
 
+def mul_div_factors(e: Expr) -> tuple[list, list]:
+    """e = Π num ÷ Π den (through nested × and ÷; labels are looked through)."""
+    if isinstance(e, Tag):
+        return mul_div_factors(e.body)
+    if isinstance(e, Call) and e.op == "mul":
+        n1, d1 = mul_div_factors(e.children[0])
+        n2, d2 = mul_div_factors(e.children[1])
+        return n1 + n2, d1 + d2
+    if isinstance(e, Call) and e.op == "div":
+        n1, d1 = mul_div_factors(e.children[0])
+        n2, d2 = mul_div_factors(e.children[1])
+        return n1 + d2, d1 + n2
+    return [e], []
+
+
+def quotient(num: list, den: list, dtype) -> Expr:
+    """Π num ÷ Π den (the inverse of ``mul_div_factors``)."""
+    n = product(num, dtype)
+    return n if not den else Call("div", (n, product(den, dtype)))
+
+
 def reads(e: Expr) -> list[Read]:
     """The distinct input reads of e."""
     return [x for x in walk(e) if isinstance(x, Read)]
@@ -339,6 +360,72 @@ def canonical(e: Expr) -> Expr:
         return out
 
     return go(e, 0)
+
+
+def untagged(e: Expr) -> Expr:
+    """e without its labels (``Tag`` is transparent: the same value)."""
+    return transform(e, lambda x: x.body if isinstance(x, Tag) else None)
+
+
+def match(pattern: Expr, term: Expr, params, env: dict | None = None, bound: dict | None = None) -> dict | None:
+    """σ with pattern[σ] ≡ term (labels ignored, bound variables matched up to α-renaming),
+    where σ maps the variables ``params`` of the pattern to index expressions; None if there
+    is none. First-order: a parameter is matched where the pattern indexes by it plus known
+    terms (⟨t⟩ψ A against ⟨⌊n/G⌋⟩ψ A binds t ↦ ⌊n/G⌋; then ⟨g + G·t⟩ψ B against ⟨n⟩ψ B binds
+    g ↦ n − G·⌊n/G⌋); other indices must agree after σ.
+    ``env`` is a σ to extend; ``bound`` maps pattern variables bound outside ``pattern`` to
+    the term's."""
+    params = frozenset(params)
+    env = dict(env or {})
+
+    deferred: list = []
+
+    def ix(p: Ix, t: Ix, bound: dict) -> bool:
+        p = p.substitute({**bound, **env})
+        open_ = [v for v in p.free_vars() if v in params and v not in env]
+        if len(open_) == 1:  # p = v + r with r known: v ↦ t − r (g + n_kv ↦ n binds g ↦ n − n_kv)
+            v = open_[0]
+            r = p - Ix.of(v)
+            if v not in r.free_vars():
+                env[v] = t - r
+                return True
+        if len(open_) > 1:  # solved once other reads have bound all but one
+            deferred.append((p, t, bound))
+            return True
+        return not open_ and p == t
+
+    def go(p: Expr, t: Expr, bound: dict) -> bool:
+        while isinstance(p, Tag):
+            p = p.body
+        while isinstance(t, Tag):
+            t = t.body
+        if type(p) is not type(t) or p.dtype != t.dtype:
+            return False
+        if isinstance(p, Lit):
+            return p is t
+        if isinstance(p, (Read, Ref)):
+            name_p, name_t = (p.array, t.array) if isinstance(p, Read) else (p.stage, t.stage)
+            return (name_p == name_t and len(p.index) == len(t.index)
+                    and all(ix(a, b, bound) for a, b in zip(p.index, t.index)))
+        if isinstance(p, IndexValue):
+            return ix(p.ix, t.ix, bound)
+        if isinstance(p, Call) and p.op != t.op:
+            return False
+        if isinstance(p, Red):
+            if p.monoid != t.monoid or p.var.extent != t.var.extent:
+                return False
+            return go(p.body, t.body, {**bound, p.var: Ix.of(t.var)})
+        return len(p.children) == len(t.children) and all(go(a, b, bound) for a, b in zip(p.children, t.children))
+
+    if not go(pattern, term, dict(bound or {})):
+        return None
+    while deferred:
+        pending, deferred[:] = list(deferred), []
+        if not all(ix(p, t, b) for p, t, b in pending):
+            return None
+        if len(deferred) == len(pending):  # no progress: two unknowns in one index
+            return None
+    return env
 
 
 def rebind(e: Expr, old: Var, new: Var) -> Expr:

@@ -49,8 +49,11 @@ class Kernel:
     """A kernel defined in the algebra. ``dnf()``, ``derivation()``, ``expression()``, call."""
 
     def __init__(self, fn: Callable, example: dict | None = None, name: str | None = None,
-                 outputs: tuple | None = None, dims: dict | None = None):
+                 outputs: tuple | None = None, dims: dict | None = None, identities: Callable | None = None):
         self.fn = fn
+        # identities(dnf, specs, options) -> (dnf', applied): rewrites of the ψ-reduced DNF that
+        # keep its meaning (``moajax.identities``; an adjoint reading what its forward saved)
+        self._identities = identities
         self.name = name or fn.__name__
         self.example = dict(example or {})
         self.output_names = outputs
@@ -128,6 +131,10 @@ class Kernel:
                     raise TypeError(f"{self.name}: the definition must return moa arrays, got {type(o).__name__}")
             names = self.output_names or (("out",) if len(outs) == 1 else tuple(f"out{i}" for i in range(len(outs))))
             dnf, der = _psi.reduce_to_dnf(self.name, inputs, outs, names)
+            if self._identities is not None:
+                dnf, applied = self._identities(dnf, specs, options)
+                der = _psi.Derivation(der.name, der.steps + tuple(
+                    _psi.Step(a.rule, a.before, a.after, 0) for a in applied))
             hit = (inputs, expr, dnf, der, _reference.to_jax(dnf))
             self._cache[key] = hit
         return hit
@@ -174,13 +181,11 @@ class Kernel:
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
         cpu, gpu = runtime.schedules(self._build(arrays, options)[2], onf)
-        if implementation in ("pallas", "pallas_interpret"):
+        if implementation in ("pallas", "pallas_interpret") or (implementation is None and runtime.has_gpu()):
+            if isinstance(gpu, Exception):  # no GPU ONF fits (``runtime.schedules``)
+                raise gpu
             return gpu
-        if implementation == "xla":
-            return cpu
-        import jax
-
-        return gpu if jax.default_backend() in ("gpu", "cuda") else cpu
+        return cpu
 
     def compiled(self, *specs, onf=None, implementation=None, residuals="auto", **options) -> Callable:
         """The compiled function of the arrays for these shapes and options (cached), with its
@@ -219,13 +224,14 @@ class Kernel:
                     **options) if pays else None)
             return chosen[0]
 
-        def backward(args, saved, cts):
+        def backward(args, saved, outs, cts):
             import jax
 
             cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
                    for ct, (shape, dt) in zip(cts, out_specs)]
-            adj = self._adjoint_for(key[0], options, bool(saved))
-            grads = adj(*args, *cts, *saved, implementation=implementation, residuals="none", **options)
+            adj = self._adjoint_for(key[0], options, outs is not None)
+            grads = adj(*args, *cts, *saved, *(outs or ()), implementation=implementation, residuals="none",
+                        **options)
             grads = iter(grads if isinstance(grads, tuple) else (grads,))
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
@@ -277,10 +283,9 @@ class Kernel:
         plain forward and the backward that recomputes them?"""
         from moajax import cost, machines, schedule
 
-        with_saved = self._adjoint_for(shape_key, options, True)
-        if len(with_saved.params) == len(self._adjoint_for(shape_key, options, False).params):
-            return False  # nothing to save
         import jax
+
+        with_saved = self._adjoint_for(shape_key, options, True)
 
         def flops(k, extra):
             specs = [jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]] + extra
@@ -291,7 +296,11 @@ class Kernel:
         outs = outs if isinstance(outs, tuple) else (outs,)
         cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         saved = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.row_statistics(outs)[1]]
-        return (flops(self.with_row_statistics(), []) + flops(with_saved, cts + saved)
+        primal_specs = [jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]]
+        reads = {r.array for r in with_saved.dnf(*primal_specs, *cts, *saved, *cts, **options).reads()}
+        if not saved and not reads & {p.name for p in with_saved.params[len(self.params) + len(cts):]}:
+            return False  # nothing to save: no statistic, and no identity reads an output
+        return (flops(self.with_row_statistics(), []) + flops(with_saved, cts + saved + cts)
                 < flops(self, []) + flops(self._adjoint_for(shape_key, options, False), cts))
 
     def _batchable(self, run, n_outputs: int, options, onf, implementation):
@@ -394,6 +403,10 @@ class Kernel:
         ct_names = tuple(f"d_{o}" for o in names)
         stats = self.row_statistics(outs)[1] if saved else []
         saved_names = tuple(f"saved{i}" for i in range(len(stats)))
+        taken = {p.name for p in self.params} | set(ct_names) | set(saved_names)
+        # with ``saved``, the forward's outputs too: a custom_vjp holds them for free, and the
+        # papers' identities (``moajax.identities``) read them where the adjoint would recompute
+        value_names = tuple(o if o not in taken else f"{o}_value" for o in names) if saved else ()
 
         def backward(*arrays, **opts):
             outputs = primal.fn(*arrays[:n], **opts)
@@ -411,8 +424,18 @@ class Kernel:
             return tuple(d if d.dims == by_name[w].dims else moa.reshape(d, d.shape, dims=by_name[w].dims)
                          for w, d in zip(wrt, grads))
 
+        def identities(dnf, specs, opts):
+            """Δ-from-output and kin: the adjoint reads the forward's outputs and statistics."""
+            from moajax import identities as _identities
+
+            forward = primal.with_row_statistics().dnf(*specs[:n], **opts)
+            return _identities.delta_from_output(
+                dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
+                saved={f"saved{i}": name for i, name in enumerate(saved_names)})
+
         params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.params]
-        params += [inspect.Parameter(c, inspect.Parameter.POSITIONAL_OR_KEYWORD) for c in ct_names + saved_names]
+        params += [inspect.Parameter(c, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                   for c in ct_names + saved_names + value_names]
         params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in self.options.items()]
         backward.__signature__ = inspect.Signature(params)
         backward.__name__ = f"{self.name}_adjoint"
@@ -420,11 +443,12 @@ class Kernel:
         dims = {p.name: " ".join(p.dims) for p in self.params}
         dims.update({c: " ".join(o.dims) for c, o in zip(ct_names, outs)})
         dims.update({c: " ".join(x.dims) for c, x in zip(saved_names, stats)})
+        dims.update({c: " ".join(o.dims) for c, o in zip(value_names, outs)})
         example = dict(self.example)
         for o in outs:
             example.update({d: s for d, s in zip(o.dims, o.shape) if d not in example})
-        return Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved_names else ""),
-                      outputs=tuple(f"d_{w}" for w in wrt), dims=dims)
+        return Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else ""),
+                      outputs=tuple(f"d_{w}" for w in wrt), dims=dims, identities=identities if saved else None)
 
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)

@@ -45,31 +45,11 @@ def _taken(onf: ONF) -> set:
 # ----------------------------------------------------------------------------- factoring
 
 
-def mul_div_factors(e: D.Expr) -> tuple[list, list]:
-    """e = Π num ÷ Π den (through nested × and ÷; labels are looked through)."""
-    if isinstance(e, D.Tag):
-        return mul_div_factors(e.body)
-    if isinstance(e, D.Call) and e.op == "mul":
-        n1, d1 = mul_div_factors(e.children[0])
-        n2, d2 = mul_div_factors(e.children[1])
-        return n1 + n2, d1 + d2
-    if isinstance(e, D.Call) and e.op == "div":
-        n1, d1 = mul_div_factors(e.children[0])
-        n2, d2 = mul_div_factors(e.children[1])
-        return n1 + d2, d1 + n2
-    return [e], []
-
-
-def _quotient(num: list, den: list, dtype) -> D.Expr:
-    n = D.product(num, dtype)
-    return n if not den else D.Call("div", (n, D.product(den, dtype)))
-
-
 def factor_out_invariants(red: D.Red) -> D.Expr:
     """Σ_v (a·c ÷ d) = (Σ_v a)·c ÷ d  for factors c, d that do not use v (distributivity)."""
     if red.monoid != "add" or red.dtype.kind != "f":
         return red
-    num, den = mul_div_factors(red.body)
+    num, den = D.mul_div_factors(red.body)
     inv_n = [f for f in num if red.var not in f.free]
     inv_d = [f for f in den if red.var not in f.free]
     if not inv_n and not inv_d:
@@ -77,9 +57,9 @@ def factor_out_invariants(red: D.Red) -> D.Expr:
     var_n = [f for f in num if red.var in f.free]
     var_d = [f for f in den if red.var in f.free]
     if not var_n and not var_d:  # Σ_{v<n} c = n·c
-        return _quotient([D.Lit(red.var.extent, red.dtype)] + inv_n, inv_d, red.dtype)
-    inner = D.Red("add", red.var, _quotient(var_n, var_d, red.dtype))
-    return _quotient([inner] + inv_n, inv_d, red.dtype)
+        return D.quotient([D.Lit(red.var.extent, red.dtype)] + inv_n, inv_d, red.dtype)
+    inner = D.Red("add", red.var, D.quotient(var_n, var_d, red.dtype))
+    return D.quotient([inner] + inv_n, inv_d, red.dtype)
 
 
 # ----------------------------------------------------------------------------- scalar sinking
@@ -97,7 +77,7 @@ def sink_invariant_factors(e: D.Expr, loop: Var) -> D.Expr:
             inner = red.body if isinstance(red, D.Tag) else red
             if not isinstance(inner, D.Red) or inner.monoid != "add" or loop in c.free or inner.var in c.free:
                 continue
-            num, den = mul_div_factors(inner.body)
+            num, den = D.mul_div_factors(inner.body)
             if den or len(num) < 2:
                 continue
             for i, f in enumerate(num):
@@ -240,7 +220,7 @@ def fuse_online(onf: ONF) -> ONF:
             xr = x.reduction
             if xr is None or xr.monoid != "add" or x.place != "local" or not set(m.vars) <= set(x.vars):
                 continue
-            num, den = mul_div_factors(xr.body)
+            num, den = D.mul_div_factors(xr.body)
             hits = [k for k, f in enumerate(num) if _exp_minus(f, m.name) is not None]
             if len(hits) != 1:
                 continue
@@ -251,7 +231,7 @@ def fuse_online(onf: ONF) -> ONF:
                 continue
             rest_n = [D.substitute(f, ren) if ren else f for f in num[:k] + num[k + 1:]]
             rest_d = [D.substitute(f, ren) if ren else f for f in den]
-            weight = None if not rest_n and not rest_d else _quotient(rest_n, rest_d, xr.dtype)
+            weight = None if not rest_n and not rest_d else D.quotient(rest_n, rest_d, xr.dtype)
             refs = {r.stage for r in D.walk(weight) if isinstance(r, D.Ref)} if weight is not None else set()
             if not refs <= before:
                 continue  # the weight needs a stage computed later: cannot move it up
@@ -432,7 +412,7 @@ def accumulate(onf: ONF, output: str, how: str = "atomic") -> ONF:
     while local(body) is not None and local(body).reduction is None:
         body = _at(local(body), body)  # c · Σ split over local stages by hoist: inline them
     if not (isinstance(body, D.Red) and body.monoid == "add"):
-        num, den = mul_div_factors(body)
+        num, den = D.mul_div_factors(body)
         sums = [f for f in num if local(f) is not None and local(f).reduction is not None
                 and local(f).reduction.monoid == "add"]
         if len(sums) != 1:
@@ -441,7 +421,7 @@ def accumulate(onf: ONF, output: str, how: str = "atomic") -> ONF:
         rest = [f for f in num if f is not sums[0]]
         if any(red.var in f.free for f in rest + den):
             raise ONFError(f"{onf.dnf.name}: accumulate: a factor of {output!r} uses the summed variable {red.var.name!r}")
-        body = D.Red("add", red.var, _quotient([red.body] + rest, den, body.dtype))
+        body = D.Red("add", red.var, D.quotient([red.body] + rest, den, body.dtype))
     stages = [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place) if o is st else o
               for o in onf.program.stages]
     stages = _drop_unused(stages, {sname for _, sname in onf.program.outputs})
@@ -531,4 +511,4 @@ def retarget(onf: ONF, target: str) -> ONF:
 
 
 __all__ = ["hoist", "fuse_online", "split_k", "materialize", "accumulate", "tile", "lift", "with_gamma", "with_knobs",
-           "retarget", "factor_out_invariants", "mul_div_factors", "Knobs"]
+           "retarget", "factor_out_invariants", "Knobs"]

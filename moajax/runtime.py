@@ -64,7 +64,21 @@ def schedules(dnf, onf_key=None) -> tuple:
             return derive(dnf, machines.local()), onf_key
         return onf_key, derive(dnf, gpu_machine())
     preset = onf_key if isinstance(onf_key, Preset) else Preset()
-    return derive_plan(dnf, machines.local(), preset), derive_plan(dnf, gpu_machine(), preset)
+    cpu = derive_plan(dnf, machines.local(), preset)
+    try:
+        gpu = derive_plan(dnf, gpu_machine(), preset)
+    except ONFError as err:
+        if has_gpu():
+            raise
+        gpu = err  # no GPU here: the CUDA branch is only ever lowered offline (see ``dispatch``)
+    return cpu, gpu
+
+
+def has_gpu() -> bool:
+    """Does this process see a CUDA device?"""
+    import jax
+
+    return any(d.platform in ("gpu", "cuda") for d in jax.devices())
 
 
 @functools.lru_cache(maxsize=512)
@@ -95,9 +109,19 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None):
 
     if implementation == "xla":
         return lowered(cpu_onf, "xla")
+    if isinstance(gpu_onf, ONFError) and implementation in ("pallas", "pallas_interpret"):
+        raise gpu_onf
     if implementation in ("pallas", "pallas_interpret"):
         return lowered(gpu_onf, implementation)
     xla = lowered(cpu_onf, "xla")
+    if isinstance(gpu_onf, ONFError):
+        # no GPU ONF fits, on a machine without a GPU (``schedules``): a CPU call must not fail
+        # for it, and a CUDA lowering made here (offline) carries the XLA loops, saying so
+        import warnings
+
+        warnings.warn(f"{gpu_onf} — lowered for CUDA, this kernel runs as XLA loops, not Pallas",
+                      RuntimeWarning, stacklevel=3)
+        return functools.partial(compat.platform_dependent, cpu=xla, cuda=xla, default=xla)
     return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas"), default=xla)
 
 
@@ -109,11 +133,13 @@ def zero_cotangent(x):
 
 
 def differentiable(run, backward, n_outputs: int, saving=None):
-    """``run`` with the derivative ``backward(args, saved, cotangents) -> one cotangent per arg``.
+    """``run`` with the derivative ``backward(args, saved, outs, cotangents) -> one cotangent
+    per arg``.
 
     The residuals are the primal inputs and, where ``saving()`` (asked when the function is
     first differentiated) gives a forward computing the outputs and then the values the
-    backward reads instead of recomputing them, those saved values (``saved``; else empty)."""
+    backward reads instead of recomputing them, those saved values (``saved``; else empty)
+    and the outputs themselves (``outs``; else None), which the papers' identities read."""
     import jax
 
     @jax.custom_vjp
@@ -123,18 +149,18 @@ def differentiable(run, backward, n_outputs: int, saving=None):
     def fwd(*args):
         run_saving = saving() if saving is not None else None
         if run_saving is None:
-            return run(*args), (args, ())
+            return run(*args), (args, (), None)
         both = run_saving(*args)
         outs = both[:n_outputs]
-        return (outs if n_outputs > 1 else outs[0]), (args, tuple(both[n_outputs:]))
+        return (outs if n_outputs > 1 else outs[0]), (args, tuple(both[n_outputs:]), tuple(outs))
 
     def bwd(res, cts):
-        args, saved = res
+        args, saved, outs = res
         cts = tuple(cts) if n_outputs > 1 else (cts,)
-        return tuple(backward(args, saved, cts))
+        return tuple(backward(args, saved, outs, cts))
 
     f.defvjp(fwd, bwd)
     return f
 
 
-__all__ = ["schedules", "lowered", "dispatch", "differentiable", "gpu_machine", "zero_cotangent"]
+__all__ = ["schedules", "lowered", "dispatch", "differentiable", "gpu_machine", "has_gpu", "zero_cotangent"]

@@ -81,6 +81,15 @@ def _heavy_reads(onf: ONF, loops) -> list:
     return reads
 
 
+def _main_walks(onf: ONF) -> list:
+    """The walked variables that are loops: a short walk beside a longer one (an adjoint's
+    Δ = +/(dO × O) over the head dim, beside the walk over keys) runs whole, like a nested
+    reduction, instead of making its axis a second loop of the program."""
+    walked = onf.program.walked()
+    longest = max((v.extent for v in walked), default=0)
+    return [v for v in walked if v.extent > GPU_WHOLE_MAX or v.extent == longest]
+
+
 def _structure(onf: ONF, gpu: bool = False):
     """(walked loops, output variables, inner reductions, the row axis: [] or [v]).
 
@@ -90,7 +99,7 @@ def _structure(onf: ONF, gpu: bool = False):
     axis (its loop tiles the cache). On a GPU a variable that some reads do depend on may be
     one too, as long as each such read stays a 2-D block (a [t s] bias or mask: rows × keys),
     so that the program's contraction is one ``tl.dot`` over a rows tile, not one row."""
-    loops = onf.program.walked()
+    loops = _main_walks(onf)
     out_vars = list(onf.dnf.output_vars)
     inner = set()
     for e in onf.program.exprs():
@@ -337,17 +346,21 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
     then computes it whole."""
     errors = []
     shared = set.intersection(*[set(o.vars) for o in onf.dnf.outputs])
+    candidates: list = []
+    for o in onf.dnf.outputs:
+        for r in o.vars:
+            if r in candidates or r.extent < 1 or (r in shared and r != o.vars[-1] and len(shared) < len(o.vars)):
+                continue  # an axis every output has (a batch) runs over programs, but owns no rows
+            candidates.append(r)
+    # a variable of extent 1 owns one row: it is valid (one program), but a longer one that
+    # is valid too splits the work (a saving forward's query group g of extent 1 before t)
+    candidates.sort(key=lambda v: v.extent <= 1)
     for separate in (False, True):
-        seen: list = []
-        for o in onf.dnf.outputs:
-            for r in o.vars:
-                if r in seen or r.extent < 1 or (r in shared and r != o.vars[-1] and len(shared) < len(o.vars)):
-                    continue  # an axis every output has (a batch) runs over programs, but owns no rows
-                seen.append(r)
-                try:
-                    return _scatter_over(onf, machine, r, separate).validate()
-                except ONFError as err:
-                    errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
+        for r in candidates:
+            try:
+                return _scatter_over(onf, machine, r, separate).validate()
+            except ONFError as err:
+                errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
     raise ONFError(f"{onf.dnf.name}: no output variable can own the programs (" + "; ".join(errors) + ")")
 
 
@@ -367,7 +380,7 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False) -> ONF:
     batch = [v for v in outs[0].vars if v in shared and v != r and all(v != o.vars[-1] for o in outs)]
     if separate:
         onf = W.separate_walks(onf, [r.name] + [v.name for v in batch])
-    loops = [v for v in onf.program.walked() if v != r and v not in batch]
+    loops = [v for v in _main_walks(onf) if v != r and v not in batch]
     gpu = machine.is_gpu
     rest = sorted((v for v in onf.program.vars() if v != r and v not in batch and v not in loops),
                   key=lambda v: v.name)
@@ -387,7 +400,10 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False) -> ONF:
 
     if gpu:
         return _first_fit(onf, machine, _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest]), lift)
-    bt = _cpu_rows(machine, r.extent, int(np.prod([v.extent for v in batch])) if batch else 1)
+    # every other axis of an output's row tile but its last is vectorised beside the rows
+    # (batch-like grid axes, and head axes held whole): the score tile is that deep
+    other = max(int(np.prod([v.extent for v in o.vars[:-1] if v != r])) for o in outs)
+    bt = _cpu_rows(machine, r.extent, other)
     o = lift(bt, 256)
     return W.with_knobs(o, cpu_loop=(r.name,)) if bt < r.extent else o
 

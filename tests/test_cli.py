@@ -27,6 +27,13 @@ def test_derive_adjoint_prints_the_backward(capsys):
     assert "⟨n d⟩ψg" not in out and "d_out" in out and "[ψ-omega]" in out
 
 
+def test_derive_saved_adjoint_prints_the_identities_it_applied(capsys):
+    assert main(["derive", "attention", "--saved"]) == 0
+    out = capsys.readouterr().out
+    assert "DNF attention_adjoint_saved" in out and "saved0" in out and "⟨t e_⟩ψout" in out
+    assert "identities applied to the DNF:" in out and "[Δ-from-output]" in out
+
+
 def test_derive_unknown_kernel(capsys):
     assert main(["derive", "nope"]) == 2
     assert "unknown kernel 'nope'" in capsys.readouterr().err

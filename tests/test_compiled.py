@@ -200,8 +200,9 @@ def test_the_forward_saves_row_statistics_the_backward_reads():
     q, k, v, g = _args([(8, 4), (12, 4), (12, 6), (8, 6)], 8)
     key = attention._key((q, k, v), {})
     assert attention._saving_pays(key, {})  # the cost model: the backward skips the softmax pass
-    saved = attention._adjoint_for(key, {}, True).dnf(q, k, v, g, q[:, 0], q[:, 0])
+    saved = attention._adjoint_for(key, {}, True).dnf(q, k, v, g, q[:, 0], q[:, 0], g)
     assert {"saved0", "saved1"} <= saved.arrays_read()  # the row max and the denominator
+    assert "out" in saved.arrays_read()  # Δ = +/(dO × O) (moajax.identities)
     assert "⌈" not in saved.pretty()  # no max is recomputed
     fwd = attention.with_row_statistics().dnf(q, k, v)
     assert [o.name for o in fwd.outputs] == ["saved0", "saved1", "out"]
@@ -248,3 +249,29 @@ def test_scatter_outputs_walked_by_rows_then_tiles_on_xla(kern):
     assert dict(onf.accumulate) == {"d_key": "atomic", "d_value": "atomic"} and onf.knobs.cpu_loop == ("t",)
     for a, b in zip(lower_xla.lower(onf)(*args), reference.to_jax(dnf)(*args)):
         assert rel_err(a, b) <= F64
+
+
+def test_a_gpu_onf_that_does_not_fit_does_not_break_cpu_calls(monkeypatch):
+    """On a machine without a GPU, the GPU ONF is derived only for offline CUDA lowering: if
+    none fits the GPU profile, CPU calls still run (XLA), the Pallas implementations raise the
+    ONFError, and a CUDA lowering warns that it carries the XLA loops."""
+    import dataclasses
+
+    from moajax import machines, runtime
+
+    if runtime.has_gpu():
+        pytest.skip("this process has a GPU: a GPU ONF that does not fit is an error there, not a fallback")
+    tiny = dataclasses.replace(machines.load("delta-a100"), shared_memory_per_block=64)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda: tiny)
+    runtime.schedules.cache_clear()
+    try:
+        q, k, v, b = _args([(5, 4), (7, 4), (7, 3), (5, 7)], 11)
+        with pytest.warns(RuntimeWarning, match="runs as XLA loops"):
+            got = relu2_attention(q, k, v, b)
+        assert rel_err(got, ref_relu2(q, k, v, b)) <= F64
+        with pytest.raises(moajax.ONFError, match="on-chip footprint"):
+            relu2_attention(q, k, v, b, implementation="pallas_interpret")
+        with pytest.raises(moajax.ONFError, match="on-chip footprint"):
+            relu2_attention.onf(q, k, v, b, implementation="pallas")
+    finally:
+        runtime.schedules.cache_clear()

@@ -1,0 +1,221 @@
+"""The papers' identities: named, meaning-preserving rewrites of adjoint DNFs.
+
+A derived adjoint recomputes what the forward already holds. Given the forward's DNF and the
+values its backward receives (the forward's outputs, its saved row statistics), each rule
+rewrites the adjoint's DNF to read them instead; the meaning (in exact arithmetic) is kept,
+so the unrewritten adjoint's DNF → JAX reference stays the oracle.
+
+    output-reuse
+        where the forward's output is Y = c · Σ_s G (c not using s), a · Σ_s G = (a ÷ c) · Y
+    Δ-from-output (paper II)
+        Σ_s F(s) × (Σ_e dY[e] × W[s e])  =  Σ_e dY[e] × (Σ_s F(s) × W[s e])     (sums commute)
+        and, where Y[e] = c · Σ_s G(s) × W[s e] and F = a · G:
+                                         =  (a ÷ c) · Σ_e dY[e] × Y[e]
+    For attention, the softmax's cotangent Δ = +/(P × dP), a pass over keys with two
+    contractions per query row, becomes +/(dO × O): one pass over the head dim.
+
+Only an output the forward computes at full precision is read back (an output cast to a
+narrower dtype is rounded: reading it would change the value, so the rule does not apply).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from moajax import dnf as D
+from moajax.ix import Ix, Var
+
+DELTA_FROM_OUTPUT = "Δ-from-output"
+OUTPUT_REUSE = "output-reuse"
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """One application of an identity: ``before`` rewritten to ``after`` (shown as DNF)."""
+
+    rule: str
+    before: str
+    after: str
+
+
+def _fresh_name(base: str, taken: set) -> str:
+    n = 1
+    while f"{base}{'_' * n}" in taken:
+        n += 1
+    return f"{base}{'_' * n}"
+
+
+def _bare(e: D.Expr) -> D.Expr:
+    while isinstance(e, D.Tag):
+        e = e.body
+    return e
+
+
+def factors(e: D.Expr) -> tuple[list, list]:
+    """e = Π num ÷ Π den, a negation −x as the factors −1 and x."""
+    num, den = D.mul_div_factors(e)
+    out_n, out_d = [], list(den)
+    for f in num:
+        g = _bare(f)
+        if isinstance(g, D.Call) and g.op == "neg" and g.dtype.kind == "f":
+            n2, d2 = factors(g.children[0])
+            out_n += [D.Lit(-1.0, g.dtype)] + n2
+            out_d += d2
+        else:
+            out_n.append(f)
+    return out_n, out_d
+
+
+def _match_factors(pattern: list, term: list, params, env: dict, bound: dict) -> dict | None:
+    """σ extending ``env`` with each pattern factor matching a distinct term factor (any order)."""
+    if len(pattern) != len(term):
+        return None
+    if not pattern:
+        return env
+    for j, t in enumerate(term):
+        found = D.match(pattern[0], t, params, env, bound)
+        if found is not None:
+            rest = _match_factors(pattern[1:], term[:j] + term[j + 1:], params, found, bound)
+            if rest is not None:
+                return rest
+    return None
+
+
+def _cancel(num: list, den: list) -> tuple[list, list]:
+    """Π num ÷ Π den with the factors that appear on both sides removed (a · l ÷ (l · l) = a ÷ l)."""
+    num, den = list(num), list(den)
+    for f in list(num):
+        if any(f is g for g in den):
+            num.remove(f)
+            den.pop(next(i for i, g in enumerate(den) if g is f))
+    return num, den
+
+
+def read_statistics(e: D.Expr, statistics: list) -> D.Expr:
+    """e with each occurrence of a statistic's body replaced by a read of the input that holds
+    it. ``statistics``: (input name, forward Output) in the forward's order, so that a later
+    statistic (a softmax's denominator) is matched with the earlier ones (its max) read."""
+    patterns: list = []
+
+    def replace(x: D.Expr, pats) -> D.Expr:
+        def fn(y):
+            if not isinstance(_bare(y), (D.Red, D.Convert)):
+                return None
+            for name, out, pat in pats:
+                env = D.match(pat, y, out.vars)
+                if env is not None and set(env) == set(out.vars):
+                    return D.Read(name, tuple(env[v] for v in out.vars), out.dtype)
+            return None
+
+        return D.transform(x, fn)
+
+    for name, out in statistics:
+        patterns.append((name, out, replace(out.body, patterns)))
+    return replace(e, patterns)
+
+
+def _form(body: D.Expr):
+    """Y = c · Σ_v G as (v, c's num, c's den, G's num, G's den): the one Σ among Y's factors,
+    with the factors that do not use v (outside it or inside) as c; None if Y is not so."""
+    num, den = factors(_bare(body))
+    sums = [f for f in num if isinstance(_bare(f), D.Red) and _bare(f).monoid == "add" and f.dtype.kind == "f"]
+    if len(sums) != 1 or any(isinstance(_bare(f), D.Red) for f in den):
+        return None
+    r = _bare(sums[0])
+    v = r.var
+    in_n, in_d = factors(r.body)
+    outer = [f for f in num if f is not sums[0]]
+    return (v, outer + [f for f in in_n if v not in f.free], den + [f for f in in_d if v not in f.free],
+            [f for f in in_n if v in f.free], [f for f in in_d if v in f.free])
+
+
+def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str, str],
+                      value_of: Mapping[str, str], saved: Mapping[str, str]) -> tuple[D.DNF, list]:
+    """Apply output-reuse and Δ-from-output everywhere they match in ``adjoint``.
+
+    output-reuse:   a · Σ_s G (the sum the forward's output Y = c · Σ_s G is made of, at any
+                    element σ)  =  a · Y[σ] ÷ c[σ]
+    Δ-from-output:  Σ_s F × (Σ_e dY × W)  =  Σ_e dY × (Σ_s F × W), then output-reuse
+
+    ``cotangent_of``: adjoint input (d_out) → the forward output it is the cotangent of;
+    ``value_of``: forward output → the adjoint input holding its value; ``saved``: forward
+    output that is a saved statistic → the adjoint input holding it. Returns the rewritten
+    DNF and what was applied (each distinct rewrite once)."""
+    outs = {o.name: o for o in forward.outputs}
+    stats = [(saved[o.name], o) for o in forward.outputs if o.name in saved]
+    forms = {}  # forward output name → (Output, adjoint input holding it, its form)
+    for yname, y_in in value_of.items():
+        y = outs[yname]
+        if isinstance(_bare(y.body), D.Convert):
+            continue  # rounded to a narrower dtype: the value held differs
+        form = _form(read_statistics(y.body, stats))
+        if form is not None:
+            forms[yname] = (y, y_in, form)
+    of_cotangent = {ct: forms[y] for ct, y in cotangent_of.items() if y in forms}
+    out_names = {v.name for o in adjoint.outputs for v in o.vars}
+    applied: dict = {}
+
+    def reuse(s, num, den, dtype, env0=None):
+        """a · Σ_s G as a · Y[σ] ÷ c[σ] for the first output whose form matches (else None)."""
+        a_n, a_d = [f for f in num if s not in f.free], [f for f in den if s not in f.free]
+        g_n, g_d = [f for f in num if s in f.free], [f for f in den if s in f.free]
+        for y, y_in, (sf, c_n, c_d, fg_n, fg_d) in (forms.values() if env0 is None else [env0[0]]):
+            env = env0[1] if env0 is not None else {}
+            env = _match_factors(fg_n, g_n, y.vars, env, {sf: Ix.of(s)})
+            env = None if env is None else _match_factors(fg_d, g_d, y.vars, env, {sf: Ix.of(s)})
+            if env is None or set(env) != set(y.vars):
+                continue
+            yread = D.Read(y_in, tuple(env[v] for v in y.vars), y.dtype)
+            at = lambda fs: [D.substitute(f, env) for f in fs]  # noqa: E731 - c at the element σ
+            return D.quotient(*_cancel([yread] + a_n + at(c_d), a_d + at(c_n)), dtype)
+        return None
+
+    def rewrite(x: D.Expr):
+        if not (isinstance(x, D.Red) and x.monoid == "add" and x.dtype.kind == "f"):
+            return None
+        s = x.var
+        num, den = factors(x.body)
+        out = reuse(s, num, den, x.dtype)
+        if out is not None:
+            applied.setdefault(x, Applied(OUTPUT_REUSE, D.show(x), D.show(out)))
+            return out
+        for i, c in enumerate(num):  # Δ-from-output: a contraction with a cotangent inside
+            cu = _bare(c)
+            if not (isinstance(cu, D.Red) and cu.monoid == "add"):
+                continue
+            e = cu.var
+            cn, cd = factors(cu.body)
+            dys = [f for f in cn if isinstance(_bare(f), D.Read) and _bare(f).array in of_cotangent]
+            if cd or len(dys) != 1:
+                continue
+            dy = _bare(dys[0])
+            rest = num[:i] + num[i + 1:]
+            if s in dy.free or e not in dy.free or any(e in f.free for f in rest + den):
+                continue
+            y = of_cotangent[dy.array]
+            w = [f for f in cn if f is not dys[0]]
+            # Σ_s F × W at the element of Y whose cotangent dY is
+            inner = reuse(s, rest + w, den, x.dtype, (y, dict(zip(y[0].vars, dy.index))))
+            if inner is None:
+                continue
+            n2, d2 = factors(inner)
+            body = D.quotient([dys[0]] + [f for f in n2 if e in f.free], [f for f in d2 if e in f.free], x.dtype)
+            outer_n, outer_d = [f for f in n2 if e not in f.free], [f for f in d2 if e not in f.free]
+            if e.name in out_names:  # the sum now stands on its own: named apart from the outputs' axes
+                fresh = Var(_fresh_name(e.name, out_names | {v.name for v in D.bound_vars(body)}), e.extent)
+                body, e = D.substitute(body, {e: Ix.of(fresh)}), fresh
+            out = D.quotient([D.Red("add", e, body)] + outer_n, outer_d, x.dtype)
+            applied.setdefault(x, Applied(DELTA_FROM_OUTPUT, D.show(x), D.show(out)))
+            return out
+        return None
+
+    if not forms:
+        return adjoint, []
+    new = tuple(dataclasses.replace(o, body=D.transform(o.body, rewrite)) for o in adjoint.outputs)
+    if all(a.body is b.body for a, b in zip(new, adjoint.outputs)):
+        return adjoint, []
+    return D.DNF(adjoint.name, adjoint.inputs, new), list(applied.values())
+
+
+__all__ = ["Applied", "DELTA_FROM_OUTPUT", "OUTPUT_REUSE", "delta_from_output", "read_statistics", "factors"]

@@ -1,0 +1,159 @@
+"""The papers' identities as rewrites of adjoint DNFs (moajax.identities), and the matcher
+they stand on (moajax.dnf.match).
+
+output-reuse: where the forward's output Y = c · Σ_s G is held, the adjoint's a · Σ_s G is
+(a ÷ c) · Y. Δ-from-output: the adjoint's Σ_s F × (dY +.× ⍉W) becomes (F ÷ G) · +/(dY × Y)
+— for softmax attention, paper II's Δ = +/(P × dP) = +/(dO × O). Each rewritten adjoint is checked against independent float64
+references; sums are reordered, so float64 agrees to a few ulps per op: rel ≤ 1e-10."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import moajax
+import references as R
+from exprgen import expressions
+from helpers import rel_err
+from moajax import adjoint, compat, identities, moa, reference
+from moajax import dnf as D
+from moajax.ix import Ix, Var
+from moajax.kernels import attention
+from moajax.kernels.attention import mha_kernel
+from moajax.psi import reduce_to_dnf
+
+F64 = 1e-10
+S = jax.ShapeDtypeStruct
+
+
+def _saved_adjoint(kern, specs, **options):
+    """(the adjoint that reads the forward's statistics and outputs, its argument specs)."""
+    key = kern._key(specs, options)
+    adj = kern._adjoint_for(key, options, True)
+    outs = kern._build(specs, options)[1]
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    stats = kern.row_statistics(outs)[1]
+    cts = [S(o.shape, o.dtype) for o in outs]
+    return adj, list(specs) + cts + [S(x.shape, x.dtype) for x in stats] + cts
+
+
+def _labelled(dnf, label):
+    return [x for o in dnf.outputs for x in D.walk(o.body) if isinstance(x, D.Tag) and x.label == label]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_adjoint_reads_delta_from_the_output(causal):
+    t, s, h, e = 6, 9, 4, 5
+    with compat.enable_x64_context(True):
+        specs = [S((t, h), np.float64), S((s, h), np.float64), S((s, e), np.float64)]
+        adj, aspecs = _saved_adjoint(attention, specs, is_causal=causal)
+        der = adj.derivation(*aspecs, is_causal=causal)
+        assert identities.DELTA_FROM_OUTPUT in der.rules_used()
+        dnf = adj.dnf(*aspecs, is_causal=causal)
+        # the denominator's cotangent −Δ/l reads dO and O (one pass over e), not V (a pass over s)
+        ddens = _labelled(dnf, "dden")
+        assert ddens and all({r.array for r in D.reads(x)} == {"d_out", "out", "saved1"} for x in ddens)
+        r = np.random.default_rng(1)
+        q, k, v, g = (r.standard_normal(shape) for shape in ((t, h), (s, h), (s, e), (t, e)))
+        saving = attention.with_row_statistics()
+        *stats, out = saving.reference(q, k, v, is_causal=causal)
+        got = adj.reference(q, k, v, g, *stats, out, is_causal=causal)
+    for a, b in zip(got, R.attention_backward(q, k, v, g, is_causal=causal)):
+        assert rel_err(a, b) <= F64
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])  # multi-head, and GQA (two query heads per kv head)
+def test_mha_grad_runs_the_rewritten_adjoint(kv_heads):
+    B, T, N, H = 2, 7, 4, 3
+    r = np.random.default_rng(kv_heads)
+    q, g = r.standard_normal((B, T, N, H)), r.standard_normal((B, T, N, H))
+    k, v = r.standard_normal((B, T, kv_heads, H)), r.standard_normal((B, T, kv_heads, H))
+    kern = mha_kernel(None, None, kv_heads != N)
+    with compat.enable_x64_context(True):
+        specs = [S(x.shape, np.float64) for x in (q, k, v)]
+        adj, aspecs = _saved_adjoint(kern, specs, is_causal=True)
+        assert identities.DELTA_FROM_OUTPUT in adj.derivation(*aspecs, is_causal=True).rules_used()
+        got = jax.grad(lambda *a: jnp.sum(moajax.dot_product_attention(*a, is_causal=True) * g),
+                       argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, R.mha_backward(q, k, v, g, is_causal=True)):
+        assert rel_err(a, b) <= F64
+
+
+@moajax.kernel(example=dict(t=5, s=8, h=3, e=4), register=False)
+def normalised_relu_attention(query: "t h", key: "s h", value: "s e"):
+    """(A +.× V) ÷ +/A with A = relu(Q +.× ⍉K) + 1: a normaliser that is not a softmax."""
+    a = moa.maximum(moa.dot(query, moa.transpose(key)), 0.0) + 1.0
+    den = moa.name("den", moa.sum(a, axis=-1))
+    return moa.omega(moa.div, (1, 0))(moa.dot(a, value), den)
+
+
+def test_the_identity_is_not_about_softmax():
+    """Y = (A +.× V) ÷ l: the adjoint's cotangent of l is −+/(dY × (A +.× V)) ÷ l², where
+    A +.× V = Y · l is read back (output-reuse): −+/(dY × Y) ÷ l, no pass over s."""
+    t, s, h, e = 5, 8, 3, 4
+    r = np.random.default_rng(5)
+    q, k, v, g = r.standard_normal((t, h)), r.standard_normal((s, h)), r.standard_normal((s, e)), r.standard_normal((t, e))
+    with compat.enable_x64_context(True):
+        specs = [S(x.shape, np.float64) for x in (q, k, v)]
+        adj, aspecs = _saved_adjoint(normalised_relu_attention, specs)
+        assert identities.OUTPUT_REUSE in adj.derivation(*aspecs).rules_used()
+        (dden,) = {x for x in _labelled(adj.dnf(*aspecs), "dden")}
+        assert "value" not in {r.array for r in D.reads(dden)}
+        got = jax.grad(lambda *a: jnp.sum(normalised_relu_attention(*a) * g), argnums=(0, 1, 2))(q, k, v)
+    a = np.maximum(q @ k.T, 0) + 1
+    l = a.sum(-1, keepdims=True)
+    y = a @ v / l
+    # independent float64 backward: dA = (dY ⍉V − +/(dY × Y)) ÷ l, through relu
+    da = (g @ v.T - (g * y).sum(-1, keepdims=True)) / l * (q @ k.T > 0)
+    want = (da @ k, da.T @ q, (a / l).T @ g)
+    for x, w in zip(got, want):
+        assert rel_err(x, w) <= F64
+
+
+def test_a_rounded_output_is_not_read_back():
+    # bfloat16 attention casts its float32 output down: reading it back would change Δ
+    specs = [S((4, 8), jnp.bfloat16), S((6, 8), jnp.bfloat16), S((6, 8), jnp.bfloat16)]
+    adj, aspecs = _saved_adjoint(attention, specs)
+    assert identities.DELTA_FROM_OUTPUT not in adj.derivation(*aspecs).rules_used()
+
+
+@settings(max_examples=150, deadline=None)
+@given(expressions(max_ops=6))
+def test_delta_from_output_keeps_the_meaning_of_random_adjoints(case):
+    """Wherever it fires on a random expression's adjoint, the rewrite keeps its values."""
+    expr, values, _ = case
+    found = {x.name: x for x in moa.nodes(expr) if isinstance(x, moa.Input)}
+    inputs = [found[n] for n in sorted(found)]
+    if not inputs or not adjoint.differentiable(expr.dtype):
+        return
+    d_out = moa.array("d_out", expr.shape, expr.dims, expr.dtype)
+    grads = [adjoint.zeros_like(x) if d is None else d for x, d in zip(inputs, adjoint.vjp([expr], [d_out], inputs))]
+    names = tuple(f"d_{x.name}" for x in inputs)
+    y = moa.array("y", expr.shape, expr.dims, expr.dtype)
+    adj, _ = reduce_to_dnf("adjoint", inputs + [d_out, y], tuple(grads), names, record=False)
+    fwd, _ = reduce_to_dnf("forward", inputs, expr, ("y",), record=False)
+    new, applied = identities.delta_from_output(adj, fwd, {"d_out": "y"}, {"y": "y"}, {})
+    args = [values[x.name] for x in inputs]
+    yv = reference.to_jax(fwd)(*args)
+    g = np.random.default_rng(3).standard_normal(expr.shape)
+    before = reference.to_jax(adj)(*args, g, yv)
+    after = reference.to_jax(new)(*args, g, yv)
+    for a, b in zip(before if isinstance(before, tuple) else (before,), after if isinstance(after, tuple) else (after,)):
+        assert rel_err(b, a) <= F64
+
+
+def test_match_binds_index_parameters_up_to_alpha_renaming():
+    t, n, kv, g, s, s2 = Var("t", 4), Var("n", 6), Var("kv", 3), Var("g", 2), Var("s", 5), Var("s2", 5)
+    f32 = np.float32
+    # pattern: Σ_s q[g + 2·kv, s] × k[kv, s]  (over the parameters kv, g)
+    pat = D.Red("add", s, D.Call("mul", (D.Read("q", (Ix.of(g) + Ix.of(kv) * 2, s), f32), D.Read("k", (kv, s), f32))))
+    # term: Σ_s2 q[n, s2] × k[⌊n/2⌋, s2]: kv ↦ ⌊n/2⌋, then g ↦ n − 2·⌊n/2⌋ (the q read comes first)
+    term = D.Red("add", s2, D.Call("mul", (D.Read("q", (n, s2), f32), D.Read("k", (Ix.of(n).floordiv(2), s2), f32))))
+    env = D.match(pat, term, {kv, g})
+    assert env is not None and env[kv] == Ix.of(n).floordiv(2)
+    assert (Ix.of(g) + Ix.of(kv) * 2).substitute(env) == Ix.of(n)
+    # a different array, a different monoid, or two unknowns in every index: no match
+    assert D.match(pat, D.Red("max", s2, term.body), {kv, g}) is None
+    assert D.match(D.Read("q", (Ix.of(g) + Ix.of(kv), t), f32), D.Read("q", (n, t), f32), {kv, g}) is None
+    assert D.match(D.Read("q", (kv, t), f32), D.Read("p", (n, t), f32), {kv}) is None
