@@ -39,6 +39,14 @@ class Applied:
     after: str
 
 
+def _read_in(e: D.Expr):
+    """The input read e is, exactly: itself, or widened to a wider float (bfloat16 → float32)."""
+    e = _bare(e)
+    if isinstance(e, D.Convert) and e.dtype.kind == "f" and e.dtype.itemsize > _bare(e.arg).dtype.itemsize:
+        e = _bare(e.arg)
+    return e if isinstance(e, D.Read) else None
+
+
 def _fresh_name(base: str, taken: set) -> str:
     n = 1
     while f"{base}{'_' * n}" in taken:
@@ -146,12 +154,20 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
     stats = [(saved[o.name], o) for o in forward.outputs if o.name in saved]
     forms = {}  # forward output name → (Output, adjoint input holding it, its form)
     for yname, y_in in value_of.items():
-        y = outs[yname]
+        y = own = outs[yname]
         if isinstance(_bare(y.body), D.Convert):
-            continue  # rounded to a narrower dtype: the value held differs
-        form = _form(read_statistics(y.body, stats))
+            # rounded to a narrower dtype: the value held differs, unless the forward saved
+            # it before rounding (a statistic whose body is the cast's argument, over the
+            # output's variables but those of extent 1)
+            arg = _bare(_bare(y.body).arg)
+            held = [o for o in forward.outputs if o.name in saved and _bare(o.body) is arg
+                    and set(o.vars) <= set(y.vars)]
+            if not held:
+                continue
+            y, y_in = held[0], saved[held[0].name]
+        form = _form(read_statistics(y.body, [st for st in stats if st[1].name != y.name]))
         if form is not None:
-            forms[yname] = (y, y_in, form)
+            forms[yname] = (y, y_in, form, own.vars)
     of_cotangent = {ct: forms[y] for ct, y in cotangent_of.items() if y in forms}
     out_names = {v.name for o in adjoint.outputs for v in o.vars}
     applied: dict = {}
@@ -160,7 +176,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
         """a · Σ_s G as a · Y[σ] ÷ c[σ] for the first output whose form matches (else None)."""
         a_n, a_d = [f for f in num if s not in f.free], [f for f in den if s not in f.free]
         g_n, g_d = [f for f in num if s in f.free], [f for f in den if s in f.free]
-        for y, y_in, (sf, c_n, c_d, fg_n, fg_d) in (forms.values() if env0 is None else [env0[0]]):
+        for y, y_in, (sf, c_n, c_d, fg_n, fg_d), _ in (forms.values() if env0 is None else [env0[0]]):
             env = env0[1] if env0 is not None else {}
             env = _match_factors(fg_n, g_n, y.vars, env, {sf: Ix.of(s)})
             env = None if env is None else _match_factors(fg_d, g_d, y.vars, env, {sf: Ix.of(s)})
@@ -186,17 +202,18 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
                 continue
             e = cu.var
             cn, cd = factors(cu.body)
-            dys = [f for f in cn if isinstance(_bare(f), D.Read) and _bare(f).array in of_cotangent]
+            dys = [f for f in cn if _read_in(f) is not None and _read_in(f).array in of_cotangent]
             if cd or len(dys) != 1:
                 continue
-            dy = _bare(dys[0])
+            dy = _read_in(dys[0])
             rest = num[:i] + num[i + 1:]
             if s in dy.free or e not in dy.free or any(e in f.free for f in rest + den):
                 continue
             y = of_cotangent[dy.array]
             w = [f for f in cn if f is not dys[0]]
             # Σ_s F × W at the element of Y whose cotangent dY is
-            inner = reuse(s, rest + w, den, x.dtype, (y, dict(zip(y[0].vars, dy.index))))
+            # the element of Y whose cotangent dY is (dY indexes Y's own variables)
+            inner = reuse(s, rest + w, den, x.dtype, (y, {v: i for v, i in zip(y[3], dy.index) if v in y[0].vars}))
             if inner is None:
                 continue
             n2, d2 = factors(inner)
@@ -218,4 +235,112 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
     return D.DNF(adjoint.name, adjoint.inputs, new), list(applied.values())
 
 
-__all__ = ["Applied", "DELTA_FROM_OUTPUT", "OUTPUT_REUSE", "delta_from_output", "read_statistics", "factors"]
+# ----------------------------------------------------------------------------- saved statistics
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A saved statistic held in the layout of the output rows that compute it: ``vars`` (the
+    output's variables it ranges over, in the output's order), ``dims`` and ``shape``; ``body``
+    the very subterm of the output (so that a program computes it once, for both); ``inverse``
+    maps each of ``vars`` to an index over the statistic's own variables ``own``."""
+
+    name: str
+    own: tuple
+    vars: tuple
+    dims: tuple
+    shape: tuple
+    body: D.Expr
+    inverse: tuple  # ((var, Ix over own), ...)
+
+    def index(self, at) -> tuple:
+        """The index into this layout of the statistic's element ``at`` (one Ix per own var)."""
+        sub = dict(zip(self.own, (Ix.of(i) for i in at)))
+        inv = dict(self.inverse)
+        return tuple(inv[v].substitute(sub) for v in self.vars)
+
+
+def _invert(env: dict, own: tuple, rows: list) -> dict | None:
+    """Each row variable w as an index over ``own``, from σ: own → Ix(rows): w where some σ(u)
+    is w, or G·u₁ + u₂ where σ(u₁) = ⌊w/G⌋ and σ(u₂) = w − G·⌊w/G⌋ (a GQA head split in kv head
+    and group). None unless σ(inverse(u)) = u for every own u (or u of extent 1 at 0)."""
+    inv: dict = {}
+    for w in rows:
+        direct = [u for u in own if env[u] == Ix.of(w)]
+        if direct:
+            inv[w] = Ix.of(direct[0])
+            continue
+        for u1 in own:
+            a = env[u1]
+            if not (a.const == 0 and len(a.terms) == 1 and a.terms[0][1] == 1):
+                continue
+            atom = a.terms[0][0]
+            if type(atom).__name__ != "FloorDiv" or atom.arg != Ix.of(w):
+                continue
+            rem = Ix.of(w) - a * atom.d
+            u2 = next((u for u in own if env[u] in (rem, Ix.of(w).mod(atom.d))), None)
+            if u2 is not None:
+                inv[w] = Ix.of(u1) * atom.d + Ix.of(u2)
+                break
+        if w not in inv:
+            return None
+    for u in own:
+        back = env[u].substitute(inv)
+        if back != Ix.of(u) and not (u.extent == 1 and back == Ix.of(0)):
+            return None
+    return inv
+
+
+def statistic_layouts(forward: D.DNF, statistics) -> list:
+    """For each statistic output of ``forward`` (names in ``statistics``), its ``Layout`` in
+    the rows of the output that computes it — where that output's body holds the statistic
+    at σ (``D.match``) and σ can be inverted — else None (it stays in its own layout)."""
+    outs = [o for o in forward.outputs if o.name not in statistics]
+    found = []
+    for stat in (o for o in forward.outputs if o.name in statistics):
+        layout = None
+        for o in outs:
+            for x in D.walk(o.body):
+                if not isinstance(_bare(x), type(_bare(stat.body))) or x.dtype != stat.dtype:
+                    continue
+                env = D.match(stat.body, x, stat.vars)
+                if env is None or set(env) != set(stat.vars):
+                    continue
+                rows = [v for v in o.vars if any(v in env[u].free_vars() for u in stat.vars)]
+                inv = _invert(env, stat.vars, rows) if x.free <= set(rows) else None
+                if inv is not None:
+                    pos = [o.vars.index(v) for v in rows]
+                    layout = Layout(stat.name, stat.vars, tuple(rows), tuple(o.dims[i] for i in pos),
+                                    tuple(o.shape[i] for i in pos), x, tuple(inv.items()))
+                    break
+            if layout is not None:
+                break
+        found.append(layout)
+    return found
+
+
+def relayout_forward(forward: D.DNF, layouts) -> D.DNF:
+    """The forward with each statistic output in its rows' layout (its body the output's own
+    subterm: one program computes both, e.g. one online-softmax pass)."""
+    by_name = {l.name: l for l in layouts if l is not None}
+    outs = tuple(D.Output(o.name, by_name[o.name].shape, by_name[o.name].dims, by_name[o.name].vars,
+                          by_name[o.name].body) if o.name in by_name else o for o in forward.outputs)
+    return D.DNF(forward.name, forward.inputs, outs)
+
+
+def relayout_reads(dnf: D.DNF, layouts) -> D.DNF:
+    """``dnf`` reading each relaid statistic in its rows' layout: ⟨at⟩ψ saved ↦ ⟨index(at)⟩ψ saved
+    (the DNF's input spec already has that layout: the kernel's argument does)."""
+    by_name = {l.name: l for l in layouts if l is not None}
+    if not by_name:
+        return dnf
+
+    def fn(x):
+        if isinstance(x, D.Read) and x.array in by_name:
+            return D.Read(x.array, by_name[x.array].index(x.index), x.dtype)
+        return None
+
+    return D.DNF(dnf.name, dnf.inputs, tuple(dataclasses.replace(o, body=D.transform(o.body, fn)) for o in dnf.outputs))
+
+
+__all__ = ["Layout", "statistic_layouts", "relayout_forward", "relayout_reads", "Applied", "DELTA_FROM_OUTPUT", "OUTPUT_REUSE", "delta_from_output", "read_statistics", "factors"]

@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from moajax import identities as _identities
 from moajax import moa
 from moajax import psi as _psi
 from moajax import reference as _reference
@@ -248,15 +249,26 @@ class Kernel:
     def row_statistics(self, outputs) -> tuple:
         """(outputs', statistics): the values a backward may read saved from the forward
         instead of recomputing — the labelled (``moa.name``) or held-constant
-        (``moa.stop_gradient``) subexpressions that contain a reduction and have fewer
-        elements than any output, such as a softmax's max and denominator or an RMS, in a
-        fixed order. One inside an Ω body (smaller than the body's cell) is first lifted out
+        (``moa.stop_gradient``) subexpressions that contain a reduction and have fewer axes
+        and elements than any output, such as a softmax's max and denominator or an RMS, in a
+        fixed order; then each output cast to a narrower dtype, before the cast. One inside an Ω body (smaller than the body's cell) is first lifted out
         over the Ω's frame (``moa.lift_from_omega``): ``outputs'`` are the same arrays with
         the statistics as nodes of their own, which the backward differentiates."""
+        # a statistic reduces an axis away: fewer axes than the cell (or output) it serves, so
+        # that a [t s] score is never one, whatever the sizes (T × S < T × E when S < E)
+        before = {x.uid for x in moa.postorder(outputs)}
         outputs = moa.lift_from_omega(
-            outputs, lambda y, node: self._is_statistic(y) and y.size < node.body.size)
+            outputs, lambda y, node: self._is_statistic(y) and y.rank < node.body.rank and y.size < node.body.size)
         smallest = min(o.size for o in outputs)
-        return outputs, [x for x in moa.postorder(outputs) if self._is_statistic(x) and x.size < smallest]
+        fewest = min(o.rank for o in outputs)
+        stats = [x for x in moa.postorder(outputs) if self._is_statistic(x) and x.size < smallest
+                 and (x.rank < fewest or x.uid not in before)]  # (lifted out of an Ω: its cell's)
+        # an output rounded to a narrower dtype (bfloat16 attention accumulates in float32): its
+        # value before rounding, which the papers' identities read back (Δ = +/(dO × O) with O
+        # as computed; reading the rounded O would change Δ by the rounding)
+        stats += [o.arg for o in outputs if isinstance(o, moa.Cast) and moa._is_float(o.arg.dtype)
+                  and np.dtype(o.dtype).itemsize < np.dtype(o.arg.dtype).itemsize and o.arg not in stats]
+        return outputs, stats
 
     def with_row_statistics(self) -> "Kernel":
         """This kernel with its row statistics as further outputs (``saved0``, ``saved1``, …),
@@ -295,13 +307,22 @@ class Kernel:
         outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[1]
         outs = outs if isinstance(outs, tuple) else (outs,)
         cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-        saved = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.row_statistics(outs)[1]]
         primal_specs = [jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]]
+        saved = self._saved_specs(primal_specs, options)
         reads = {r.array for r in with_saved.dnf(*primal_specs, *cts, *saved, *cts, **options).reads()}
         if not saved and not reads & {p.name for p in with_saved.params[len(self.params) + len(cts):]}:
             return False  # nothing to save: no statistic, and no identity reads an output
         return (flops(self.with_row_statistics(), []) + flops(with_saved, cts + saved + cts)
                 < flops(self, []) + flops(self._adjoint_for(shape_key, options, False), cts))
+
+    def _saved_specs(self, specs, options) -> list:
+        """The specs of the saved statistics, each in its layout (``with_row_statistics``)."""
+        import jax
+
+        outs = self._build(specs, options)[1]
+        stats = self.row_statistics(outs if isinstance(outs, tuple) else (outs,))[1]
+        layouts = self.with_row_statistics().layouts(*specs, **options)
+        return [jax.ShapeDtypeStruct(x.shape if lay is None else lay.shape, x.dtype) for x, lay in zip(stats, layouts)]
 
     def _batchable(self, run, n_outputs: int, options, onf, implementation):
         """``run`` under ``jax.vmap`` becomes the batched kernel's own compiled code: the
@@ -403,6 +424,7 @@ class Kernel:
         ct_names = tuple(f"d_{o}" for o in names)
         stats = self.row_statistics(outs)[1] if saved else []
         saved_names = tuple(f"saved{i}" for i in range(len(stats)))
+        layouts = self.with_row_statistics().layouts(*(specs or self.example_specs()), **options) if saved else []
         taken = {p.name for p in self.params} | set(ct_names) | set(saved_names)
         # with ``saved``, the forward's outputs too: a custom_vjp holds them for free, and the
         # papers' identities (``moajax.identities``) read them where the adjoint would recompute
@@ -418,7 +440,11 @@ class Kernel:
             grads = _adjoint.vjp(outputs, cts, [by_name[w] for w in wrt])
             grads = tuple(_adjoint.zeros_like(by_name[w]) if d is None else d for w, d in zip(wrt, grads))
             if saved_names:  # read the saved values where the backward uses the statistics' values
-                values = dict(zip(stats, arrays[n + len(ct_names):]))
+                # (one saved in its rows' layout is read through a stand-in in its own layout,
+                # re-indexed in the DNF: ``identities.relayout_reads``)
+                held = arrays[n + len(ct_names):n + len(ct_names) + len(stats)]
+                values = {x: a if lay is None else moa.array(a.name, x.shape, x.dims, x.dtype)
+                          for x, a, lay in zip(stats, held, layouts)}
                 grads = tuple(moa.substitute(d, values) for d in grads)
             # a cotangent has its input's dims (the output variables of the adjoint's DNF)
             return tuple(d if d.dims == by_name[w].dims else moa.reshape(d, d.shape, dims=by_name[w].dims)
@@ -426,9 +452,8 @@ class Kernel:
 
         def identities(dnf, specs, opts):
             """Δ-from-output and kin: the adjoint reads the forward's outputs and statistics."""
-            from moajax import identities as _identities
-
             forward = primal.with_row_statistics().dnf(*specs[:n], **opts)
+            dnf = _identities.relayout_reads(dnf, primal.with_row_statistics().layouts(*specs[:n], **opts))
             return _identities.delta_from_output(
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
                 saved={f"saved{i}": name for i, name in enumerate(saved_names)})
@@ -442,7 +467,7 @@ class Kernel:
         backward.__doc__ = f"The adjoint of {self.name}, derived by moajax.adjoint."
         dims = {p.name: " ".join(p.dims) for p in self.params}
         dims.update({c: " ".join(o.dims) for c, o in zip(ct_names, outs)})
-        dims.update({c: " ".join(x.dims) for c, x in zip(saved_names, stats)})
+        dims.update({c: " ".join(x.dims if lay is None else lay.dims) for c, x, lay in zip(saved_names, stats, layouts)})
         dims.update({c: " ".join(o.dims) for c, o in zip(value_names, outs)})
         example = dict(self.example)
         for o in outs:
@@ -472,9 +497,17 @@ class _SavingKernel(Kernel):
             n_saved = len(expr) - len(self._primal_names)
             names = tuple(f"saved{i}" for i in range(n_saved)) + tuple(self._primal_names)
             dnf, der = _psi.reduce_to_dnf(self.name, inputs, expr, names)
-            hit = (inputs, expr, dnf, der, _reference.to_jax(dnf))
+            # each statistic in the layout of the output rows that compute it: one program
+            # computes both (attention: the one online-softmax pass gives Out, its max and sum)
+            layouts = _identities.statistic_layouts(dnf, names[:n_saved])
+            dnf = _identities.relayout_forward(dnf, layouts)
+            hit = (inputs, expr, dnf, der, _reference.to_jax(dnf), layouts)
             self._cache[key] = hit
         return hit
+
+    def layouts(self, *specs, **options) -> list:
+        """Per saved statistic, its ``identities.Layout`` (None: saved in its own layout)."""
+        return self._build(specs, options)[5]
 
     def compiled(self, *specs, onf=None, implementation=None, residuals="none", **options):
         """The forward with its row statistics: saved first, then the primal outputs — returned

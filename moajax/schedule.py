@@ -357,14 +357,20 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
     candidates.sort(key=lambda v: v.extent <= 1)
     for separate in (False, True):
         for r in candidates:
-            try:
-                return _scatter_over(onf, machine, r, separate).validate()
-            except ONFError as err:
-                errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
+            for spread in (True, False):
+                try:
+                    return _scatter_over(onf, machine, r, separate, spread).validate()
+                except ONFError as err:
+                    if not spread:
+                        errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
     raise ONFError(f"{onf.dnf.name}: no output variable can own the programs (" + "; ".join(errors) + ")")
 
 
-def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False) -> ONF:
+def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread: bool = False) -> ONF:
+    """The ONF whose programs own tiles of r (``_scatter_schedule``). A variable every output
+    has is batch-like (grid by 1) unless it is the last of every output; with ``spread`` also
+    when it is the last of only some (a saving forward's heads: the last axis of its [t n]
+    statistics, not of Out [b t n e]), else it is held whole."""
     outs = onf.dnf.outputs
     names: dict = {}
     for v in onf.program.vars():  # the outputs' ψ-reductions name their variables apart only
@@ -377,7 +383,8 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False) -> ONF:
     shared = set(outs[0].vars)
     for o in outs[1:]:
         shared &= set(o.vars)
-    batch = [v for v in outs[0].vars if v in shared and v != r and all(v != o.vars[-1] for o in outs)]
+    last = (any if spread else all)
+    batch = [v for v in outs[0].vars if v in shared and v != r and last(v != o.vars[-1] for o in outs)]
     if separate:
         onf = W.separate_walks(onf, [r.name] + [v.name for v in batch])
     loops = [v for v in _main_walks(onf) if v != r and v not in batch]

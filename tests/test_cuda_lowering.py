@@ -88,3 +88,24 @@ def test_value_and_grad_lowers_for_cuda():
     names = [k.name for k in triton_kernels(f, q, q, q)]
     assert names[0].startswith("moajax_mha") and "_adjoint" not in names[0]
     assert any("_adjoint" in n for n in names)  # the backward: Pallas kernels of the adjoint
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])  # multi-head, and GQA
+def test_the_saving_forward_is_one_online_pass_and_one_pallas_kernel(kv_heads):
+    # its statistics are saved in the layout of Out's rows (moajax.identities.Layout), so the
+    # one online-softmax pass that computes Out also gives the max and the sum the backward
+    # reads, and the forward of jax.grad is one Pallas kernel, like the plain forward
+    from moajax import machines, schedule
+    from moajax.kernels.attention import mha_kernel
+    from moajax.onf import OnlineStage
+
+    kern = mha_kernel(None, None, kv_heads != 4)
+    specs = [jax.ShapeDtypeStruct((2, 64, 4, 32), jnp.bfloat16)] + [
+        jax.ShapeDtypeStruct((2, 64, kv_heads, 32), jnp.bfloat16)] * 2
+    saving = kern.with_row_statistics()
+    dnf = saving.dnf(*specs)
+    onf = schedule.derive(dnf, machines.load("delta-a100"))
+    online = [st for st in onf.program.stages if isinstance(st, OnlineStage)]
+    assert len(online) == 1 and {"saved0", "saved1"} <= set(online[0].defines)
+    (k,) = triton_kernels(saving.compiled(*specs, implementation="pallas"), *specs)
+    assert k.name.startswith("moajax_mha")
