@@ -51,9 +51,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     ``onf``: None (the machine's default schedule), a ``moajax.ONF`` derived for exactly
     these shapes, or a ``moajax.schedule.Preset`` (carry, tiles, γ, store, knobs) applied
     on top of the default. ``implementation``: None (XLA on CPU, Pallas on CUDA), "xla",
-    "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU). ``residuals``: what
-    the forward saves for ``jax.grad`` — "auto" (the softmax's row max and sum, O(T) per
-    head, where the cost model says reading them is cheaper) or "none" (recompute).
+    "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU). ``residuals`` (also a
+    Preset's choice): what the forward saves for ``jax.grad`` — "save" (the softmax's row max
+    and sum, O(T) per head, and Out itself, from which the backward's Δ = +/(dO × O)), "auto"
+    (so where the cost model says it is cheaper) or "none" (recompute).
 
     It is a thin wrapper: the arguments are checked here, then ``moajax.kernels.mha_kernel``
     (the DSL definition for this bias/mask broadcast pattern) runs like any ``@kernel``.
@@ -121,8 +122,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         raise TypeError(f"dot_product_attention: is_causal must be a static bool, got {type(is_causal).__name__}")
     runtime.check_onf_argument(onf, "dot_product_attention")
     runtime.check_implementation(implementation, "dot_product_attention")
-    if residuals not in ("auto", "none"):
-        raise ValueError(f"dot_product_attention: residuals must be 'auto' or 'none', got {residuals!r}")
+    runtime.check_residuals(residuals, "dot_product_attention")
 
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]

@@ -253,12 +253,6 @@ class Layout:
     body: D.Expr
     inverse: tuple  # ((var, Ix over own), ...)
 
-    def index(self, at) -> tuple:
-        """The index into this layout of the statistic's element ``at`` (one Ix per own var)."""
-        sub = dict(zip(self.own, (Ix.of(i) for i in at)))
-        inv = dict(self.inverse)
-        return tuple(inv[v].substitute(sub) for v in self.vars)
-
 
 def _invert(env: dict, own: tuple, rows: list) -> dict | None:
     """Each row variable w as an index over ``own``, from σ: own → Ix(rows): w where some σ(u)
@@ -328,19 +322,4 @@ def relayout_forward(forward: D.DNF, layouts) -> D.DNF:
     return D.DNF(forward.name, forward.inputs, outs)
 
 
-def relayout_reads(dnf: D.DNF, layouts) -> D.DNF:
-    """``dnf`` reading each relaid statistic in its rows' layout: ⟨at⟩ψ saved ↦ ⟨index(at)⟩ψ saved
-    (the DNF's input spec already has that layout: the kernel's argument does)."""
-    by_name = {l.name: l for l in layouts if l is not None}
-    if not by_name:
-        return dnf
-
-    def fn(x):
-        if isinstance(x, D.Read) and x.array in by_name:
-            return D.Read(x.array, by_name[x.array].index(x.index), x.dtype)
-        return None
-
-    return D.DNF(dnf.name, dnf.inputs, tuple(dataclasses.replace(o, body=D.transform(o.body, fn)) for o in dnf.outputs))
-
-
-__all__ = ["Layout", "statistic_layouts", "relayout_forward", "relayout_reads", "Applied", "DELTA_FROM_OUTPUT", "OUTPUT_REUSE", "delta_from_output", "read_statistics", "factors"]
+__all__ = ["Layout", "statistic_layouts", "relayout_forward", "Applied", "DELTA_FROM_OUTPUT", "OUTPUT_REUSE", "delta_from_output", "read_statistics", "factors"]

@@ -192,18 +192,19 @@ class Kernel:
         """The compiled function of the arrays for these shapes and options (cached), with its
         backward: a ``jax.custom_vjp`` whose cotangents come from the compiled adjoint kernel.
 
-        ``residuals``: "auto" saves the forward's row statistics (``row_statistics``: a
-        labelled or held-constant reduction with fewer elements than any output, e.g. a
-        softmax's max and denominator) for the backward to read, where the cost model counts
-        fewer flops for that backward; "none" saves only the inputs (the backward recomputes)."""
+        ``residuals`` (or a ``Preset``'s ``residuals``): "save" saves the forward's row
+        statistics (``row_statistics``: a labelled or held-constant reduction with fewer axes
+        and elements than any output, e.g. a softmax's max and denominator) and its outputs
+        for the backward to read (the papers' identities read them: ``moajax.identities``);
+        "auto" does so where the cost model counts fewer flops for forward and backward
+        together; "none" saves only the inputs (the backward recomputes)."""
         from moajax import adjoint as _adjoint
         from moajax import runtime
         from moajax.onf import ONF
 
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
-        if residuals not in ("auto", "none"):
-            raise ValueError(f"{self.name}: residuals must be 'auto' or 'none', got {residuals!r}")
+        residuals = runtime.residual_policy(residuals, onf, self.name)
         key = (self._key(specs, options), onf, implementation, residuals)
         hit = self._compiled.get(key)
         if hit is not None:
@@ -219,7 +220,7 @@ class Kernel:
             """The forward that also saves the row statistics, or None — decided (and its
             adjoint derived) only when the call is first differentiated."""
             if not chosen:
-                pays = residuals == "auto" and self._saving_pays(key[0], options)
+                pays = residuals == "save" or (residuals == "auto" and self._saving_pays(key[0], options))
                 chosen.append(self.with_row_statistics().compiled(
                     *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
                     **options) if pays else None)
@@ -440,11 +441,9 @@ class Kernel:
             grads = _adjoint.vjp(outputs, cts, [by_name[w] for w in wrt])
             grads = tuple(_adjoint.zeros_like(by_name[w]) if d is None else d for w, d in zip(wrt, grads))
             if saved_names:  # read the saved values where the backward uses the statistics' values
-                # (one saved in its rows' layout is read through a stand-in in its own layout,
-                # re-indexed in the DNF: ``identities.relayout_reads``)
+                # (one saved in its rows' layout is viewed in its own: reshapes and a transpose)
                 held = arrays[n + len(ct_names):n + len(ct_names) + len(stats)]
-                values = {x: a if lay is None else moa.array(a.name, x.shape, x.dims, x.dtype)
-                          for x, a, lay in zip(stats, held, layouts)}
+                values = {x: a if lay is None else _in_own_layout(a, lay, x) for x, a, lay in zip(stats, held, layouts)}
                 grads = tuple(moa.substitute(d, values) for d in grads)
             # a cotangent has its input's dims (the output variables of the adjoint's DNF)
             return tuple(d if d.dims == by_name[w].dims else moa.reshape(d, d.shape, dims=by_name[w].dims)
@@ -453,7 +452,6 @@ class Kernel:
         def identities(dnf, specs, opts):
             """Δ-from-output and kin: the adjoint reads the forward's outputs and statistics."""
             forward = primal.with_row_statistics().dnf(*specs[:n], **opts)
-            dnf = _identities.relayout_reads(dnf, primal.with_row_statistics().layouts(*specs[:n], **opts))
             return _identities.delta_from_output(
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
                 saved={f"saved{i}": name for i, name in enumerate(saved_names)})
@@ -478,6 +476,25 @@ class Kernel:
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)
         return f"<moajax kernel {self.name}({sig})>"
+
+
+def _in_own_layout(a: moa.Array, layout, x: moa.Array) -> moa.Array:
+    """A statistic saved in the layout of its output's rows (``a``, ``identities.Layout``) viewed
+    in the statistic's own (ρ x): each row axis kept, or split where the layout joined two of
+    x's axes (GQA's head n = G·kv + g into kv, g), axes of extent 1 put back, the axes in x's
+    order — index maps only (reshape, ⍉), so the ψ-reduced backward reads ``a`` directly."""
+    inverse = dict(layout.inverse)
+    parts: list = []
+    for w in layout.vars:
+        ix = inverse[w]
+        if ix.as_var() is not None:
+            parts.append(ix.as_var())
+        else:  # G·u₁ + u₂: row-major, the w axis is (u₁, u₂)
+            parts += [u for u, _ in sorted(ix.terms, key=lambda t: -t[1])]
+    order = parts + [u for u in layout.own if u not in parts]  # the rest have extent 1
+    y = moa.reshape(a, tuple(u.extent for u in order), dims=tuple(u.name for u in order))
+    y = moa.transpose(y, tuple(order.index(u) for u in layout.own))
+    return y if y.dims == x.dims else moa.reshape(y, x.shape, dims=x.dims)
 
 
 class _SavingKernel(Kernel):

@@ -38,6 +38,26 @@ def check_onf_argument(onf, who: str) -> None:
         raise TypeError(f"{who}: onf must be a moajax ONF or a Preset, got {type(onf).__name__}")
 
 
+RESIDUALS = ("auto", "save", "none")
+
+
+def check_residuals(residuals, who: str) -> None:
+    if residuals not in RESIDUALS:
+        raise ValueError(f"{who}: residuals must be 'auto', 'save' or 'none', got {residuals!r}")
+
+
+def residual_policy(residuals, onf, who: str) -> str:
+    """The residual policy of a call: its ``residuals`` keyword, or the Preset's choice."""
+    check_residuals(residuals, who)
+    chosen = getattr(onf, "residuals", None) if isinstance(onf, Preset) else None
+    if chosen is None:
+        return residuals
+    check_residuals(chosen, f"{who}: the onf Preset")
+    if residuals not in ("auto", chosen):
+        raise ValueError(f"{who}: residuals={residuals!r} contradicts the onf Preset's residuals={chosen!r}")
+    return chosen
+
+
 def check_implementation(implementation, who: str) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{who}: implementation must be None, 'xla', 'pallas' or 'pallas_interpret', "

@@ -44,15 +44,22 @@ class Preset:
     store: tuple = ()  # ((label, policy), ...)
     split: tuple = ()  # ((axis, parts), ...)
     knobs: tuple = ()  # ((knob, value), ...)
+    # what a differentiated call's forward saves for its backward: "auto" (the cost model
+    # decides), "save" (its row statistics and outputs) or "none" (recompute); None: "auto"
+    residuals: str | None = None
 
     @staticmethod
-    def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, **knobs) -> "Preset":
+    def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, residuals=None,
+           **knobs) -> "Preset":
         def items(d):
             return tuple(sorted((d or {}).items()))
 
         if target not in (None, "cpu", "gpu"):
             raise ValueError(f"Preset: target must be None, 'cpu' or 'gpu', got {target!r}")
-        return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs))
+        if residuals not in (None, "auto", "save", "none"):
+            raise ValueError(f"Preset: residuals must be None, 'auto', 'save' or 'none', got {residuals!r}")
+        return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
+                      residuals)
 
     def applies_to(self, machine: Machine) -> bool:
         return self.target is None or self.target == machine.kind

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import moajax
+import references as R
 from helpers import rel_err
 from moajax import moa
 from moajax.gpu_report import triton_kernels
@@ -217,8 +218,31 @@ def test_the_forward_saves_row_statistics_the_backward_reads():
     rx = jax.grad(lambda x, w: jnp.sum(rmsnorm.reference(x, w) * x), argnums=(0, 1))(x, w)
     assert all(rel_err(a, b) <= F64 for a, b in zip(gx, rx))
     assert relu2_attention.row_statistics(tuple([relu2_attention.expression(q, k, v, _args([(8, 12)], 1)[0])]))[1] == []
-    with pytest.raises(ValueError, match="residuals must be 'auto' or 'none'"):
+    with pytest.raises(ValueError, match="residuals must be 'auto', 'save' or 'none'"):
         attention(q, k, v, residuals="lse")
+
+
+def test_the_residual_policy_is_a_schedule_choice():
+    """``Preset.of(residuals=…)`` (or the call's ``residuals``) picks what the forward saves:
+    the pullback of "save" holds the row max, the sum and Out besides the inputs."""
+    from moajax.kernels.attention import attention
+
+    q, k, v, g = _args([(8, 4), (12, 4), (12, 6), (8, 6)], 12)
+
+    def held(**kw):
+        _, pullback = jax.vjp(lambda *a: attention(*a, **kw), q, k, v)
+        return len(jax.tree_util.tree_leaves(pullback)), pullback(g)
+
+    n_none, d_none = held(onf=Preset.of(residuals="none"))
+    n_save, d_save = held(onf=Preset.of(residuals="save"))
+    assert n_save == n_none + 3  # saved0 (max), saved1 (sum), Out
+    assert held(residuals="save")[0] == n_save
+    for a, b in zip(d_none, d_save):
+        assert rel_err(a, b) <= F64
+    with pytest.raises(ValueError, match="contradicts the onf Preset's residuals='none'"):
+        attention(q, k, v, onf=Preset.of(residuals="none"), residuals="save")
+    with pytest.raises(ValueError, match="Preset: residuals must be"):
+        Preset.of(residuals="lse")
 
 
 def test_value_and_grad_of_a_softmax_kernel_lowers_the_saving_forward_to_pallas():
@@ -275,3 +299,17 @@ def test_a_gpu_onf_that_does_not_fit_does_not_break_cpu_calls(monkeypatch):
             relu2_attention.onf(q, k, v, b, implementation="pallas")
     finally:
         runtime.schedules.cache_clear()
+
+
+def test_vmap_of_grad_of_a_softmax_kernel_reads_its_saved_statistics():
+    """vmap over heads of jax.grad: the batched kernel's saving forward and its adjoint, which
+    views each saved statistic (held in its rows' layout) in its own layout inside the Ω cell."""
+    from moajax.kernels.attention import attention
+
+    q, k, v, g = _args([(3, 6, 4), (3, 9, 4), (3, 9, 5), (3, 6, 5)], 13)
+    loss = lambda q, k, v, g: jnp.sum(attention(q, k, v, residuals="save") * g)  # noqa: E731
+    got = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, g)
+    for i in range(3):
+        want = R.attention_backward(q[i], k[i], v[i], g[i])
+        for a, b in zip(got, want):
+            assert rel_err(a[i], b) <= F64
