@@ -58,6 +58,7 @@ def cmd_gpu_report(args) -> int:
     cases += gpu_report.backward_cases(tuple(h for h in args.head_dims if h in (64, 128)) or (64,),
                                        tuple(args.dtypes))
     cases += gpu_report.model_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes))
+    cases += gpu_report.training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes))
     reg = _kernels()
     for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
         for m in machines.available().values():

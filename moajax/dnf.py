@@ -380,8 +380,12 @@ def match(pattern: Expr, term: Expr, params, env: dict | None = None, bound: dic
 
     deferred: list = []
 
+    def unit(i: Ix, keep=frozenset()) -> Ix:  # a variable of extent 1 is 0 (ψ writes either)
+        return i.substitute({v: Ix.of(0) for v in i.free_vars() if v.extent == 1 and v not in keep})
+
     def ix(p: Ix, t: Ix, bound: dict) -> bool:
-        p = p.substitute({**bound, **env})
+        p = unit(p.substitute({**bound, **env}), params - set(env))
+        t = unit(t)
         open_ = [v for v in p.free_vars() if v in params and v not in env]
         if len(open_) == 1:  # p = v + r with r known: v ↦ t − r (g + n_kv ↦ n binds g ↦ n − n_kv)
             v = open_[0]
@@ -425,6 +429,9 @@ def match(pattern: Expr, term: Expr, params, env: dict | None = None, bound: dic
             return None
         if len(deferred) == len(pending):  # no progress: two unknowns in one index
             return None
+    for v in params:  # a parameter of extent 1 the term never indexes by is 0
+        if v.extent == 1 and v not in env:
+            env[v] = Ix.of(0)
     return env
 
 

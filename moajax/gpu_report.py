@@ -242,6 +242,43 @@ def model_cases(dtypes=("bfloat16", "float32")):
     )
 
 
+def training_cases(dtypes=("bfloat16", "float32")):
+    """What ``jax.grad`` of ``dot_product_attention`` runs on a GPU (jax.nn layout, B=1,
+    T=S=1024, N=8, H=64; multi-head K=8 and GQA K=2): the saving forward (Out with its row
+    max and sum) and the derived adjoint's plan (one fused ONF, or one per output), each ONF
+    its own row."""
+    import jax
+    import numpy as np
+
+    from moajax import machines, schedule
+    from moajax.kernels.attention import mha_kernel
+    from moajax.onf import ONFError
+
+    out = []
+    for kv in (8, 2):
+        kern = mha_kernel(None, None, kv != 8)
+        for dt in dtypes:
+            S = [jax.ShapeDtypeStruct((1, 1024, n, 64), np.dtype(dt)) for n in (8, kv, kv)]
+            o = jax.ShapeDtypeStruct((1, 1024, 8, 64), np.dtype(dt))
+            adj = kern._adjoint_for(kern._key(S, {}), {}, True)
+            parts = [("saving forward", kern.with_row_statistics().dnf(*S)),
+                     ("adjoint", adj.dnf(*S, o, *kern._saved_specs(S, {}), o))]
+            for m in machines.available().values():
+                if not m.is_gpu:
+                    continue
+                for what, dnf in parts:
+                    label = f"grad {'GQA K=2' if kv != 8 else 'MHA'} {what} {dt} H=64"
+                    try:
+                        plan = schedule.derive_plan(dnf, m)
+                    except ONFError as e:
+                        out.append((label, m, e))
+                        continue
+                    for onf in plan if isinstance(plan, tuple) else (plan,):
+                        name = onf.dnf.name[len(dnf.name) + 1:] if isinstance(plan, tuple) else ""
+                        out.append((f"{label} {name}".rstrip(), m, onf))
+    return out
+
+
 def sweep_onf(kernel: str, dtype: str, h: int, rows: int, keys: int, warps: int, stages: int):
     """One row of the shared-memory calibration sweep (scripts/sweep_smem.py): the attention
     ``"forward"`` (jax.nn layout, B=1, T=S=1024, N=8) or the fused ``"fwd+bwd"`` (one head,

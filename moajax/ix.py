@@ -90,7 +90,10 @@ class Ix:
     @staticmethod
     def _make(const: int, terms: dict) -> "Ix":
         terms, extra = _fold_div_mod(dict(terms))
-        items = tuple(sorted(((a, c) for a, c in terms.items() if c != 0), key=lambda ac: _atom_key(ac[0])))
+        # a variable of extent 1 is 0 wherever it appears in a sum (a reshape's flat index over
+        # a unit batch axis: b + g + 4·kv with b < 1 is g + 4·kv)
+        items = tuple(sorted(((a, c) for a, c in terms.items()
+                              if c != 0 and not (isinstance(a, Var) and a.extent == 1)), key=lambda ac: _atom_key(ac[0])))
         return Ix(int(const + extra), items)
 
     # ---- arithmetic

@@ -104,6 +104,16 @@ def _sink_stage(st):
 # ----------------------------------------------------------------------------- hoist
 
 
+# A reduction over at most this many elements with nothing reduced inside (Δ = +/(dO × O)
+# over the head dim) is recomputed where it is read: a memory stage would cost a kernel and
+# a round trip through memory, and fix an axis its kernel owns (see schedule._around_walks).
+SHORT_REDUCTION = 128
+
+
+def _short(e: D.Red) -> bool:
+    return e.var.extent <= SHORT_REDUCTION and not any(isinstance(x, D.Red) for x in D.walk(e.body))
+
+
 def hoist(onf: ONF) -> ONF:
     """Hoist loop-invariant reductions into stages; factor invariants out of sums; make every
     top-level reduction its own stage (one pass over its variable each)."""
@@ -137,7 +147,7 @@ def hoist(onf: ONF) -> ONF:
             # read by every program — not a pass over its variable per program. (Not over a
             # loop variable that shadows an output's: separate_walks renames that one.)
             if (loops and e.free & set(loops) and not e.free & set(loops) & set(order)
-                    and any(v.extent > 1 for v in own - e.free - {last})):
+                    and any(v.extent > 1 for v in own - e.free - {last}) and not _short(e)):
                 vs = stage_vars(e, order)
                 first = len(new_stages)
                 ref = stage_for(D.Red(e.monoid, e.var, go(e.body, (e.var,), frozenset(vs), vs[-1])), "memory")

@@ -94,7 +94,15 @@ def _main_walks(onf: ONF) -> list:
     reduction, instead of making its axis a second loop of the program."""
     walked = onf.program.walked()
     longest = max((v.extent for v in walked), default=0)
-    return [v for v in walked if v.extent > GPU_WHOLE_MAX or v.extent == longest]
+    # a walk around another (GQA's Σ_g over the query heads of a kv head, around Σ_t) stays a
+    # loop: held whole, it would hold every inner walk's state once per element
+    around = set()
+    for st in onf.program.stages:
+        if st.walks is not None and st.walks.extent < longest:
+            inner = {x.var for e in st.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Red)}
+            if inner & (set(walked) - {st.walks}):
+                around.add(st.walks)
+    return [v for v in walked if v.extent > GPU_WHOLE_MAX or v.extent == longest or v in around]
 
 
 def _structure(onf: ONF, gpu: bool = False):
@@ -313,19 +321,41 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last
             axes.append(Axis(v.name, v.extent, t, "grid"))
         else:
             axes.append(Axis(v.name, v.extent, 1, "grid"))
+    around = _around_walks(onf, set(loops), inner_tile) if gpu else set()
     for v in loops:
         if v in out_vars:
             continue
-        t = min(bs, next_pow2(v.extent)) if gpu else min(bs, v.extent)
+        t = 1 if v in around else min(bs, next_pow2(v.extent)) if gpu else min(bs, v.extent)
         axes.append(Axis(v.name, v.extent, t, "sequential" if t < v.extent else "whole"))
     for v in inner:
         if any(a.name == v.name for a in axes):
             continue
-        if inner_tile and v.extent > inner_tile:
+        if v in around:  # one at a time: held whole it would hold the inner walk's state per element
+            axes.append(Axis(v.name, v.extent, 1, "sequential"))
+        elif inner_tile and v.extent > inner_tile:
             axes.append(Axis(v.name, v.extent, inner_tile, "sequential"))
         else:
             axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
     return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
+
+
+def _around_walks(onf: ONF, loops: set, inner_tile: int) -> set:
+    """The nested reductions that enclose a walk — over a loop, or over a variable walked in
+    tiles of ``inner_tile`` (GQA's dK = Σ_g Σ_t …: the query heads of a kv head around the
+    queries): on a GPU they run one element at a time."""
+    out = set()
+    for e in onf.program.exprs():
+        for x in D.walk(e):
+            if isinstance(x, D.Red):
+                walks = {y.var for y in D.walk(x.body) if isinstance(y, D.Red)} - {x.var}
+                # a short reduction around a longer walk (not the main loop around a nested one)
+                if any((w in loops or (inner_tile and w.extent > inner_tile)) and w.extent > x.var.extent
+                       for w in walks):
+                    out.add(x.var)
+    # a variable a memory stage is indexed by is that kernel's own axis: the ONF's one lifting
+    # cannot walk it there (Triton walks at most one own axis per program) — it stays whole
+    owned = {v for st in onf.program.stages if st.place == "memory" for v in st.vars}
+    return out - owned
 
 
 def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):

@@ -89,3 +89,18 @@ def test_model_kernels_at_realistic_sizes_fit_without_spills(machine):
             assert r.spill_stores == 0 and r.spill_loads == 0, (label, r)
             assert r.smem_bytes <= machine.shared_memory_per_block, (label, r)
             assert onchip_bytes(onf) >= r.smem_bytes, (label, onchip_bytes(onf), r.smem_bytes)
+
+
+@needs_compiler
+@pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
+def test_gqa_training_kernels_compile_without_spills(machine):
+    """jax.grad of GQA attention on a GPU: the saving forward (one kernel) and the adjoint's
+    dQ, dK, dV kernels — the group's query heads walked one at a time inside dK and dV, Δ
+    recomputed from dO and O in place — compile with 0 spill bytes."""
+    cases = [c for c in gpu_report.training_cases(("bfloat16",)) if c[1] == machine and "GQA" in c[0]]
+    assert [c[0].split("bfloat16 H=64")[-1].strip() for c in cases] == ["", "d_query", "d_key", "d_value"]
+    for label, m, onf in cases:
+        assert not isinstance(onf, Exception), (label, onf)
+        reports = gpu_report.onf_reports(onf, machine.arch)
+        assert len(reports) == 1, (label, reports)
+        assert reports[0].spill_stores == 0 and reports[0].spill_loads == 0, (label, reports[0])
