@@ -362,6 +362,16 @@ def canonical(e: Expr) -> Expr:
     return go(e, 0)
 
 
+def fresh_name(base: str, taken: set) -> str:
+    """``base``, else ``base2``, ``base3``, … — the first not in ``taken`` (added to it)."""
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}{n}"
+    taken.add(name)
+    return name
+
+
 def untagged(e: Expr) -> Expr:
     """e without its labels (``Tag`` is transparent: the same value)."""
     return transform(e, lambda x: x.body if isinstance(x, Tag) else None)

@@ -47,13 +47,6 @@ def _read_in(e: D.Expr):
     return e if isinstance(e, D.Read) else None
 
 
-def _fresh_name(base: str, taken: set) -> str:
-    n = 1
-    while f"{base}{'_' * n}" in taken:
-        n += 1
-    return f"{base}{'_' * n}"
-
-
 def _bare(e: D.Expr) -> D.Expr:
     while isinstance(e, D.Tag):
         e = e.body
@@ -220,7 +213,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
             body = D.quotient([dys[0]] + [f for f in n2 if e in f.free], [f for f in d2 if e in f.free], x.dtype)
             outer_n, outer_d = [f for f in n2 if e not in f.free], [f for f in d2 if e not in f.free]
             if e.name in out_names:  # the sum now stands on its own: named apart from the outputs' axes
-                fresh = Var(_fresh_name(e.name, out_names | {v.name for v in D.bound_vars(body)}), e.extent)
+                fresh = Var(D.fresh_name(f"{e.name}_", out_names | {v.name for v in D.bound_vars(body)}), e.extent)
                 body, e = D.substitute(body, {e: Ix.of(fresh)}), fresh
             out = D.quotient([D.Red("add", e, body)] + outer_n, outer_d, x.dtype)
             applied.setdefault(x, Applied(DELTA_FROM_OUTPUT, D.show(x), D.show(out)))

@@ -28,13 +28,7 @@ from moajax.onf import ONF, Axis, Knobs, OnlineStage, ONFError, Program, Stage, 
 _MONOID_NAMES = {"add": "sum", "max": "max", "min": "min", "mul": "prod", "and": "all", "or": "any"}
 
 
-def _fresh(base: str, taken: set) -> str:
-    name, n = base, 1
-    while name in taken:
-        n += 1
-        name = f"{base}{n}"
-    taken.add(name)
-    return name
+_fresh = D.fresh_name
 
 
 def _taken(onf: ONF) -> set:
