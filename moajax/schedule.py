@@ -470,8 +470,10 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     if not machine.is_gpu and _scatter_partial_bytes(onf) > _cpu_cache_budget(machine):
         # XLA holds each row tile's scatter-added partial whole over the output's other axes
         # (dK[s h]: bt × S scores deep). Past the cache budget of ``_cpu_rows`` one program per
-        # output is faster: 1.42×/2.02×/2.81× on the 2-core EPYC for the attention adjoint at
-        # S = 1024/2048/4096 (side by side: bench/results/backward_plans_cpu.md)
+        # output is faster: on the 2-core EPYC the attention adjoint's split plan is 2.75×/3.11×
+        # the fused one at S = 2048/4096 (1.64×/1.70× for the adjoint reading saved statistics;
+        # side by side: bench/results/backward_plans_cpu.md). At S = 1024, under the budget, the
+        # rule keeps the fused plan although split measures 1.6–1.8× faster there too.
         try:
             return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
         except ONFError:

@@ -2,7 +2,7 @@
 """The attention adjoint on this CPU under its two XLA plans, side by side in one process.
 
 The adjoint kernel of multi-head attention (dQ, dK, dV; ``mha_kernel(...).adjoint``, derived in
-the algebra) is run as
+the algebra) — recomputing the softmax's statistics, or reading the saved ones and Out — is run as
   - fused: one ONF, programs own query-row tiles, dK and dV scatter-added over them
     (``schedule.derive``);
   - split: one ONF per output (``schedule.split_outputs``), each output's rows owned.
@@ -46,22 +46,28 @@ def main():
     rows = []
     for S in args.sizes:
         spec = jax.ShapeDtypeStruct((1, S, args.heads, 64), np.float32)
-        adj = kern.adjoint(spec, spec, spec)
-        dnf = adj.dnf(spec, spec, spec, spec)
-        plans = {"fused": schedule.derive(dnf, machine),
-                 "split": tuple(schedule.derive(d, machine) for d in schedule.split_outputs(dnf))}
-        chosen = schedule.derive_plan(dnf, machine)
         r = np.random.default_rng(0)
-        arrays = [jnp.asarray(r.standard_normal(spec.shape), jnp.float32) for _ in range(4)]
-        fns = {n: jax.jit(runtime.lowered(p, "xla")) for n, p in plans.items()}
-        got = {n: f(*arrays) for n, f in fns.items()}
-        diff = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got["fused"], got["split"]))
-        times = timing.alternating(fns, arrays, reps=args.reps)
-        for n, ts in times.items():
-            picked = "yes" if (n == "split") == isinstance(chosen, tuple) else ""
-            rows.append(f"| {S} | {n} | {min(ts):.4f} | {statistics.median(ts):.4f} | "
-                        f"{statistics.median(times['fused']) / statistics.median(ts):.2f}× | {picked} | "
-                        f"{'max rel. diff fused vs split %.1e' % diff if n == 'split' else ''} |")
+        primal = [jnp.asarray(r.standard_normal(spec.shape), jnp.float32) for _ in range(4)]
+        # the adjoint that recomputes the softmax's statistics, and the one jax.grad runs when
+        # the forward saves them and Out (its Δ = +/(dO × O): moajax.identities)
+        saving = kern.with_row_statistics().compiled(spec, spec, spec)
+        out, *saved = saving(*primal[:3])
+        for variant, adj, arrays in (
+                ("recompute", kern.adjoint(spec, spec, spec), primal),
+                ("saved", kern.adjoint(spec, spec, spec, saved=True), primal + list(saved) + [out])):
+            dnf = adj.dnf(*arrays)
+            plans = {"fused": schedule.derive(dnf, machine),
+                     "split": tuple(schedule.derive(d, machine) for d in schedule.split_outputs(dnf))}
+            chosen = schedule.derive_plan(dnf, machine)
+            fns = {n: jax.jit(runtime.lowered(p, "xla")) for n, p in plans.items()}
+            got = {n: f(*arrays) for n, f in fns.items()}
+            diff = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got["fused"], got["split"]))
+            times = timing.alternating(fns, arrays, reps=args.reps)
+            for n, ts in times.items():
+                picked = "yes" if (n == "split") == isinstance(chosen, tuple) else ""
+                rows.append(f"| {S} | {variant} | {n} | {min(ts):.4f} | {statistics.median(ts):.4f} | "
+                            f"{statistics.median(times['fused']) / statistics.median(ts):.2f}× | {picked} | "
+                            f"{'max rel. diff fused vs split %.1e' % diff if n == 'split' else ''} |")
     lines = [
         "# The attention adjoint (dQ, dK, dV) on the CPU: fused vs split XLA plans",
         "",
@@ -69,8 +75,8 @@ def main():
         f"Run: `python scripts/bench_backward_plans.py` — B=1, N={args.heads}, H=E=64, float32, T = S; the adjoint "
         "kernel alone (no forward); contenders alternate in one process.",
         "",
-        "| S | plan | best s | median s | speed-up vs fused (median) | derive_plan picks | note |",
-        "|---:|---|---:|---:|---:|---|---|",
+        "| S | adjoint | plan | best s | median s | speed-up vs fused (median) | derive_plan picks | note |",
+        "|---:|---|---|---:|---:|---:|---|---|",
         *rows,
     ]
     timing.write_results(args.out, lines)
