@@ -467,13 +467,13 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         if len(dnf.outputs) == 1:
             raise
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
-    if not machine.is_gpu and _scatter_partial_bytes(onf) > _cpu_cache_budget(machine):
+    if not machine.is_gpu and _scatter_partial_bytes(onf) >= _cpu_cache_budget(machine) // 2:
         # XLA holds each row tile's scatter-added partial whole over the output's other axes
-        # (dK[s h]: bt × S scores deep). Past the cache budget of ``_cpu_rows`` one program per
-        # output is faster: on the 2-core EPYC the attention adjoint's split plan is 2.75×/3.11×
-        # the fused one at S = 2048/4096 (1.64×/1.70× for the adjoint reading saved statistics;
-        # side by side: bench/results/backward_plans_cpu.md). At S = 1024, under the budget, the
-        # rule keeps the fused plan although split measures 1.6–1.8× faster there too.
+        # (dK[s h]: bt × S scores deep). From half the cache budget of ``_cpu_rows`` on, one
+        # program per output is faster: on the 2-core EPYC the attention adjoint's split plan is
+        # 1.25×/1.78×/2.80×/3.12× the fused one at S = 512/1024/2048/4096 (1.51×–1.62× for the
+        # adjoint reading saved statistics), and 0.94× (0.87×) at S = 256, a quarter of the
+        # budget (side by side: bench/results/backward_plans_cpu.md)
         try:
             return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
         except ONFError:
