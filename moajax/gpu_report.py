@@ -259,10 +259,8 @@ def training_cases(dtypes=("bfloat16", "float32")):
         kern = mha_kernel(None, None, kv != 8)
         for dt in dtypes:
             S = [jax.ShapeDtypeStruct((1, 1024, n, 64), np.dtype(dt)) for n in (8, kv, kv)]
-            o = jax.ShapeDtypeStruct((1, 1024, 8, 64), np.dtype(dt))
-            adj = kern._adjoint_for(kern._key(S, {}), {}, True)
-            parts = [("saving forward", kern.with_row_statistics().dnf(*S)),
-                     ("adjoint", adj.dnf(*S, o, *kern._saved_specs(S, {}), o))]
+            adj, args = kern.saved_adjoint(*S)
+            parts = [("saving forward", kern.with_row_statistics().dnf(*S)), ("adjoint", adj.dnf(*args))]
             for m in machines.available().values():
                 if not m.is_gpu:
                     continue

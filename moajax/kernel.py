@@ -316,6 +316,16 @@ class Kernel:
         return (flops(self.with_row_statistics(), []) + flops(with_saved, cts + saved + cts)
                 < flops(self, []) + flops(self._adjoint_for(shape_key, options, False), cts))
 
+    def saved_adjoint(self, *specs, **options) -> tuple:
+        """(the adjoint ``jax.grad`` runs where the forward saves its statistics and outputs,
+        the specs of its arguments: primals, cotangents, saved statistics, outputs)."""
+        import jax
+
+        adj = self._adjoint_for(self._key(specs, options), options, True)
+        outs = self._build(specs, options)[1]
+        cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (outs if isinstance(outs, tuple) else (outs,))]
+        return adj, list(specs) + cts + self._saved_specs(specs, options) + cts
+
     def _saved_specs(self, specs, options) -> list:
         """The specs of the saved statistics, each in its layout (``with_row_statistics``)."""
         import jax

@@ -28,7 +28,7 @@ from moajax.onf import ONF, Axis, Knobs, OnlineStage, ONFError, Program, Stage, 
 _MONOID_NAMES = {"add": "sum", "max": "max", "min": "min", "mul": "prod", "and": "all", "or": "any"}
 
 
-_fresh = D.fresh_name
+
 
 
 def _taken(onf: ONF) -> set:
@@ -122,7 +122,7 @@ def hoist(onf: ONF) -> ONF:
         if hit is not None:
             return hit
         vs = stage_vars(red, order)
-        name = _fresh(f"{_MONOID_NAMES[red.monoid]}_{red.var.name}", taken)
+        name = D.fresh_name(f"{_MONOID_NAMES[red.monoid]}_{red.var.name}", taken)
         body = factor_out_invariants(red)
         if not isinstance(body, D.Red):
             body = top_level(body)  # Σ_v(a)·c: the inner sum gets its own stage first
@@ -293,10 +293,10 @@ def split_k(onf: ONF, var: str, parts: int) -> ONF:
             return D.Call("where", (valid, e, D.Lit(fill, e.dtype))) if ragged else e
 
         if isinstance(s, OnlineStage):
-            mp = _fresh(f"{s.max_name}_part", taken)
+            mp = D.fresh_name(f"{s.max_name}_part", taken)
             sums_p = []
             for n, vs, w in s.sums:
-                sums_p.append((_fresh(f"{n}_part", taken), vs + (outer,), None if w is None else guard(w, 0.0)))
+                sums_p.append((D.fresh_name(f"{n}_part", taken), vs + (outer,), None if w is None else guard(w, 0.0)))
             stages.append(OnlineStage(mp, s.max_vars + (outer,), inner, guard(s.logit, float("-inf")),
                                       tuple(sums_p), place="memory"))
             mref = D.Ref(mp, s.max_vars + (outer,), s.logit.dtype)
@@ -308,7 +308,7 @@ def split_k(onf: ONF, var: str, parts: int) -> ONF:
                 stages.append(Stage(n, vs, D.Red("add", outer, D.Call("mul", (part, scale)))))
         else:
             red = s.reduction
-            pn = _fresh(f"{s.name}_part", taken)
+            pn = D.fresh_name(f"{s.name}_part", taken)
             from moajax import ops as _ops
 
             ident = _ops.MONOIDS[red.monoid].identity(red.dtype).item()
@@ -353,7 +353,7 @@ def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
                 canon, params = key_of(x)
                 hit = found.get(canon)
                 if hit is None:
-                    name = _fresh(label, taken)
+                    name = D.fresh_name(label, taken)
                     found[canon] = (name, params)
                     created.append(Stage(name, params, x.body, place))
                     return D.Ref(name, params, x.dtype)
@@ -449,7 +449,7 @@ def separate_walks(onf: ONF, names) -> ONF:
 
     def new_var(v: Var) -> Var:
         if v not in fresh:
-            fresh[v] = Var(_fresh(f"{v.name}_", taken), v.extent)
+            fresh[v] = Var(D.fresh_name(f"{v.name}_", taken), v.extent)
         return fresh[v]
 
     def rename(e: D.Expr) -> D.Expr:
