@@ -96,14 +96,14 @@ def contract_trailing(X: moa.Array, Y: moa.Array, n: int) -> moa.Array:
     return moa.sum(per, 0)
 
 
-def _general_inner(node: moa.Inner, A: moa.Array, B: moa.Array) -> moa.Array:
+def general_inner(node: moa.Inner, A: moa.Array, B: moa.Array) -> moa.Array:
     """A op₁.op₂ B as op₁/ over l of (Ω over l: ⟨p l⟩ψA op₂.× ⟨l q⟩ψB): the same array,
     built from operations that have adjoints."""
     terms = moa.omega(lambda a, b: moa.outer(node.op.name, a, b), (A.rank - 1, B.rank - 1))(moveaxis(A, A.rank - 1, 0), B)
     return moa.reduce(node.monoid.name, terms, 0)
 
 
-def _outer_as_omega(node: moa.Outer, A: moa.Array, B: moa.Array) -> moa.Array:
+def outer_as_omega(node: moa.Outer, A: moa.Array, B: moa.Array) -> moa.Array:
     """A op.× B as Ω⟨0, δB⟩(λa b. a op b)(A, B): every element of A against all of B."""
     return moa.omega(lambda a, b: moa._map(node.op, a, b), (0, B.rank))(A, B)
 
@@ -157,7 +157,7 @@ def _scalar_map(node: moa.Map, g, need):
     return [unbroadcast(d, x) if d is not None and n else None for d, x, n in zip(out, node.args, need)]
 
 
-def _products_but_one(A: moa.Array) -> moa.Array:
+def products_but_one(A: moa.Array) -> moa.Array:
     """⟨i p⟩ψ = ×/ over j ≠ i of ⟨j p⟩ψ A (exact where A has zeros, unlike ×/A ÷ A): for each
     i, the product over j of (j = i ? 1 : A[j])."""
     n, dim = A.shape[0], A.dims[0]
@@ -228,7 +228,7 @@ def _rule(node, g, need):
             count = moa.sum(moa.cast(hit, g.dtype), 0)
             return [moa.where(hit, broadcast_lead(n, dim, g / count), 0.0)]
         if node.monoid.name == "mul":
-            return [broadcast_lead(n, dim, g) * _products_but_one(A)]
+            return [broadcast_lead(n, dim, g) * products_but_one(A)]
         raise AdjointError(f"no adjoint rule for the reduction {moa._ops.OPS[node.monoid.op].symbol}/ ({node.monoid.name})")
     if isinstance(node, moa.Inner):
         if node.monoid.name == "add" and node.op.name == "mul":
@@ -241,9 +241,9 @@ def _rule(node, g, need):
             else:
                 db = None
             return [da, db]
-        return _through(_general_inner, node, g, need)
+        return _through(general_inner, node, g, need)
     if isinstance(node, moa.Outer):
-        return _through(_outer_as_omega, node, g, need)
+        return _through(outer_as_omega, node, g, need)
     if isinstance(node, moa.Omega):
         return _omega(node, g, need)
     raise AdjointError(f"no adjoint rule for {type(node).__name__}")
@@ -262,13 +262,7 @@ def _through(equivalent, node, g, need):
 def _omega(node: moa.Omega, g, need):
     """dAᵢ = Ω(λ cells, dy. the adjoint of the body in cell i)(A…, dY); an argument shared by
     every frame index (empty frame) gets the sum over the frame."""
-    own = set(node.cells)
-    for x in moa.nodes(node.body):
-        if isinstance(x, moa.Input) or (isinstance(x, moa.Cell) and x not in own and not _bound_inside(node, x)):
-            raise AdjointError(
-                f"no adjoint rule for an Ω body that captures {moa.moa_str(x, 40)} instead of taking it as an "
-                "argument: pass it to Ω (with the cell rank of its whole shape)"
-            )
+    check_closed(node, AdjointError, "adjoint")
     k = len(node.args)
     nf = node.rank - node.body.rank
     out = []
@@ -296,7 +290,19 @@ def _omega(node: moa.Omega, g, need):
     return out
 
 
-def _bound_inside(node: moa.Omega, cell: moa.Cell) -> bool:
+def check_closed(node: moa.Omega, error, rule: str) -> None:
+    """An Ω body must take every array it reads as an argument: a captured one has no rule
+    (its derivative would have to cross the Ω's frame); raise ``error`` naming it."""
+    own = set(node.cells)
+    for x in moa.nodes(node.body):
+        if isinstance(x, moa.Input) or (isinstance(x, moa.Cell) and x not in own and not bound_inside(node, x)):
+            raise error(
+                f"no {rule} rule for an Ω body that captures {moa.moa_str(x, 40)} instead of taking it as an "
+                "argument: pass it to Ω (with the cell rank of its whole shape)"
+            )
+
+
+def bound_inside(node: moa.Omega, cell: moa.Cell) -> bool:
     """Is ``cell`` bound by an Ω nested in ``node``'s body (not captured from outside)?"""
     return any(isinstance(x, moa.Omega) and cell in x.cells for x in moa.nodes(node.body))
 
@@ -339,4 +345,5 @@ def vjp(outputs: Sequence[moa.Array], cotangents: Sequence[moa.Array], wrt: Sequ
     return tuple(ct.get(w.uid) for w in wrt)
 
 
-__all__ = ["AdjointError", "vjp", "zeros", "zeros_like", "differentiable", "contract_trailing", "broadcast_lead"]
+__all__ = ["AdjointError", "vjp", "zeros", "zeros_like", "differentiable", "contract_trailing", "broadcast_lead",
+           "general_inner", "outer_as_omega", "products_but_one", "check_closed"]

@@ -1,4 +1,4 @@
-"""The ``moajax`` command line: ``moajax derive [--list | KERNEL [--adjoint] [--saved]]``, ``moajax gpu-report``,
+"""The ``moajax`` command line: ``moajax derive [--list | KERNEL [--adjoint | --saved | --tangent]]``, ``moajax gpu-report``,
 ``moajax measure [--out PATH]``."""
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ def cmd_derive(args) -> int:
         if name not in reg:
             print(f"moajax derive: unknown kernel {name!r}; known: {', '.join(reg)}", file=sys.stderr)
             return 2
-        k = reg[name].adjoint(saved=args.saved) if args.adjoint or args.saved else reg[name]
+        if args.tangent and (args.adjoint or args.saved):
+            print("moajax derive: --tangent and --adjoint/--saved exclude each other", file=sys.stderr)
+            return 2
+        k = (reg[name].adjoint(saved=args.saved) if args.adjoint or args.saved
+             else reg[name].tangent() if args.tangent else reg[name])
         print(f"== {k.name}: example sizes {k.example}")
         print(k.dnf().pretty())
         print()
@@ -137,6 +141,9 @@ def main(argv=None) -> int:
     d.add_argument("--full", action="store_true", help="print every derivation step")
     d.add_argument("--adjoint", action="store_true",
                    help="the kernel's backward, derived in the algebra (moajax.adjoint): its DNF and derivation")
+    d.add_argument("--tangent", action="store_true",
+                   help="the kernel's forward-mode derivative, derived in the algebra (moajax.tangent): what "
+                        "jax.jvp runs")
     d.add_argument("--saved", action="store_true",
                    help="the adjoint that reads the forward's row statistics and outputs (what jax.grad runs "
                         "where saving pays), with the papers' identities (moajax.identities) in its derivation")

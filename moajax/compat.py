@@ -66,3 +66,90 @@ def enable_x64_context(enabled: bool = True):
         from jax.experimental import enable_x64, disable_x64
 
         return enable_x64() if enabled else disable_x64()
+
+
+def linear_call(fun, fun_transpose, residual_args, linear_args):
+    """``jax.custom_derivatives.linear_call`` (a linear function with its own transpose), with
+    what JAX 0.10 lacks: a ``vmap`` rule (the batched call is a ``linear_call`` of the
+    vmapped function and of its vmapped transpose) and a derivative in the residuals (JAX's
+    rule asserts that they do not move; a second derivative moves them)."""
+    from jax.custom_derivatives import linear_call as call
+
+    _register_linear_call_rules()
+    return call(fun, fun_transpose, residual_args, linear_args)
+
+
+@functools.lru_cache(maxsize=None)
+def _register_linear_call_rules() -> None:
+    from jax._src.custom_derivatives import linear_call_p
+    from jax._src.interpreters import ad, batching
+
+    if linear_call_p not in batching.fancy_primitive_batchers:
+        batching.fancy_primitive_batchers[linear_call_p] = _linear_call_batched
+    jax_rule = ad.primitive_jvps[linear_call_p]
+
+    def jvp(primals, tangents, *, callee, transpose_thunk, num_callee_consts, num_res):
+        """d(L(r)·x) = L(r)·dx + (∂ᵣ L(r)·x)·dr: JAX's rule where dr = 0, else its second term
+        is the JVP of the function in its residuals (a kernel's tangent kernel, derived)."""
+        k = num_callee_consts + num_res
+        if all(type(t) is ad.Zero for t in tangents[:k]):
+            return jax_rule(primals, tangents, callee=callee, transpose_thunk=transpose_thunk,
+                            num_callee_consts=num_callee_consts, num_res=num_res)
+        from jax.extend.core import jaxpr_as_fun
+
+        params = dict(callee=callee, transpose_thunk=transpose_thunk, num_callee_consts=num_callee_consts,
+                      num_res=num_res)
+        fixed, lin = list(primals[:k]), list(primals[k:])
+        out = linear_call_p.bind(*fixed, *lin, **params)
+        f = jaxpr_as_fun(callee)
+        # only the residuals that move are JVP operands: a zero made concrete would enter the
+        # callee's own derivative as a tangent that is not linear
+        moving = [i for i in range(k) if type(tangents[i]) is not ad.Zero]
+
+        def of_moving(*xs):
+            fx = list(fixed)
+            for i, x in zip(moving, xs):
+                fx[i] = x
+            return tuple(f(*fx, *lin))
+
+        moved = jax.jvp(of_moving, tuple(fixed[i] for i in moving), tuple(tangents[i] for i in moving))[1]
+        if any(type(t) is not ad.Zero for t in tangents[k:]):
+            dots = [ad.instantiate_zeros(t) for t in tangents[k:]]
+            along = linear_call_p.bind(*fixed, *dots, **params)
+            moved = [a + b for a, b in zip(along, moved)]
+        return out, list(moved)
+
+    ad.primitive_jvps[linear_call_p] = jvp
+
+
+def _linear_call_batched(axis_data, args, dims, *, callee, transpose_thunk, num_callee_consts, num_res):
+    """vmap of ``linear_call_p``: every linear operand gets the batch axis in front (a linear
+    operand shared by the batch is broadcast, so that the transpose's outputs are batched
+    too); constants and residuals keep theirs."""
+    import jax.numpy as jnp
+    from jax.custom_derivatives import linear_call as call
+    from jax.extend.core import jaxpr_as_fun
+
+    from jax._src.custom_derivatives import linear_call_p
+
+    if all(d is None for d in dims):  # JAX calls a rule even when nothing is batched
+        out = linear_call_p.bind(*args, callee=callee, transpose_thunk=transpose_thunk,
+                                 num_callee_consts=num_callee_consts, num_res=num_res)
+        return out, [None] * len(out)
+    k = num_callee_consts + num_res
+    fixed, fixed_dims = list(args[:k]), list(dims[:k])
+    lin = [jnp.broadcast_to(x, (axis_data.size,) + tuple(x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+           for x, d in zip(args[k:], dims[k:])]
+    forward = jaxpr_as_fun(callee)
+
+    def fun(fx, ln):
+        return jax.vmap(lambda f, l: forward(*f, *l), in_axes=(fixed_dims, 0))(fx, ln)
+
+    def fun_transpose(fx, cts):
+        t_jaxpr, t_consts = transpose_thunk()
+        transposed = jaxpr_as_fun(t_jaxpr)
+        return jax.vmap(lambda r, c: transposed(*t_consts, *r, *c),
+                        in_axes=(fixed_dims[num_callee_consts:], 0))(fx[num_callee_consts:], cts)
+
+    out = call(fun, fun_transpose, fixed, lin)
+    return out, [0] * len(out)

@@ -8,7 +8,8 @@ Each positional parameter's annotation names its dimensions; keyword-only parame
 static (hashable) options. The kernel is traced once per (shapes, dtypes, options) into an
 array expression and ψ-reduced to a DNF (cached). Calling it runs compiled code: the DNF's
 ONF for this machine lowered to XLA on a CPU, to Pallas on CUDA (``moajax.runtime``), with
-``jax.grad`` running the compiled adjoint kernel (``Kernel.adjoint``, derived in the algebra).
+``jax.grad`` running the compiled adjoint kernel (``Kernel.adjoint``) and ``jax.jvp`` the
+compiled tangent kernel (``Kernel.tangent``), both derived in the algebra.
 ``k.reference(...)`` runs the DNF → JAX reference instead; ``k.onf(...)`` is the ONF that runs.
 """
 
@@ -83,6 +84,19 @@ class Kernel:
         self._derived: dict = {}  # kernels derived from this one: adjoints, batched, saving
 
     # ---- tracing
+    def _sign(self, fn, extra: tuple, name: str, doc: str) -> None:
+        """Give a derived kernel's definition ``fn`` this kernel's array parameters, then the
+        ``extra`` ones, then its options (keyword-only): the signature ``Kernel`` reads."""
+        params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                  for p in [p.name for p in self.params] + list(extra)]
+        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in self.options.items()]
+        fn.__signature__ = inspect.Signature(params)
+        fn.__name__, fn.__doc__ = name, doc
+
+    def _names_for(self, outs) -> tuple:
+        """The output names: the declared ones, else out (one output) or out0, out1, …"""
+        return self.output_names or (("out",) if len(outs) == 1 else tuple(f"out{i}" for i in range(len(outs))))
+
     def define(self, *arrays: moa.Array, **options) -> moa.Array:
         """Apply the definition to algebra arrays (to compose kernels inside other kernels)."""
         return self.fn(*arrays, **options)
@@ -130,7 +144,7 @@ class Kernel:
             for o in outs:
                 if not isinstance(o, moa.Array):
                     raise TypeError(f"{self.name}: the definition must return moa arrays, got {type(o).__name__}")
-            names = self.output_names or (("out",) if len(outs) == 1 else tuple(f"out{i}" for i in range(len(outs))))
+            names = self._names_for(outs)
             dnf, der = _psi.reduce_to_dnf(self.name, inputs, outs, names)
             if self._identities is not None:
                 dnf, applied = self._identities(dnf, specs, options)
@@ -190,7 +204,8 @@ class Kernel:
 
     def compiled(self, *specs, onf=None, implementation=None, residuals="auto", **options) -> Callable:
         """The compiled function of the arrays for these shapes and options (cached), with its
-        backward: a ``jax.custom_vjp`` whose cotangents come from the compiled adjoint kernel.
+        derivatives (``runtime.differentiable``): ``jax.jvp`` runs the compiled tangent kernel
+        (``tangent``), ``jax.grad`` the compiled adjoint kernel (``adjoint``).
 
         ``residuals`` (or a ``Preset``'s ``residuals``): "save" saves the forward's row
         statistics (``row_statistics``: a labelled or held-constant reduction with fewer axes
@@ -237,7 +252,13 @@ class Kernel:
             grads = iter(grads if isinstance(grads, tuple) else (grads,))
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
-        fn = runtime.differentiable(run, backward, len(dnf.outputs), saving)
+        def tangent(args, dots):
+            tk = self._tangent_for(key[0], options)
+            out = tk(*args, *dots, implementation=implementation, residuals="none", **options)
+            return out if isinstance(out, tuple) else (out,)
+
+        fn = runtime.differentiable(run, backward, len(dnf.outputs), saving, tangent, floats,
+                                    [_adjoint.differentiable(dt) for _, dt in out_specs], name=self.name)
         self._compiled[key] = fn
         return fn
 
@@ -284,10 +305,9 @@ class Kernel:
             outs, stats = primal.row_statistics(outs if isinstance(outs, tuple) else (outs,))
             return tuple(stats) + outs
 
-        names = self.output_names or ("out",)
         forward.__signature__ = inspect.signature(self.fn)
         forward.__name__ = f"{self.name}_saving"
-        hit = self._derived["with_row_statistics"] = _SavingKernel(forward, primal, names)
+        hit = self._derived["with_row_statistics"] = _SavingKernel(forward, primal)
         return hit
 
     def _saving_pays(self, shape_key, options) -> bool:
@@ -348,6 +368,9 @@ class Kernel:
 
         @f.def_vmap
         def rule(axis_size, in_batched, *args):
+            if not any(in_batched):  # only values the kernel does not read vary (a tangent)
+                out = run(*args)
+                return out, (False,) * n_outputs if n_outputs > 1 else False
             bk = self.batched(tuple(bool(b) for b in in_batched))
             out = bk.compiled(*args, onf=onf if isinstance(onf, Preset) else None, implementation=implementation,
                               **options)(*args)
@@ -387,11 +410,7 @@ class Kernel:
             outs = tuple(one(i) for i in range(n))
             return outs if n > 1 else outs[0]
 
-        params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.params]
-        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in self.options.items()]
-        batched_fn.__signature__ = inspect.Signature(params)
-        batched_fn.__name__ = f"{self.name}_vmap"
-        batched_fn.__doc__ = f"{self.name} under Ω over a leading batch axis {dim}."
+        self._sign(batched_fn, (), f"{self.name}_vmap", f"{self.name} under Ω over a leading batch axis {dim}.")
         dims = {p.name: " ".join(((dim,) if b else ()) + p.dims) for p, b in zip(self.params, in_batched)}
         example = {**self.example, dim: 2}
         hit = self._derived[key] = Kernel(batched_fn, example=example, name=f"{self.name}_vmap",
@@ -424,7 +443,7 @@ class Kernel:
         key = self._key(specs or self.example_specs(), options)
         inputs, expr = self._build(specs or self.example_specs(), options)[:2]
         outs = expr if isinstance(expr, tuple) else (expr,)
-        names = self.output_names or (("out",) if len(outs) == 1 else tuple(f"out{i}" for i in range(len(outs))))
+        names = self._names_for(outs)
         floats = [p.name for p, (_, dt) in zip(self.params, key[0]) if _adjoint.differentiable(dt)]
         wrt = tuple(floats if wrt is None else wrt)
         for w in wrt:
@@ -437,7 +456,7 @@ class Kernel:
         saved_names = tuple(f"saved{i}" for i in range(len(stats)))
         layouts = self.with_row_statistics().layouts(*(specs or self.example_specs()), **options) if saved else []
         taken = {p.name for p in self.params} | set(ct_names) | set(saved_names)
-        # with ``saved``, the forward's outputs too: a custom_vjp holds them for free, and the
+        # with ``saved``, the forward's outputs too: the derivative holds them for free, and the
         # papers' identities (``moajax.identities``) read them where the adjoint would recompute
         value_names = tuple(o if o not in taken else f"{o}_value" for o in names) if saved else ()
 
@@ -466,13 +485,8 @@ class Kernel:
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
                 saved={f"saved{i}": name for i, name in enumerate(saved_names)})
 
-        params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.params]
-        params += [inspect.Parameter(c, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                   for c in ct_names + saved_names + value_names]
-        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in self.options.items()]
-        backward.__signature__ = inspect.Signature(params)
-        backward.__name__ = f"{self.name}_adjoint"
-        backward.__doc__ = f"The adjoint of {self.name}, derived by moajax.adjoint."
+        self._sign(backward, ct_names + saved_names + value_names, f"{self.name}_adjoint",
+                   f"The adjoint of {self.name}, derived by moajax.adjoint.")
         dims = {p.name: " ".join(p.dims) for p in self.params}
         dims.update({c: " ".join(o.dims) for c, o in zip(ct_names, outs)})
         dims.update({c: " ".join(x.dims if lay is None else lay.dims) for c, x, lay in zip(saved_names, stats, layouts)})
@@ -482,6 +496,61 @@ class Kernel:
             example.update({d: s for d, s in zip(o.dims, o.shape) if d not in example})
         return Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else ""),
                       outputs=tuple(f"d_{w}" for w in wrt), dims=dims, identities=identities if saved else None)
+
+    def _tangent_for(self, shape_key, options) -> "Kernel":
+        """The tangent kernel (cached per shapes and options) that ``compiled`` runs forward."""
+        import jax
+
+        key = ("tangent", shape_key, tuple(sorted(options.items())))
+        hit = self._derived.get(key)
+        if hit is None:
+            specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
+            hit = self._derived[key] = self.tangent(*specs, **options)
+        return hit
+
+    def tangent(self, *specs, **options) -> "Kernel":
+        """The forward-mode derivative of this kernel as a ``Kernel`` (``moajax.tangent``:
+        derived in the algebra): Ẏ = ∂Y/∂X · Ẋ, linear in the tangents.
+
+        Its inputs are the primals, then one tangent ``t_<input>`` per floating input (ρ,
+        dims and dtype of the input); its outputs are the tangents ``t_<output>`` of the
+        floating outputs. It ψ-reduces to a DNF like any kernel; ``specs`` (default:
+        ``example_specs()``) and ``options`` are only used to learn the dtypes."""
+        from moajax import adjoint as _adjoint
+        from moajax import tangent as _tangent
+
+        specs = specs or self.example_specs()
+        key = self._key(specs, options)
+        outs = self._build(specs, options)[1]
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        names = self._names_for(outs)
+        moving = [p for p, (_, dt) in zip(self.params, key[0]) if _adjoint.differentiable(dt)]
+        floats_out = [(o, nm) for o, nm in zip(outs, names) if _adjoint.differentiable(o.dtype)]
+        if not moving or not floats_out:
+            raise ValueError(f"{self.name}.tangent: no floating input or no floating output to differentiate")
+        primal, n = self, len(self.params)
+        taken = {p.name for p in self.params}
+        # t_x, or t2_x … where a tangent of a tangent kernel would reuse a name
+        prefix = next(pre for pre in ["t_"] + [f"t{i}_" for i in range(2, len(taken) + 3)]
+                      if not {f"{pre}{p.name}" for p in moving} & taken)
+        t_names = tuple(f"{prefix}{p.name}" for p in moving)
+
+        def forward(*arrays, **opts):
+            outputs = primal.fn(*arrays[:n], **opts)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            by_name = dict(zip([p.name for p in primal.params], arrays[:n]))
+            dots = _tangent.jvp(outputs, [by_name[p.name] for p in moving], arrays[n:])
+            dots = [(d if d is not None else _adjoint.zeros_like(o), o) for d, o in zip(dots, outputs)
+                    if _adjoint.differentiable(o.dtype)]
+            # a tangent has its output's dims (the output variables of the tangent's DNF)
+            return tuple(d if d.dims == o.dims else moa.reshape(d, d.shape, dims=o.dims) for d, o in dots)
+
+        self._sign(forward, t_names, f"{self.name}_tangent",
+                   f"The tangent (forward-mode derivative) of {self.name}, derived by moajax.tangent.")
+        dims = {p.name: " ".join(p.dims) for p in self.params}
+        dims.update({t: " ".join(p.dims) for t, p in zip(t_names, moving)})
+        return Kernel(forward, example=self.example, name=f"{self.name}_tangent",
+                      outputs=tuple(f"{prefix}{nm}" for _, nm in floats_out), dims=dims)
 
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)
@@ -510,10 +579,14 @@ def _in_own_layout(a: moa.Array, layout, x: moa.Array) -> moa.Array:
 class _SavingKernel(Kernel):
     """A kernel's forward that also outputs its row statistics (``Kernel.with_row_statistics``)."""
 
-    def __init__(self, fn, primal: Kernel, names):
+    def __init__(self, fn, primal: Kernel):
         super().__init__(fn, example=primal.example, name=fn.__name__,
                          outputs=None, dims={p.name: " ".join(p.dims) for p in primal.params})
-        self._primal_names = names
+        self._primal = primal
+
+    def _primal_names(self, specs, options) -> tuple:
+        outs = self._primal._build(specs, options)[1]
+        return self._primal._names_for(outs if isinstance(outs, tuple) else (outs,))
 
     def _build(self, specs, options):
         key = self._key(specs, options)
@@ -521,8 +594,9 @@ class _SavingKernel(Kernel):
         if hit is None:
             inputs = tuple(moa.array(p.name, shape, p.dims, dtype) for p, (shape, dtype) in zip(self.params, key[0]))
             expr = self.fn(*inputs, **options)
-            n_saved = len(expr) - len(self._primal_names)
-            names = tuple(f"saved{i}" for i in range(n_saved)) + tuple(self._primal_names)
+            primal_names = self._primal_names(specs, options)
+            n_saved = len(expr) - len(primal_names)
+            names = tuple(f"saved{i}" for i in range(n_saved)) + primal_names
             dnf, der = _psi.reduce_to_dnf(self.name, inputs, expr, names)
             # each statistic in the layout of the output rows that compute it: one program
             # computes both (attention: the one online-softmax pass gives Out, its max and sum)
@@ -542,7 +616,7 @@ class _SavingKernel(Kernel):
         from moajax import runtime
 
         dnf = self._build(specs, options)[2]
-        n_saved = len(dnf.outputs) - len(self._primal_names)
+        n_saved = len(dnf.outputs) - len(self._primal_names(specs, options))
         run = runtime.dispatch(*runtime.schedules(dnf, onf), implementation)
 
         def both(*args):

@@ -4,10 +4,10 @@
     run = dispatch(cpu_onf, gpu_onf)               # XLA loops on CPU, a Pallas kernel on CUDA
 
 Inside one jitted function only the target platform's branch is compiled
-(``compat.platform_dependent``). ``differentiable`` ties a forward to a backward under
-``jax.custom_vjp``: JAX differentiates every branch of a platform dispatch and has no
-derivative rule for a Pallas kernel over a grid, so the cotangents must come from a backward
-of our own (the compiled adjoint kernel, or the VJP of the XLA lowering).
+(``compat.platform_dependent``). ``differentiable`` ties a forward to its tangent and its backward
+(``jax.custom_jvp`` around a ``linear_call``): JAX differentiates every branch of a platform
+dispatch and has no derivative rule for a Pallas kernel over a grid, so the tangents and the
+cotangents must come from kernels of our own (the compiled tangent and adjoint kernels).
 """
 
 from __future__ import annotations
@@ -145,6 +145,23 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None):
     return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas"), default=xla)
 
 
+def _first_order_only(run, name: str):
+    """``run`` (a forward that also saves residuals) with a derivative that says it has none:
+    its saved values have no tangent kernel of their own."""
+    import jax
+
+    g = jax.custom_jvp(run)
+
+    def refuse(args, dots):
+        raise NotImplementedError(
+            f"{name}: a second derivative (jvp or grad of a derivative) of a call whose forward saves "
+            "residuals for its backward is not built; call it with residuals='none' (the backward then "
+            "recomputes, and its own tangent and adjoint kernels give the second derivative)")
+
+    g.defjvp(refuse)
+    return g
+
+
 def zero_cotangent(x):
     """The cotangent of a non-differentiable input: float0 zeros for ints and bools, as JAX gives."""
     import jax
@@ -152,34 +169,66 @@ def zero_cotangent(x):
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
-def differentiable(run, backward, n_outputs: int, saving=None):
-    """``run`` with the derivative ``backward(args, saved, outs, cotangents) -> one cotangent
-    per arg``.
+def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, floats=(), float_outputs=(),
+                   name: str = "kernel"):
+    """``run`` with its derivatives: ``tangent(args, dots) -> the tangents of the floating
+    outputs`` (forward mode: ``jax.jvp``) and ``backward(args, saved, outs, cotangents) -> one
+    cotangent per arg`` (reverse mode: ``jax.grad``), each the other's transpose.
 
-    The residuals are the primal inputs and, where ``saving()`` (asked when the function is
-    first differentiated) gives a forward computing the outputs and then the values the
-    backward reads instead of recomputing them, those saved values (``saved``; else empty)
-    and the outputs themselves (``outs``; else None), which the papers' identities read."""
+    ``floats``/``float_outputs`` flag the floating args/outputs: the others get float0 tangents
+    and cotangents, as in JAX. The two are tied by ``jax.custom_jvp`` around a ``linear_call``
+    of the tangent whose transpose is the backward, so reverse mode never transposes the
+    tangent's loops: it runs the backward. The residuals are the primal inputs and, where
+    ``saving()`` (asked when the function is first differentiated) gives a forward computing
+    the outputs and then the values the backward reads instead of recomputing them, those
+    saved values (``saved``; else empty) and the outputs themselves (``outs``; else None),
+    which the papers' identities read. A second derivative runs the tangent and adjoint
+    kernels' own derivatives where nothing is saved; with saved values it raises."""
     import jax
 
-    @jax.custom_vjp
+    from moajax import compat
+
+    @jax.custom_jvp
     def f(*args):
         return run(*args)
 
-    def fwd(*args):
+    def f_jvp(args, dots):
+        from jax.custom_derivatives import SymbolicZero
+
         run_saving = saving() if saving is not None else None
         if run_saving is None:
-            return run(*args), (args, (), None)
-        both = run_saving(*args)
-        outs = both[:n_outputs]
-        return (outs if n_outputs > 1 else outs[0]), (args, tuple(both[n_outputs:]), tuple(outs))
+            outs = f(*args)  # through ``f``, so that a second derivative runs this rule again
+            res = (tuple(args), (), None)
+        else:
+            both = _first_order_only(run_saving, name)(*args)
+            outs = both[:n_outputs] if n_outputs > 1 else both[0]
+            res = (tuple(args), tuple(both[n_outputs:]), tuple(both[:n_outputs]))
+        tup = tuple(outs) if n_outputs > 1 else (outs,)
+        # the linear operands: the tangents that move (a symbolic zero is no operand, so that
+        # reverse mode, which transposes the call, finds every operand linear)
+        moving = [i for i, (d, fl) in enumerate(zip(dots, floats)) if fl and not isinstance(d, SymbolicZero)]
+        if moving and any(float_outputs):
+            still = [i for i, fl in enumerate(floats) if fl and i not in moving]
 
-    def bwd(res, cts):
-        args, saved, outs = res
-        cts = tuple(cts) if n_outputs > 1 else (cts,)
-        return tuple(backward(args, saved, outs, cts))
+            def forward(res, ds):
+                full = dict(zip(moving, ds))
+                full.update({i: jax.numpy.zeros(np.shape(res[0][i]), res[0][i].dtype) for i in still})
+                return tuple(tangent(res[0], [full[i] for i in sorted(full)]))
 
-    f.defvjp(fwd, bwd)
+            def transpose(res, cts):
+                args, saved, outs = res
+                it = iter(cts)
+                full = [next(it) if fl else zero_cotangent(o) for o, fl in zip(tup, float_outputs)]
+                grads = backward(args, saved, outs, full)
+                return [grads[i] for i in moving]
+
+            flowing = iter(compat.linear_call(forward, transpose, res, [dots[i] for i in moving]))
+        else:  # nothing moves, or nothing can: zero tangents
+            flowing = iter(jax.numpy.zeros_like(o) for o in tup)
+        out_dots = tuple(next(flowing) if fl else zero_cotangent(o) for o, fl in zip(tup, float_outputs))
+        return outs, (out_dots if n_outputs > 1 else out_dots[0])
+
+    f.defjvp(f_jvp, symbolic_zeros=True)
     return f
 
 

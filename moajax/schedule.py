@@ -135,9 +135,15 @@ def _structure(onf: ONF, gpu: bool = False):
     return loops, out_vars, sorted(inner), sorted(rows, key=lambda v: -reuse(v))[:1]
 
 
-# (rows, keys, num_warps, num_stages) per dtype width and (padded) head dim, best first.
-# Chosen from a sweep compiled to PTX for sm_80 with ptxas (registers, spills, shared
-# memory; see bench/results/gpu_report.md); every default is checked for 0 spill bytes.
+# (rows, keys, num_warps, num_stages) per operand width (bytes) and held width, best first:
+# the held width is the padded extent of what a program holds whole inside its contractions
+# (attention's head dim, SwiGLU's d tile, a row statistic's tile of the last output axis), so
+# one table serves every kernel. Chosen from sweeps compiled to PTX with ptxas (registers,
+# spills, shared memory: bench/results/smem_sweep.md, gpu_report.md); every default is checked
+# for 0 spill bytes by ``moajax gpu-report``. Tables, not a register model: over the 1296
+# compilations of smem_sweep.md no count of register-resident bytes per thread (accumulators,
+# with or without the operand tiles) separates the tilings ptxas spills from those it does
+# not (float32 forward: spilling from 88 words per thread, spill-free up to 136).
 GPU_TILES = {
     (2, 64): [(128, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (32, 32, 4, 2), (16, 16, 4, 2)],
     (2, 128): [(128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2), (16, 16, 4, 2)],
@@ -167,7 +173,8 @@ GPU_WHOLE_MAX = 128
 
 
 def _gpu_candidates(table: dict, onf: ONF, widths) -> list:
-    """The (rows, keys, warps, stages) candidates for this dtype width and padded head dim."""
+    """The (rows, keys, warps, stages) candidates for this operand width and held width (the
+    widest of ``widths``, padded to a power of two: the axes held whole in a contraction)."""
     item = min(np.dtype(onf.dnf.outputs[0].dtype).itemsize, 8)
     width = max([next_pow2(w) for w in widths] or [16])
     if width > 128:

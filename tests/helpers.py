@@ -17,3 +17,11 @@ def rel_err(actual, expected) -> float:
 
 def rng(seed=0):
     return np.random.default_rng(seed)
+
+
+def inputs_of(expr):
+    """The moa inputs an expression reads, by name."""
+    from moajax import moa
+
+    found = {x.name: x for x in moa.nodes(expr) if isinstance(x, moa.Input)}
+    return [found[k] for k in sorted(found)]

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 import references as R
 from exprgen import expressions
-from helpers import rel_err
+from helpers import inputs_of, rel_err
 from moajax import adjoint, moa, reference
 from moajax.adjoint import AdjointError
 from moajax.kernels import attention_backward, rmsnorm_forward_backward, swiglu_forward_backward
@@ -26,16 +26,11 @@ from moajax.psi import reduce_to_dnf
 F64 = 1e-10
 
 
-def _inputs_of(expr):
-    found = {x.name: x for x in moa.nodes(expr) if isinstance(x, moa.Input)}
-    return [found[k] for k in sorted(found)]
-
-
 @settings(max_examples=300)
 @given(expressions(max_ops=6))
 def test_derived_adjoint_equals_jax_grad_of_the_reference(case):
     expr, values, _ = case
-    inputs = _inputs_of(expr)
+    inputs = inputs_of(expr)
     if not inputs or not adjoint.differentiable(expr.dtype):
         return  # nothing to differentiate (a bool result, or constants only)
     d_out = moa.array("d_out", expr.shape, expr.dims, expr.dtype)

@@ -34,6 +34,14 @@ def test_derive_saved_adjoint_prints_the_identities_it_applied(capsys):
     assert "identities applied to the DNF:" in out and "[Δ-from-output]" in out
 
 
+def test_derive_tangent_prints_the_forward_mode_kernel(capsys):
+    assert main(["derive", "rmsnorm", "--tangent"]) == 0
+    out = capsys.readouterr().out
+    assert "DNF rmsnorm_tangent" in out and "output:  t_out" in out and "t_weight" in out
+    assert main(["derive", "rmsnorm", "--tangent", "--adjoint"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+
 def test_derive_unknown_kernel(capsys):
     assert main(["derive", "nope"]) == 2
     assert "unknown kernel 'nope'" in capsys.readouterr().err

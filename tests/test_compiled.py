@@ -1,6 +1,7 @@
 """Calling a kernel runs compiled code (its ONF lowered for the platform), and jax.grad runs the
-compiled adjoint kernel: novel kernels written only with the public DSL against independent
-float64 NumPy references, forward and gradient, under jit and vmap, on XLA and Pallas-interpret.
+compiled adjoint kernel and jax.jvp the compiled tangent kernel: novel kernels written only with
+the public DSL against independent float64 NumPy references, forward, gradient and tangent,
+under jit and vmap, on XLA and Pallas-interpret.
 
 Tolerance: float64, rel ≤ 1e-10 — the compiled loops and the references sum in different
 orders (tiles, online rescaling), a few ulps per op over depth ≤ ~30."""
@@ -187,11 +188,75 @@ def test_value_and_grad_lowers_both_directions_to_pallas():
     assert any(n.startswith("moajax_relu2_attention_adjoint") for n in names)
 
 
-def test_jvp_of_a_call_raises_a_clear_error():
-    # forward mode is not built yet: JAX's own custom_vjp error says so, naming the cause
-    q, k, v, b = _args([(6, 4), (10, 4), (10, 3), (6, 10)], 7)
-    with pytest.raises(TypeError, match="can't apply forward-mode autodiff \\(jvp\\) to a custom_vjp function"):
-        jax.jvp(lambda q: relu2_attention(q, k, v, b), (q,), (q,))
+def numeric_jvp(f, args, dots, step=1e-6):
+    """Central differences of f along the tangents (float64: error ~ step² + eps/step)."""
+    hi = [a + step * d for a, d in zip(args, dots)]
+    lo = [a - step * d for a, d in zip(args, dots)]
+    return (f(*hi) - f(*lo)) / (2 * step)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kern,ref,shapes", CASES, ids=[c[0].name for c in CASES])
+def test_novel_kernels_jvp_runs_the_tangent_kernel(kern, ref, shapes, impl):
+    args, dots = _args(shapes, 11), _args(shapes, 12)
+    out, tan = jax.jit(lambda a, d: jax.jvp(lambda *x: kern(*x, implementation=impl), a, d))(args, dots)
+    assert rel_err(out, ref(*args)) <= F64
+    # finite differences of the independent reference: ~1e-9 of noise in float64
+    assert rel_err(tan, numeric_jvp(ref, args, dots)) <= 1e-7
+    assert rel_err(tan, jax.jvp(kern.reference, args, dots)[1]) <= F64
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jvp_under_vmap_and_vmap_under_jvp(impl):
+    q, k, v, b = _args([(3, 6, 4), (10, 4), (10, 3), (3, 6, 10)], 13)
+    dq, db = _args([(3, 6, 4), (3, 6, 10)], 14)
+    f = lambda q, b: relu2_attention(q, k, v, b, implementation=impl)  # noqa: E731
+    per_row = jax.vmap(lambda q, b, dq, db: jax.jvp(f, (q, b), (dq, db))[1])(q, b, dq, db)
+    whole = jax.jvp(jax.vmap(f), (q, b), (dq, db))[1]
+    for i in range(3):
+        want = numeric_jvp(lambda q, b: ref_relu2(q, k, v, b), [q[i], b[i]], [dq[i], db[i]])
+        assert rel_err(per_row[i], want) <= 1e-7
+        assert rel_err(whole[i], per_row[i]) <= F64
+
+
+def test_jvp_lowers_to_the_tangent_kernel_in_pallas():
+    # on CUDA, jax.jvp runs the tangent kernel (derived in the algebra) as a Pallas kernel
+    s = [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in [(64, 32), (64, 32), (64, 16), (64, 64)]]
+    f = lambda *a: jax.jvp(relu2_attention, a, a)  # noqa: E731
+    names = [k.name for k in triton_kernels(f, *s)]
+    assert any(n.startswith("moajax_relu2_attention_tangent") for n in names), names
+
+
+def test_jvp_gives_bool_inputs_and_outputs_float0_tangents():
+    @moajax.kernel(register=False)
+    def masked(x: "n d", keep: "n d"):
+        return moa.sum(moa.where(keep, x * x, 0.0), 1), moa.gt(x, 0.0)
+
+    x = np.random.default_rng(15).standard_normal((4, 5))
+    dx = np.random.default_rng(16).standard_normal((4, 5))
+    keep = x > 0
+    (y, pos), (dy, dpos) = jax.jvp(masked, (x, keep), (dx, np.zeros(keep.shape, jax.dtypes.float0)))
+    assert rel_err(dy, np.sum(np.where(keep, 2 * x * dx, 0.0), 1)) <= F64
+    assert dpos.dtype == jax.dtypes.float0 and dpos.shape == pos.shape
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_second_derivatives_run_the_derived_kernels(impl):
+    # with residuals="none" the backward and the tangent are kernels with derivatives of their own
+    q, k, v, b = _args([(6, 4), (10, 4), (10, 3), (6, 10)], 17)
+    f = lambda q: jnp.sum(jnp.sin(relu2_attention(q, k, v, b, implementation=impl, residuals="none")))  # noqa: E731
+    fr = lambda q: jnp.sum(jnp.sin(relu2_attention.reference(q, k, v, b)))  # noqa: E731
+    assert rel_err(jax.hessian(f)(q), jax.hessian(fr)(q)) <= F64
+    gg = lambda f: jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))  # noqa: E731
+    assert rel_err(gg(f)(q), gg(fr)(q)) <= F64
+
+
+def test_a_second_derivative_through_saved_residuals_is_refused_by_name():
+    q, k, v = _args([(7, 4), (7, 4), (7, 5)], 18)
+    f = lambda q: jnp.sum(jnp.sin(window_attention(q, k, v, residuals="save")))  # noqa: E731
+    assert rel_err(jax.grad(f)(q), jax.grad(lambda q: jnp.sum(jnp.sin(window_attention.reference(q, k, v))))(q)) <= F64
+    with pytest.raises(NotImplementedError, match="window_attention: a second derivative .* residuals='none'"):
+        jax.hessian(f)(q)
 
 
 def test_the_forward_saves_row_statistics_the_backward_reads():
