@@ -38,15 +38,24 @@ def _check_broadcast(name, shape, target):
             )
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, onf=None,
-                          implementation=None, residuals="auto"):
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                          score_mod=None, onf=None, implementation=None, residuals="auto"):
     """softmax(scale · Q Kᵀ + bias, masked) V — jax.nn.dot_product_attention's contract.
 
     query [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] / [B, S, K, E] with
     N % K == 0 (grouped-query attention: query head n reads kv head ⌊n·K/N⌋); bias
     (added to the logits) and mask (bool, True = keep) broadcast to [B, N, T, S];
-    ``scale`` defaults to 1/√H; ``is_causal`` keeps s ≤ t. float16/bfloat16 accumulate in
-    float32; float32 and float64 in themselves (float64 is float64-accurate).
+    ``scale`` defaults to 1/√H; ``is_causal`` keeps s ≤ t; ``query_seq_lengths`` and
+    ``key_value_seq_lengths`` (int [B]) keep t < its query length and s < its key length (the
+    rows past the query length are 0); ``local_window_size`` (an int w, or (left, right)) keeps
+    t − left ≤ s ≤ t + right. A row with no key kept averages V (jax.nn's result; its
+    gradients are finite). ``score_mod(score, batch, head, q_idx, kv_idx) -> score``
+    (FlexAttention's contract, written with jax.numpy on scalars) rewrites each score after
+    the bias and before the masks; it is traced into the kernel's array expression
+    (``moajax.trace``), so both backends run it and its derivative is derived with the rest
+    (an array it closes over, such as a table of relative-position biases, gets its gradient). float16/bfloat16 accumulate in float32; float32 and float64 in
+    themselves (float64 is float64-accurate).
 
     ``onf``: None (the machine's default schedule), a ``moajax.ONF`` derived for exactly
     these shapes, or a ``moajax.schedule.Preset`` (carry, tiles, γ, store, knobs) applied
@@ -120,6 +129,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             raise ValueError(f"dot_product_attention: scale must be finite, got {scale}")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"dot_product_attention: is_causal must be a static bool, got {type(is_causal).__name__}")
+    window = _check_window(local_window_size)
+    mod = _check_score_mod(score_mod, qd)
+    if mod is not None:
+        args += [jnp.asarray(c) for c in mod.consts]
+    lengths = [_check_lengths(name, x, B, n, batched) for name, x, n in (
+        ("query_seq_lengths", query_seq_lengths, T), ("key_value_seq_lengths", key_value_seq_lengths, S))]
+    args += [x for x in lengths if x is not None]
     runtime.check_onf_argument(onf, "dot_product_attention")
     runtime.check_implementation(implementation, "dot_product_attention")
     runtime.check_residuals(residuals, "dot_product_attention")
@@ -127,12 +143,80 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
     kern = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
-                      None if mask_shape is None else broadcast_dims(mask_shape), K != N)
+                      None if mask_shape is None else broadcast_dims(mask_shape), K != N,
+                      lengths[0] is not None, lengths[1] is not None, mod)
     # a kernel like any other: compiled per platform, its gradient the compiled adjoint kernel
     # derived in the algebra (moajax.adjoint), reading the forward's saved row statistics
     out = kern(*args, onf=onf, implementation=implementation, residuals=residuals,
-               scale=None if scale is None else float(scale), is_causal=bool(is_causal))
+               scale=None if scale is None else float(scale), is_causal=bool(is_causal),
+               **({} if window is None else {"local_window_size": window}))
     return out if batched else out[0]
+
+
+def _check_window(w):
+    """jax.nn's local_window_size: None, an int w (= (w, w)) or (left, right), each ≥ 0."""
+    if w is None:
+        return None
+    pair = (w, w) if isinstance(w, (int, np.integer)) and not isinstance(w, bool) else w
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"dot_product_attention: local_window_size must be an int or a (left, right) pair of ints, "
+                        f"got {w!r}")
+    for x in pair:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"dot_product_attention: local_window_size must hold ints, got {w!r}")
+        if x < 0:
+            raise ValueError(f"dot_product_attention: local_window_size must be ≥ 0, got {w!r}")
+    return (int(pair[0]), int(pair[1]))
+
+
+def _check_score_mod(fn, dtype):
+    """score_mod traced on scalars (score in the accumulation dtype, four int32 indices)."""
+    if fn is None:
+        return None
+    import inspect
+
+    from moajax.kernels.common import accumulation_dtype
+    from moajax.trace import ScalarFn
+
+    if not callable(fn):
+        raise TypeError(f"dot_product_attention: score_mod must be callable, got {type(fn).__name__}")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [p for p in positional if p.default is p.empty]
+        if len(required) > 5 or len(positional) < 5:
+            raise TypeError("dot_product_attention: score_mod must take 5 arguments (score, batch, head, q_idx, "
+                            f"kv_idx), got a function of {len(positional)}")
+    acc = accumulation_dtype(dtype)
+    mod = ScalarFn.trace(fn, [acc] + [np.int32] * 4, "dot_product_attention: score_mod")
+    if mod.out_dtype.kind != "f":
+        raise TypeError(f"dot_product_attention: score_mod must return a floating score, got {mod.out_dtype.name}")
+    return mod
+
+
+def _check_lengths(name, x, B, n, batched):
+    """A sequence-length argument: int [B] (an unbatched call: [1] or a scalar), each in 0 … n
+    where its values are known (under jit they are not checked)."""
+    if x is None:
+        return None
+    import jax
+    import jax.numpy as jnp
+
+    shape, dtype = _shape_dtype(x, name)
+    if dtype.kind not in "iu":
+        raise TypeError(f"dot_product_attention: {name} must be an integer array, got {dtype.name}")
+    if shape != (B,) and not (not batched and shape in ((), (1,))):
+        raise ValueError(f"dot_product_attention: {name} must have shape [{B}] (one length per batch element), "
+                         f"got {list(shape)}")
+    if not isinstance(x, jax.core.Tracer):
+        v = np.asarray(x)
+        if v.size and (v.min() < 0 or v.max() > n):
+            raise ValueError(f"dot_product_attention: {name} must lie in 0 … {n} (the sequence length), "
+                             f"got {v.tolist()}")
+    return jnp.reshape(jnp.asarray(x, jnp.int32), (B,))
 
 
 def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, machine=None,

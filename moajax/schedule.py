@@ -397,8 +397,11 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
                 continue  # an axis every output has (a batch) runs over programs, but owns no rows
             candidates.append(r)
     # a variable of extent 1 owns one row: it is valid (one program), but a longer one that
-    # is valid too splits the work (a saving forward's query group g of extent 1 before t)
-    candidates.sort(key=lambda v: v.extent <= 1)
+    # is valid too splits the work (a saving forward's query group g of extent 1 before t); and
+    # one that every main-loop read depends on (a batch b) shares no tile between its rows: a
+    # variable some read does not depend on (the queries t: K and V) goes first
+    reads = _heavy_reads(onf, _main_walks(onf))
+    candidates.sort(key=lambda v: (v.extent <= 1, all(v in r.free for r in reads)))
     for separate in (False, True):
         for r in candidates:
             for spread in (True, False):

@@ -262,6 +262,47 @@ def mha_backward(
     return (dquery, dkey, dvalue, dbias) if return_dbias else (dquery, dkey, dvalue)
 
 
+def variant_keep(B, N, T, S, *, mask=None, local_window_size=None, query_seq_lengths=None,
+                 key_value_seq_lengths=None):
+    """(keep [B,N,T,S] or None, query rows kept [B,T] or None) for jax.nn's variants: a bool
+    mask, a local window (int w or (left, right): t - left <= s <= t + right) and the
+    per-batch sequence lengths (t < q_len[b], s < kv_len[b])."""
+    keep = None if mask is None else np.broadcast_to(np.asarray(mask, bool), (B, N, T, S)).copy()
+    t = np.arange(T)[:, None]
+    s = np.arange(S)[None, :]
+    if local_window_size is not None:
+        left, right = ((local_window_size, local_window_size) if np.isscalar(local_window_size)
+                       else local_window_size)
+        win = np.broadcast_to((s >= t - left) & (s <= t + right), (B, N, T, S))
+        keep = win.copy() if keep is None else keep & win
+    rows = None
+    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+        ql = np.full(B, T) if query_seq_lengths is None else np.asarray(query_seq_lengths)
+        kl = np.full(B, S) if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
+        pad = np.stack([(t < ql[b]) & (s < kl[b]) for b in range(B)])[:, None]  # [B,1,T,S]
+        pad = np.broadcast_to(pad, (B, N, T, S))
+        keep = pad.copy() if keep is None else keep & pad
+        if query_seq_lengths is not None:
+            rows = np.stack([np.arange(T) < ql[b] for b in range(B)])
+    return keep, rows
+
+
+def mha_variants(query, key, value, *, bias=None, mask=None, scale=None, is_causal=False,
+                 local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None, dout=None):
+    """jax.nn.dot_product_attention with its variants, float64: the output, or with ``dout``
+    the gradients (dquery, dkey, dvalue, dbias [B,N,T,S]) of sum(out * dout). Rows past the
+    query length are 0 (so their dout does not flow back)."""
+    B, T, N, _ = np.shape(query)
+    S = np.shape(key)[1]
+    keep, rows = variant_keep(B, N, T, S, mask=mask, local_window_size=local_window_size,
+                              query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+    zero = (lambda x: x) if rows is None else (lambda x: x * rows[:, :, None, None])
+    if dout is None:
+        return zero(mha(query, key, value, bias=bias, mask=keep, scale=scale, is_causal=is_causal))
+    return mha_backward(query, key, value, zero(_f64(dout)), bias=bias, mask=keep, scale=scale,
+                        is_causal=is_causal, return_dbias=True)
+
+
 # --------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------

@@ -111,3 +111,20 @@ def test_decode_splits_the_cache_walk_when_programs_are_too_few():
         assert "s_o" not in _axes(schedule.derive(dnf, TINY_GPU))
         assert "s_o" not in _axes(schedule.derive(dnf, eight_sms, tiles={"s": 16}))
     assert rel_err(got, R.decode(*xs)) <= F64
+
+
+@pytest.mark.parametrize("machine", ["delta-a100", "local"])
+def test_a_saving_forward_owns_query_rows_not_the_batch(machine):
+    # the saving forward (Out with its row max and sum: outputs over different variables) is
+    # scheduled by the scatter rule; its programs own tiles of t, which K and V do not depend on,
+    # not of the batch b that every read depends on (B=2 made b the owner, one query per program)
+    from moajax.kernels.attention import mha_kernel
+
+    m = machines.load(machine) if machine != "local" else machines.local()
+    q, k = S((2, 256, 4, 64), np.float32), S((2, 256, 2, 64), np.float32)
+    for lengths in [(False, False), (True, True)]:
+        kern = mha_kernel(None, None, True, *lengths)
+        extra = [S((2,), np.int32) for flag in lengths if flag]
+        plan = schedule.derive_plan(kern.with_row_statistics().dnf(q, k, k, *extra), m)
+        onf = plan[0] if isinstance(plan, tuple) else plan
+        assert onf.axis("t").tile > 1 and onf.axis("b").tile == 1, onf

@@ -34,22 +34,62 @@ def _with_cell(score: moa.Array, x: moa.Array, axes: tuple, fn):
     raise ValueError(f"unsupported cell axes {axes}")
 
 
-def attention_probs(q, k, *, scale: float, is_causal: bool, bias=None, bias_axes=(), mask=None, mask_axes=()):
-    """P = softmax(scale · Q +.× ⍉K [+ bias] [masked]) for q [t h], k [s h] (accumulation dtype)."""
+def window_keep(t: int, s: int, window: tuple, dims=("t", "s")) -> moa.Array:
+    """(ι t ≤.× ι s + left) ∧ (ι t + right ≥.× ι s): key s within [t − left, t + right] (jax.nn's
+    ``local_window_size``)."""
+    left, right = window
+    it, is_ = moa.iota(t, dims[0]), moa.iota(s, dims[1])
+    return moa.logical_and(moa.outer(moa.le, it, is_ + left), moa.outer(moa.ge, it + right, is_))
+
+
+def scored(score: moa.Array, score_mod, batch, head) -> moa.Array:
+    """score_mod(score, batch, head, q_idx, kv_idx) for every element of the [t s] score
+    (FlexAttention's contract): a traced scalar function (``moajax.trace.ScalarFn``, with its
+    constants as moa arrays: ``score_mod = (fn, consts)``) applied by scalar extension, q_idx
+    and kv_idx being ι t and ι s spread over the cell."""
+    fn, consts = score_mod
+    (t, s), (dt, ds) = score.shape, score.dims
+    q_idx = moa.omega(lambda i, row: moa.omega(lambda _, ii: ii, (0, 0))(row, i), (0, 1))(
+        moa.iota(t, dt), moa.iota(s, ds))
+    kv_idx = moa.omega(lambda _, row: row, (0, 1))(moa.iota(t, dt), moa.iota(s, ds))
+    out = fn.apply([score, batch, head, q_idx, kv_idx], consts)
+    return out if out.dtype == score.dtype else moa.cast(out, score.dtype)
+
+
+def attention_probs(q, k, *, scale: float, is_causal: bool, bias=None, bias_axes=(), mask=None, mask_axes=(),
+                    window=None, q_length=None, kv_length=None, score_mod=None, batch=None, head=None):
+    """P = softmax(scale · Q +.× ⍉K [+ bias] [score_mod] [masked]) for q [t h], k [s h]
+    (accumulation dtype); masked: a bool ``mask``, causal, a local ``window`` (left, right),
+    the lengths (scalars); ``score_mod`` (``scored``) with this cell's batch and head indices."""
     score = moa.name("score", (q @ moa.transpose(k)) * scale)
     if bias is not None:
         score = _with_cell(score, bias, bias_axes, moa.add)
+    if score_mod is not None:
+        score = scored(score, score_mod, batch, head)
     big = large_negative(score.dtype)
     if mask is not None:
         score = _with_cell(score, mask, mask_axes, lambda s, m: moa.where(m, s, big))
+    t, s, dims = q.shape[0], k.shape[0], (q.dims[0], k.dims[0])
     if is_causal:
-        score = moa.where(causal_keep(q.shape[0], k.shape[0], (q.dims[0], k.dims[0])), score, big)
+        score = moa.where(causal_keep(t, s, dims), score, big)
+    if window is not None:
+        score = moa.where(window_keep(t, s, window, dims), score, big)
+    # the lengths (jax.nn's query_seq_lengths, key_value_seq_lengths; scalars of this batch
+    # element): keep the rows ι t < q_length and the keys ι s < kv_length
+    for length, axes, n, d in ((q_length, ("t",), t, dims[0]), (kv_length, ("s",), s, dims[1])):
+        if length is not None:
+            score = _with_cell(score, moa.lt(moa.iota(n, d), length), axes, lambda x, m: moa.where(m, x, big))
     return moa.softmax(score, axis=-1)
 
 
-def attention_cell(q, k, v, *, scale: float, is_causal: bool, **extras):
-    """The per-head definition: q [t h], k [s h], v [s e] (already in the accumulation dtype)."""
-    return attention_probs(q, k, scale=scale, is_causal=is_causal, **extras) @ v
+def attention_cell(q, k, v, *, scale: float, is_causal: bool, q_length=None, **extras):
+    """The per-head definition: q [t h], k [s h], v [s e] (already in the accumulation dtype);
+    the rows past ``q_length`` are 0 (as jax.nn gives them)."""
+    out = attention_probs(q, k, scale=scale, is_causal=is_causal, q_length=q_length, **extras) @ v
+    if q_length is None:
+        return out
+    rows = moa.lt(moa.iota(q.shape[0], q.dims[0]), q_length)
+    return moa.omega(lambda row, keep: moa.where(keep, row, 0.0), (1, 0))(out, rows)
 
 
 def attention_grads(q, k, v, d_out, probs, *, scale: float):
@@ -145,9 +185,12 @@ def _split_heads_levels(x: moa.Array, shape4, N: int, K: int, dims_ts=("t", "s")
     return x, tuple(levels), cell_axes
 
 
-def mha_expression(query, key, value, bias=None, mask=None, *, scale: float, is_causal: bool):
+def mha_expression(query, key, value, bias=None, mask=None, q_lengths=None, kv_lengths=None, *, scale: float,
+                   is_causal: bool, window=None, score_mod=None):
     """Multi-head attention in jax.nn's layout, as an array expression over moa inputs:
-    query [b t n h], key [b s n_kv h], value [b s n_kv e], bias/mask broadcastable to [b n t s]."""
+    query [b t n h], key [b s n_kv h], value [b s n_kv e], bias/mask broadcastable to [b n t s],
+    the sequence lengths [b] (int), a local ``window`` (left, right) or None, a ``score_mod``
+    (fn, its constants as moa inputs) or None."""
     B, T, N, H = query.shape
     _, S, K, _ = key.shape
     E = value.shape[-1]
@@ -169,6 +212,15 @@ def mha_expression(query, key, value, bias=None, mask=None, *, scale: float, is_
         x, lv, cax = _split_heads_levels(mask, m4, N, K)
         extra["mask"] = (len(ops_), cax)
         ops_.append((x, lv))
+    for name, lengths in (("q_length", q_lengths), ("kv_length", kv_lengths)):
+        if lengths is not None:  # one scalar per batch element: a cell of the b level only
+            extra[name] = (len(ops_), None)
+            ops_.append((lengths, ("b",)))
+    if score_mod is not None:  # the cell's batch index b, its head's (kv, g), the constants
+        fn, consts = score_mod
+        extra["score_mod"] = (len(ops_), len(consts))
+        ops_ += [(moa.iota(B, "b"), ("b",)), (moa.iota(K, "n_kv"), ("kv",)), (moa.iota(G, "g"), ("g",))]
+        ops_ += [(c, ()) for c in consts]
 
     def cell(*cells):
         kw = {}
@@ -178,7 +230,12 @@ def mha_expression(query, key, value, bias=None, mask=None, *, scale: float, is_
         if "mask" in extra:
             i, cax = extra["mask"]
             kw.update(mask=cells[i], mask_axes=cax)
-        return attention_cell(cells[0], cells[1], cells[2], scale=scale, is_causal=is_causal, **kw)
+        kw.update({name: cells[extra[name][0]] for name in ("q_length", "kv_length") if name in extra})
+        if "score_mod" in extra:
+            i, n = extra["score_mod"]
+            kw.update(score_mod=(score_mod[0], cells[i + 3:i + 3 + n]), batch=cells[i],
+                      head=cells[i + 1] * G + cells[i + 2])  # n = kv·G + g
+        return attention_cell(cells[0], cells[1], cells[2], scale=scale, is_causal=is_causal, window=window, **kw)
 
     # Ω over the levels b, kv, g, outermost first: an operand joins a level's frame only if it
     # varies along it (so K and V are shared by the G query heads of their kv head)
@@ -210,53 +267,73 @@ def broadcast_dims(shape) -> str:
     return " ".join(d + "1" if size == 1 else d for d, size in zip(full, shape))
 
 
-def _mha(query, key, value, bias=None, mask=None, *, scale: float | None = None, is_causal: bool = False):
+def _mha(query, key, value, bias=None, mask=None, q_lengths=None, kv_lengths=None, *, scale: float | None = None,
+         is_causal: bool = False, local_window_size=None, score_mod=None):
     B, T, N, H = query.shape
     if N % key.shape[2]:
         raise moa.MoAShapeError(f"mha: {N} query heads are not a multiple of {key.shape[2]} kv heads")
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-    return mha_expression(query, key, value, bias, mask, scale=scale, is_causal=bool(is_causal))
+    return mha_expression(query, key, value, bias, mask, q_lengths, kv_lengths, scale=scale,
+                          is_causal=bool(is_causal), window=local_window_size, score_mod=score_mod)
 
 
 @kernel(example=dict(b=2, t=8, n=4, s=12, n_kv=2, h=4, e=4))
 def mha(query: "b t n h", key: "b s n_kv h", value: "b s n_kv e", *, scale: float | None = None,
-        is_causal: bool = False):
-    """jax.nn layout: per (b, n), attention against kv head ⌊n·K/N⌋ (GQA by ψ-selection)."""
-    return _mha(query, key, value, scale=scale, is_causal=is_causal)
+        is_causal: bool = False, local_window_size: tuple | None = None):
+    """jax.nn layout: per (b, n), attention against kv head ⌊n·K/N⌋ (GQA by ψ-selection);
+    ``local_window_size`` (left, right): key s within [t − left, t + right]."""
+    return _mha(query, key, value, scale=scale, is_causal=is_causal, local_window_size=local_window_size)
 
 
 @functools.lru_cache(maxsize=64)
-def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, grouped: bool = True):
-    """``mha`` with a bias and/or a mask of these dims (``broadcast_dims``): one kernel per
-    broadcast pattern, each compiled and differentiated like any kernel — what
-    ``moajax.dot_product_attention`` calls. Without ``grouped`` (as many kv heads as query
-    heads) key and value name their head axis ``n`` like the query: dQ, dK and dV then share
-    it, so one program per head computes all three and the row statistics are shared."""
+def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, grouped: bool = True,
+               q_lengths: bool = False, kv_lengths: bool = False, score_mod=None):
+    """``mha`` with a bias and/or a mask of these dims (``broadcast_dims``) and/or the query and
+    key/value sequence lengths (int [b]) and/or a ``score_mod`` (a ``moajax.trace.ScalarFn``,
+    whose constants are further arguments): one kernel per pattern, each compiled and
+    differentiated like any kernel — what ``moajax.dot_product_attention`` calls. Without
+    ``grouped`` (as many kv heads as query heads) key and value name their head axis ``n`` like
+    the query: dQ, dK and dV then share it, so one program per head computes all three and the
+    row statistics are shared."""
     import inspect
 
     from moajax.kernel import Kernel
 
-    if bias_dims is None and mask_dims is None and grouped:
+    if (bias_dims is None and mask_dims is None and grouped and not q_lengths and not kv_lengths
+            and score_mod is None):
         return mha
+    consts = [] if score_mod is None else [f"score_mod_const{i}" for i in range(len(score_mod.consts))]
     names = ["query", "key", "value"] + (["bias"] if bias_dims is not None else []) + (
-        ["mask"] if mask_dims is not None else [])
+        ["mask"] if mask_dims is not None else []) + (["query_seq_lengths"] if q_lengths else []) + (
+        ["key_value_seq_lengths"] if kv_lengths else []) + consts
+    as_arg = {"query_seq_lengths": "q_lengths", "key_value_seq_lengths": "kv_lengths"}
 
-    def mha_masked(*arrays, scale=None, is_causal=False):
-        extra = dict(zip(names[3:], arrays[3:]))
-        return _mha(*arrays[:3], **extra, scale=scale, is_causal=is_causal)
+    def mha_masked(*arrays, scale=None, is_causal=False, local_window_size=None):
+        n = len(names) - len(consts)
+        extra = {as_arg.get(nm, nm): a for nm, a in zip(names[3:n], arrays[3:n])}
+        mod = None if score_mod is None else (score_mod, arrays[n:])
+        return _mha(*arrays[:3], **extra, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+                    score_mod=mod)
 
     P = inspect.Parameter
     mha_masked.__signature__ = inspect.Signature(
         [P(n, P.POSITIONAL_OR_KEYWORD) for n in names]
-        + [P("scale", P.KEYWORD_ONLY, default=None), P("is_causal", P.KEYWORD_ONLY, default=False)])
+        + [P("scale", P.KEYWORD_ONLY, default=None), P("is_causal", P.KEYWORD_ONLY, default=False),
+           P("local_window_size", P.KEYWORD_ONLY, default=None)])
     dims = {p.name: " ".join(p.dims) if grouped else " ".join(p.dims).replace("n_kv", "n") for p in mha.params}
     dims.update({n: d for n, d in (("bias", bias_dims), ("mask", mask_dims)) if d is not None})
-    suffix = "".join(f"_{n}" for n in names[3:]) + ("" if grouped else "_mh")
+    dims.update({n: "b" for n in as_arg if n in names})
+    for i, (nm, c) in enumerate(zip(consts, score_mod.consts if score_mod is not None else [])):
+        dims[nm] = " ".join(f"c{i}_{a}" for a in range(np.ndim(c)))
+    tag = {"query_seq_lengths": "qlen", "key_value_seq_lengths": "kvlen"}
+    suffix = "".join(f"_{tag.get(n, n)}" for n in names[3:] if n not in consts) + (
+        "_score_mod" if score_mod is not None else "") + ("" if grouped else "_mh")
     return Kernel(mha_masked, example=mha.example, name=f"mha{suffix}", dims=dims)
 
 
 def mha_dnf(qshape, kshape, vshape, dtype, bias_shape=None, bias_dtype=None, mask_shape=None,
-            scale: float | None = None, is_causal: bool = False):
+            scale: float | None = None, is_causal: bool = False, q_lengths: bool = False, kv_lengths: bool = False,
+            local_window_size: tuple | None = None):
     """The DNF of multi-head attention in jax.nn's layout for these static shapes: the DNF of
     ``mha_kernel`` (cached by the kernel), the one ``dot_product_attention`` runs."""
     import jax
@@ -267,6 +344,9 @@ def mha_dnf(qshape, kshape, vshape, dtype, bias_shape=None, bias_dtype=None, mas
         specs.append(jax.ShapeDtypeStruct(bias_shape, np.dtype(bias_dtype)))
     if mask_shape is not None:
         specs.append(jax.ShapeDtypeStruct(mask_shape, np.bool_))
+    specs += [jax.ShapeDtypeStruct((qshape[0],), np.int32) for flag in (q_lengths, kv_lengths) if flag]
     k = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
-                   None if mask_shape is None else broadcast_dims(mask_shape), kshape[2] != qshape[2])
-    return k.dnf(*specs, scale=None if scale is None else float(scale), is_causal=bool(is_causal))
+                   None if mask_shape is None else broadcast_dims(mask_shape), kshape[2] != qshape[2],
+                   q_lengths, kv_lengths)
+    return k.dnf(*specs, scale=None if scale is None else float(scale), is_causal=bool(is_causal),
+                 local_window_size=local_window_size)

@@ -1,0 +1,174 @@
+"""A scalar JAX function traced into the algebra: its jaxpr becomes moa operations.
+
+    fn = ScalarFn.trace(score_mod, [np.float32, np.int32, np.int32, np.int32, np.int32], "score_mod")
+    y = fn.apply([score, b, h, q_idx, kv_idx], consts)   # moa arrays, scalar-extended
+
+A user function written with ``jax.numpy`` on scalars (FlexAttention's ``score_mod``) is traced
+once by ``jax.make_jaxpr``; each equation becomes the moa operation of the same meaning,
+applied elementwise by scalar extension to whatever arrays stand for its arguments (the
+[t s] score, ι t and ι s, a head index), so the function is part of the kernel's array
+expression: ψ-reduced into its DNF, lowered by both backends, differentiated by the adjoint
+and tangent rules. A value the function closes over (a table of relative-position biases, the
+slopes of ALiBi) is a constant of the jaxpr; it becomes an input of the kernel (``consts``),
+so that its gradient flows. Reading such a table at a computed index (``table[i]``) is the
+one-hot contraction +/ (ι n = i) × table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moajax import moa
+
+_UNARY = {"neg": moa.neg, "exp": moa.exp, "log": moa.log, "tanh": moa.tanh, "logistic": moa.sigmoid,
+          "sqrt": moa.sqrt, "rsqrt": moa.rsqrt, "abs": moa.abs_, "not": moa.logical_not}
+_BINARY = {"add": moa.add, "sub": moa.sub, "mul": moa.mul, "div": moa.div, "max": moa.maximum,
+           "min": moa.minimum, "lt": moa.lt, "le": moa.le, "gt": moa.gt, "ge": moa.ge, "eq": moa.eq,
+           "ne": moa.ne, "and": moa.logical_and, "or": moa.logical_or}
+
+
+class TraceError(TypeError):
+    """A traced function uses something the algebra cannot express (names it)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScalarFn:
+    """A traced scalar function: its closed jaxpr, hashed and compared by its text and the
+    avals of its constants (the constants' values are arguments, not part of its identity)."""
+
+    name: str
+    jaxpr: object  # jax.extend.core.ClosedJaxpr
+    key: str
+
+    @staticmethod
+    def trace(fn, dtypes, name: str) -> "ScalarFn":
+        """Trace ``fn`` on scalars of ``dtypes``; it must return one scalar."""
+        import jax
+
+        try:
+            closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct((), np.dtype(d)) for d in dtypes])
+        except TypeError as e:
+            raise TypeError(f"{name}: could not be traced on {len(dtypes)} scalars ({e})") from None
+        outs = closed.out_avals
+        if len(outs) != 1 or tuple(outs[0].shape) != ():
+            raise ValueError(f"{name}: must return one scalar, got {[tuple(o.shape) for o in outs]}")
+        consts = ", ".join(f"{np.dtype(c.dtype).name}{list(np.shape(c))}" for c in closed.consts)
+        return ScalarFn(name, closed, f"{closed.jaxpr}|{consts}")
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, ScalarFn) and self.key == other.key
+
+    def __repr__(self):
+        return f"<traced {self.name}: {len(self.jaxpr.jaxpr.eqns)} ops>"
+
+    @property
+    def out_dtype(self):
+        return np.dtype(self.jaxpr.out_avals[0].dtype)
+
+    @property
+    def consts(self) -> list:
+        """The closed-over values, in order: the arrays ``apply`` takes as ``consts``."""
+        return list(self.jaxpr.consts)
+
+    def apply(self, args, consts=()):
+        """The function applied elementwise to moa arrays ``args`` (scalar-extended), its
+        constants read from the moa arrays ``consts``."""
+        jaxpr = self.jaxpr.jaxpr
+        if len(consts) != len(jaxpr.constvars):
+            raise ValueError(f"{self.name}: {len(jaxpr.constvars)} constants, got {len(consts)}")
+        return _eval(self.name, jaxpr, list(consts), list(args))
+
+
+def _literal(x):
+    val = np.asarray(x.val)
+    dt = np.dtype(x.aval.dtype)
+    if val.shape != ():
+        raise TraceError(f"an array literal of shape {list(val.shape)} (only scalars are inlined)")
+    return moa.scalar(val.item(), dt)
+
+
+def _eval(name, jaxpr, consts, args):
+    env: dict = {}
+
+    def read(v):
+        if type(v).__name__ == "Literal":
+            return _literal(v)
+        return env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        xs = [read(v) for v in eqn.invars]
+        out = _op(name, prim, eqn, xs)
+        for v, o in zip(eqn.outvars, out if isinstance(out, (list, tuple)) else [out]):
+            env[v] = o
+    (res,) = [read(v) for v in jaxpr.outvars]
+    return res
+
+
+def _op(name, prim, eqn, xs):
+    if prim in _UNARY:
+        return _UNARY[prim](xs[0])
+    if prim in _BINARY:
+        return _BINARY[prim](xs[0], xs[1])
+    if prim == "integer_pow":
+        y = exponent = eqn.params["y"]
+        if y < 1:
+            raise TraceError(f"{name}: integer_pow with exponent {y} (only positive powers)")
+        out = xs[0]
+        for _ in range(exponent - 1):
+            out = out * xs[0]
+        return out
+    if prim == "square":
+        return xs[0] * xs[0]
+    if prim == "select_n":  # select_n(p, x₀, x₁): x₁ where p else x₀
+        if len(xs) != 3:
+            raise TraceError(f"{name}: select_n with {len(xs) - 1} cases (only two)")
+        pred = xs[0] if xs[0].dtype == np.bool_ else moa.ne(xs[0], 0)
+        return moa.where(pred, xs[2], xs[1])
+    if prim == "convert_element_type":
+        return moa.cast(xs[0], eqn.params["new_dtype"])
+    if prim in ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"):
+        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        inner = getattr(inner, "jaxpr", inner)
+        consts = list(getattr(eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr"), "consts", []))
+        if consts:
+            raise TraceError(f"{name}: a nested call with constants of its own")
+        return _eval(name, inner, [], xs)
+    if prim == "dynamic_slice":  # table[i] of a closed-over table: (one-hot) +/ (ι n = i) × table
+        table, index = xs[0], xs[1:]
+        if table.rank != 1 or eqn.params["slice_sizes"] != (1,):
+            raise TraceError(f"{name}: dynamic_slice of shape {list(table.shape)} (only one element of a 1-D table)")
+        return _one_hot_read(table, index[0])
+    if prim == "squeeze":  # of a table read's trailing axis of 1
+        return _squeeze_table_read(name, xs[0])
+    raise TraceError(f"{name}: the operation {prim!r} has no counterpart in the algebra")
+
+
+def _one_hot_read(table: moa.Array, index: moa.Array) -> moa.Array:
+    """table[index] for every element of ``index`` (any shape): Σ_j (ι n = index) × table[j],
+    with a trailing axis of 1 (dynamic_slice's), removed by the squeeze that follows."""
+    n = table.shape[0]
+
+    def one(ix, tab):
+        hit = moa.eq(moa.iota(n, table.dims[0]), ix)
+        return moa.reshape(moa.sum(moa.where(hit, tab, 0.0), 0), (1,), dims=("one",))
+
+    return moa.omega(one, (0, 1))(index, table)
+
+
+def _squeeze_table_read(name, x: moa.Array) -> moa.Array:
+    if not x.rank or x.shape[-1] != 1:
+        raise TraceError(f"{name}: squeeze of shape {list(x.shape)}")
+    return moa.omega(lambda c: moa.psi((0,), c), 1)(x) if x.rank > 1 else moa.psi((0,), x)
+
+
+__all__ = ["ScalarFn", "TraceError"]

@@ -1,0 +1,297 @@
+"""jax.nn's attention variants through ``moajax.dot_product_attention``, forward and backward:
+a local window, the query and key/value sequence lengths, causal, a bool mask, a bias (with its
+gradient), GQA — alone and combined — against the independent float64 reference
+(tests/references.py: ``mha_variants``), on XLA and on Pallas-interpret.
+
+Tolerances: float64 rel ≤ 1e-12 — the compiled loops and the reference sum a row of ≤ 16 keys
+in different orders (online rescaling, tiles): a few ulps, four orders under the bound;
+float32 rel ≤ 1e-5 — float32 rounding (6e-8 per op) over a softmax and two contractions of
+≤ 16 terms, as against the float64 reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moajax
+import references as R
+from helpers import rel_err
+
+F64, F32 = 1e-12, 1e-5
+IMPLS = ["xla", "pallas_interpret"]
+B, T, S, N, H = 2, 7, 9, 4, 3
+
+
+def _qkv(K, seed, dtype=np.float64, T=T, S=S, N=N):
+    r = np.random.default_rng(seed)
+    q, k, v, g = (r.standard_normal(s).astype(dtype) for s in [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)])
+    return q, k, v, g
+
+
+def _grads(q, k, v, g, impl, bias=None, **kw):
+    def f(q, k, v, bias):
+        return jnp.sum(moajax.dot_product_attention(q, k, v, bias, implementation=impl, **kw) * g)
+
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2) + ((3,) if bias is not None else ())))(q, k, v, bias)
+
+
+# one case per variant and the combinations the issue names
+LENGTHS = dict(query_seq_lengths=np.array([5, 7], np.int32), key_value_seq_lengths=np.array([9, 3], np.int32))
+CASES = {
+    "window": (2, dict(local_window_size=2)),
+    "window (left, right)": (2, dict(local_window_size=(1, 3))),
+    "causal with window": (4, dict(is_causal=True, local_window_size=(2, 0))),
+    "query lengths": (4, dict(query_seq_lengths=np.array([5, 0], np.int32))),
+    "kv lengths, one empty": (2, dict(key_value_seq_lengths=np.array([0, 4], np.int32))),
+    "GQA with lengths": (2, LENGTHS),
+    "MQA, causal, lengths, window": (1, dict(is_causal=True, local_window_size=1, **LENGTHS)),
+    "bias with mask": (2, dict(bias=True, mask=True)),
+    "bias, mask, lengths, window": (2, dict(bias=True, mask=True, local_window_size=(3, 1), **LENGTHS)),
+}
+
+
+def _extras(kw, seed):
+    kw = dict(kw)
+    r = np.random.default_rng(seed)
+    bias = r.standard_normal((B, N, T, S)) if kw.pop("bias", False) else None
+    if kw.pop("mask", False):
+        kw["mask"] = r.random((B, 1, T, S)) < 0.7
+    return bias, kw
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_variants_float64_forward_and_grads(case, impl):
+    K, kw = CASES[case]
+    q, k, v, g = _qkv(K, 1)
+    bias, kw = _extras(kw, 2)
+    got = moajax.dot_product_attention(q, k, v, bias, implementation=impl, **kw)
+    assert rel_err(got, R.mha_variants(q, k, v, bias=bias, **kw)) <= F64
+    want = R.mha_variants(q, k, v, bias=bias, dout=g, **kw)
+    grads = _grads(q, k, v, g, impl, bias, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads, want):
+        assert _close(a, b, F64), name
+
+
+@pytest.mark.parametrize("case", ["GQA with lengths", "bias, mask, lengths, window"])
+def test_variants_float32(case):
+    K, kw = CASES[case]
+    q, k, v, g = _qkv(K, 3, np.float32)
+    bias, kw = _extras(kw, 4)
+    bias = None if bias is None else bias.astype(np.float32)
+    got = moajax.dot_product_attention(q, k, v, bias, **kw)
+    assert got.dtype == np.float32 and rel_err(got, R.mha_variants(q, k, v, bias=bias, **kw)) <= F32
+    want = R.mha_variants(q, k, v, bias=bias, dout=g, **kw)
+    for a, b in zip(_grads(q, k, v, g, None, bias, **kw), want):
+        assert rel_err(a, b) <= F32
+
+
+def test_fully_masked_rows_match_jax_nn_and_have_finite_gradients():
+    # every key of batch 1 is padded away: jax.nn averages V there; the gradients stay finite
+    q, k, v, g = _qkv(2, 5, np.float32)
+    kw = dict(key_value_seq_lengths=np.array([6, 0], np.int32), local_window_size=1)
+    got = moajax.dot_product_attention(q, k, v, **kw)
+    assert rel_err(got, jax.nn.dot_product_attention(q, k, v, **kw)) <= F32
+    for d in _grads(q, k, v, g, None, **kw):
+        assert np.all(np.isfinite(d))
+
+
+def test_lengths_are_runtime_values_under_jit_and_vmap():
+    q, k, v, _ = _qkv(2, 6)
+    f = jax.jit(lambda q, ql: moajax.dot_product_attention(q, k, v, query_seq_lengths=ql))
+    for ql in ([7, 2], [1, 6]):  # one compilation, two lengths
+        ql = np.array(ql, np.int32)
+        assert rel_err(f(q, ql), R.mha_variants(q, k, v, query_seq_lengths=ql)) <= F64
+    # vmap over an extra leading axis of the query and its lengths
+    qs = np.stack([q, q[:, ::-1]])
+    qls = np.array([[7, 2], [3, 3]], np.int32)
+    out = jax.vmap(lambda q, ql: moajax.dot_product_attention(q, k, v, query_seq_lengths=ql))(qs, qls)
+    for i in range(2):
+        assert rel_err(out[i], R.mha_variants(qs[i], k, v, query_seq_lengths=qls[i])) <= F64
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(window, causal):
+    """jit(value and grads) per static configuration; the lengths are runtime arguments (a
+    length equal to its sequence's pads nothing)."""
+    key = (window, causal)
+    if key not in _COMPILED:
+        def run(q, k, v, g, ql, kvl):
+            kw = dict(is_causal=causal, local_window_size=window, query_seq_lengths=ql, key_value_seq_lengths=kvl)
+            f = lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, implementation="xla", **kw) * g)  # noqa: E731
+            return moajax.dot_product_attention(q, k, v, implementation="xla", **kw), jax.grad(f, (0, 1, 2))(q, k, v)
+
+        _COMPILED[key] = jax.jit(run)
+    return _COMPILED[key]
+
+
+def _close(a, b, tol):
+    """max |a − b| ≤ tol · max(max |b|, 1): relative to the gradient, or to the O(1) scale of the
+    standard-normal inputs where the gradient is 0 (a window of 0 makes P one-hot: dQ = 0, and
+    the reference's rounding leaves ~1e-17 there)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.all(np.isfinite(a))
+    return float(np.max(np.abs(a - b), initial=0.0)) <= tol * max(float(np.max(np.abs(b), initial=0.0)), 1.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 4, 6, 2, 1), (2, 5, 5, 2, 2), (1, 6, 3, 4, 2)]),  # (B, T, S, N, K)
+    window=st.sampled_from([None, 0, 1, (0, 2), (3, 1)]),
+    causal=st.booleans(),
+    which=st.sampled_from(["none", "q", "kv", "both"]),  # which lengths pad (the others are full)
+    seed=st.integers(0, 2**16),
+)
+def test_random_windows_lengths_and_groupings(shape, window, causal, which, seed):
+    Bh, Th, Sh, Nh, Kh = shape
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((Bh, Th, Nh, 2))
+    k = r.standard_normal((Bh, Sh, Kh, 2))
+    v = r.standard_normal((Bh, Sh, Kh, 2))
+    g = r.standard_normal((Bh, Th, Nh, 2))
+    ql = r.integers(0, Th + 1, Bh).astype(np.int32) if which in ("q", "both") else np.full(Bh, Th, np.int32)
+    kvl = r.integers(0, Sh + 1, Bh).astype(np.int32) if which in ("kv", "both") else np.full(Bh, Sh, np.int32)
+    kw = dict(is_causal=causal, local_window_size=window, query_seq_lengths=ql, key_value_seq_lengths=kvl)
+    got, grads = _compiled(window, causal)(q, k, v, g, ql, kvl)
+    assert _close(got, R.mha_variants(q, k, v, **kw), F64)
+    for a, b in zip(grads, R.mha_variants(q, k, v, dout=g, **kw)):
+        assert _close(a, b, F64)
+
+
+def test_check_grads_in_reverse_mode():
+    from jax.test_util import check_grads
+
+    q, k, v, _ = _qkv(2, 7)
+    kw = dict(is_causal=True, local_window_size=(2, 1), key_value_seq_lengths=np.array([8, 5], np.int32))
+    check_grads(lambda q, k, v: moajax.dot_product_attention(q, k, v, **kw), (q, k, v), order=1, modes=("rev",))
+
+
+def test_bad_variant_arguments_are_named():
+    q, k, v, _ = _qkv(2, 8)
+    attn = moajax.dot_product_attention
+    with pytest.raises(ValueError, match="local_window_size must be ≥ 0"):
+        attn(q, k, v, local_window_size=-1)
+    with pytest.raises(TypeError, match="local_window_size must hold ints"):
+        attn(q, k, v, local_window_size=(1.5, 2))
+    with pytest.raises(TypeError, match="local_window_size must be an int or a \\(left, right\\) pair"):
+        attn(q, k, v, local_window_size=(1, 2, 3))
+    with pytest.raises(TypeError, match="query_seq_lengths must be an integer array"):
+        attn(q, k, v, query_seq_lengths=np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="key_value_seq_lengths must have shape \\[2\\]"):
+        attn(q, k, v, key_value_seq_lengths=np.array([1, 2, 3], np.int32))
+    with pytest.raises(ValueError, match="query_seq_lengths must lie in 0 … 7"):
+        attn(q, k, v, query_seq_lengths=np.array([1, 8], np.int32))
+
+
+def test_the_cuda_lowering_of_grad_holds_pallas_forward_and_backward_kernels():
+    from moajax.gpu_report import triton_kernels
+
+    S = jax.ShapeDtypeStruct
+    q, k, ql = S((2, 128, 4, 32), jnp.float32), S((2, 128, 2, 32), jnp.float32), S((2,), jnp.int32)
+
+    def loss(q, k, v, ql, kvl):
+        return jnp.sum(moajax.dot_product_attention(q, k, v, query_seq_lengths=ql, key_value_seq_lengths=kvl,
+                                                    local_window_size=(32, 0), is_causal=True))
+
+    names = [x.name for x in triton_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, ql, ql)]
+    assert any(n.startswith("moajax_mha_qlen_kvlen") and "adjoint" not in n for n in names), names
+    assert any(n.startswith("moajax_mha_qlen_kvlen_adjoint") for n in names), names
+
+
+# ----------------------------------------------------------------------------- score_mod
+
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
+TABLE = np.random.default_rng(9).standard_normal(7)
+
+
+def _alibi(s, b, h, q_idx, kv_idx):
+    return s + jnp.asarray(SLOPES)[h] * (kv_idx - q_idx)
+
+
+def _relpos(s, b, h, q_idx, kv_idx):
+    return s + jnp.asarray(TABLE)[jnp.clip(q_idx - kv_idx, -3, 3) + 3]
+
+
+def _as_bias(name):
+    """The [B,N,T,S] bias the same score_mod adds, built in numpy."""
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    per_head = [SLOPES[h] * (s - t) if name == "alibi" else TABLE[np.clip(t - s, -3, 3) + 3] for h in range(N)]
+    return np.broadcast_to(np.stack(per_head)[None], (B, N, T, S))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,mod", [("alibi", _alibi), ("relpos", _relpos)])
+def test_score_mod_equals_the_bias_it_adds(name, mod, impl):
+    # ALiBi reads a per-head slope, relative position a small table at a computed index: both
+    # traced into the kernel; the reference adds the same values as a bias, with causal masking
+    q, k, v, g = _qkv(2, 10)
+    kw = dict(is_causal=True, score_mod=mod, implementation=impl)
+    got = moajax.dot_product_attention(q, k, v, **kw)
+    assert rel_err(got, R.mha_variants(q, k, v, bias=_as_bias(name), is_causal=True)) <= F64
+    grads = jax.grad(lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, **kw) * g), (0, 1, 2))(q, k, v)
+    for a, b in zip(grads, R.mha_variants(q, k, v, bias=_as_bias(name), is_causal=True, dout=g)):
+        assert _close(a, b, F64)
+
+
+def test_a_closed_over_table_gets_its_gradient():
+    q, k, v, g = _qkv(2, 11)
+
+    def loss(table):
+        mod = lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -3, 3) + 3]  # noqa: E731
+        return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod) * g)
+
+    got = jax.grad(loss)(jnp.asarray(TABLE))
+    dbias = R.mha_variants(q, k, v, bias=_as_bias("relpos"), dout=g)[3]
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    bins = np.clip(t - s, -3, 3) + 3
+    want = np.array([dbias.sum(axis=(0, 1))[bins == j].sum() for j in range(7)])
+    assert rel_err(got, want) <= F64
+
+
+def _ref_softcap(q, k, v, cap):
+    """tanh soft-capping, causal, in numpy float64: cap · tanh(scale · q kᵀ / cap)."""
+    Bq, Tq, Nq, Hq = q.shape
+    G = Nq // k.shape[2]
+    out = np.zeros(q.shape[:3] + (v.shape[-1],))
+    keep = np.tril(np.ones((Tq, k.shape[1]), bool))
+    for b in range(Bq):
+        for n in range(Nq):
+            sc = cap * np.tanh(q[b, :, n] @ k[b, :, n // G].T / np.sqrt(Hq) / cap)
+            sc = np.where(keep, sc, R.large_negative(np.float64))
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            out[b, :, n] = (p / p.sum(-1, keepdims=True)) @ v[b, :, n // G]
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_score_mod_soft_capping_with_causal(impl):
+    q, k, v, g = _qkv(2, 12)
+    kw = dict(is_causal=True, score_mod=lambda s, b, h, qi, ki: 2.0 * jnp.tanh(s / 2.0), implementation=impl)
+    assert rel_err(moajax.dot_product_attention(q, k, v, **kw), _ref_softcap(q, k, v, 2.0)) <= F64
+    dq = jax.grad(lambda q: jnp.sum(moajax.dot_product_attention(q, k, v, **kw) * g))(q)
+    # central differences of the numpy reference: ~1e-9 of noise in float64
+    num = np.zeros_like(q)
+    for idx in np.ndindex(q.shape):
+        d = np.zeros_like(q)
+        d[idx] = 1e-6
+        num[idx] = np.sum((_ref_softcap(q + d, k, v, 2.0) - _ref_softcap(q - d, k, v, 2.0)) * g) / 2e-6
+    assert rel_err(dq, num) <= 1e-7
+
+
+def test_bad_score_mods_are_named():
+    q, k, v, _ = _qkv(2, 13)
+    attn = moajax.dot_product_attention
+    with pytest.raises(TypeError, match="score_mod must take 5 arguments"):
+        attn(q, k, v, score_mod=lambda s, b, h: s)
+    with pytest.raises(ValueError, match="score_mod: must return one scalar"):
+        attn(q, k, v, score_mod=lambda s, b, h, qi, ki: jnp.stack([s, s]))
+    with pytest.raises(TypeError, match="score_mod must return a floating score"):
+        attn(q, k, v, score_mod=lambda s, b, h, qi, ki: s > 0)
+    with pytest.raises(TypeError, match="the operation 'sin' has no counterpart"):
+        attn(q, k, v, score_mod=lambda s, b, h, qi, ki: jnp.sin(s))
+    with pytest.raises(TypeError, match="score_mod must be callable"):
+        attn(q, k, v, score_mod=3.0)
