@@ -137,6 +137,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         ("query_seq_lengths", query_seq_lengths, T), ("key_value_seq_lengths", key_value_seq_lengths, S))]
     args += [x for x in lengths if x is not None]
     runtime.check_onf_argument(onf, "dot_product_attention")
+    onf = _backward_plan(onf, bias is not None)
     runtime.check_implementation(implementation, "dot_product_attention")
     runtime.check_residuals(residuals, "dot_product_attention")
 
@@ -151,6 +152,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                scale=None if scale is None else float(scale), is_causal=bool(is_causal),
                **({} if window is None else {"local_window_size": window}))
     return out if batched else out[0]
+
+
+# the seed's backward ONFs (REFERENCE.md §5) as plans of the adjoint's outputs: "atomic" — one
+# kernel whose programs own query tiles, dK and dV scatter-added; "split" — dV in a kernel of
+# its own owning key tiles, dK still scatter-added beside dQ; "owner" — no atomics (dQ owning
+# query tiles, dK and dV owning key tiles), bitwise repeatable, the GPU default
+def _backward_plan(onf, with_bias: bool):
+    """A Preset's ``backward`` named as the seed's ONFs, as the adjoint's plan."""
+    import dataclasses
+
+    if not isinstance(onf, Preset) or onf.backward is None or isinstance(onf.backward, tuple):
+        return onf
+    if onf.backward == "split":
+        first = ("d_query", "d_key") + (("d_bias",) if with_bias else ())
+        return dataclasses.replace(onf, backward=(first, ("d_value",)))
+    return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 
 
 def _check_window(w):

@@ -216,6 +216,7 @@ class Kernel:
         from moajax import adjoint as _adjoint
         from moajax import runtime
         from moajax.onf import ONF
+        from moajax.schedule import Preset
 
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
@@ -225,11 +226,15 @@ class Kernel:
         if hit is not None:
             return hit
         dnf = self._build(specs, options)[2]
-        run = self._batchable(runtime.dispatch(*runtime.schedules(dnf, onf), implementation), len(dnf.outputs),
+        names = tuple(o.name for o in dnf.outputs)
+        run = self._batchable(runtime.dispatch(*runtime.schedules(dnf, onf), implementation, names), len(dnf.outputs),
                               options, onf, implementation)
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
         chosen: list = []
+        # a Preset's ``backward``: how the adjoint's outputs are cut into kernels (its plan)
+        backward_preset = (Preset.of(plan=onf.backward, target=onf.target)
+                           if isinstance(onf, Preset) and onf.backward is not None else None)
 
         def saving():
             """The forward that also saves the row statistics, or None — decided (and its
@@ -248,7 +253,7 @@ class Kernel:
                    for ct, (shape, dt) in zip(cts, out_specs)]
             adj = self._adjoint_for(key[0], options, outs is not None)
             grads = adj(*args, *cts, *saved, *(outs or ()), implementation=implementation, residuals="none",
-                        **options)
+                        onf=backward_preset, **options)
             grads = iter(grads if isinstance(grads, tuple) else (grads,))
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
@@ -617,7 +622,7 @@ class _SavingKernel(Kernel):
 
         dnf = self._build(specs, options)[2]
         n_saved = len(dnf.outputs) - len(self._primal_names(specs, options))
-        run = runtime.dispatch(*runtime.schedules(dnf, onf), implementation)
+        run = runtime.dispatch(*runtime.schedules(dnf, onf), implementation, tuple(o.name for o in dnf.outputs))
 
         def both(*args):
             res = run(*args)

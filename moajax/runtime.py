@@ -102,14 +102,21 @@ def has_gpu() -> bool:
 
 
 @functools.lru_cache(maxsize=512)
-def lowered(onf, backend: str):
-    """The ONF lowered for one backend: "xla", "pallas" or "pallas_interpret"; a tuple of
-    single-output ONFs (``schedule.derive_plan``) runs them one after another."""
+def lowered(onf, backend: str, order: tuple | None = None):
+    """The ONF lowered for one backend: "xla", "pallas" or "pallas_interpret"; a tuple of ONFs
+    (``schedule.derive_plan``) runs them one after another, their outputs returned in the
+    ``order`` of the output names (default: as the parts give them)."""
     if isinstance(onf, tuple):
         parts = [lowered(o, backend) for o in onf]
+        names = [o.name for part in onf for o in part.dnf.outputs]
+        where = [names.index(n) for n in order] if order else list(range(len(names)))
 
         def run(*args):
-            return tuple(f(*args) for f in parts)
+            outs = []
+            for f in parts:
+                res = f(*args)
+                outs += list(res) if isinstance(res, tuple) else [res]
+            return tuple(outs[i] for i in where)
 
         return run
     if backend == "xla":
@@ -121,19 +128,20 @@ def lowered(onf, backend: str):
     return pallas_kernels.lower(onf, interpret=backend == "pallas_interpret")
 
 
-def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None):
+def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None, order: tuple | None = None):
     """One JAX function running ``cpu_onf`` through XLA on a CPU and ``gpu_onf`` through Pallas
     on CUDA (``implementation`` None), or one backend everywhere ("xla", "pallas",
-    "pallas_interpret": the Pallas kernel run on the CPU)."""
+    "pallas_interpret": the Pallas kernel run on the CPU); ``order``: the DNF's output names
+    (the order a plan of several ONFs returns its outputs in)."""
     from moajax import compat
 
     if implementation == "xla":
-        return lowered(cpu_onf, "xla")
+        return lowered(cpu_onf, "xla", order)
     if isinstance(gpu_onf, ONFError) and implementation in ("pallas", "pallas_interpret"):
         raise gpu_onf
     if implementation in ("pallas", "pallas_interpret"):
-        return lowered(gpu_onf, implementation)
-    xla = lowered(cpu_onf, "xla")
+        return lowered(gpu_onf, implementation, order)
+    xla = lowered(cpu_onf, "xla", order)
     if isinstance(gpu_onf, ONFError):
         # no GPU ONF fits, on a machine without a GPU (``schedules``): a CPU call must not fail
         # for it, and a CUDA lowering made here (offline) carries the XLA loops, saying so
@@ -142,7 +150,7 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None):
         warnings.warn(f"{gpu_onf} — lowered for CUDA, this kernel runs as XLA loops, not Pallas",
                       RuntimeWarning, stacklevel=3)
         return functools.partial(compat.platform_dependent, cpu=xla, cuda=xla, default=xla)
-    return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas"), default=xla)
+    return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas", order), default=xla)
 
 
 def _first_order_only(run, name: str):

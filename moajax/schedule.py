@@ -47,10 +47,14 @@ class Preset:
     # what a differentiated call's forward saves for its backward: "auto" (the cost model
     # decides), "save" (its row statistics and outputs) or "none" (recompute); None: "auto"
     residuals: str | None = None
+    # how a multi-output DNF is cut into kernels (``PLANS`` or a partition of its output names;
+    # None: derived, ``derive_plan``); ``backward``: the same for this call's adjoint
+    plan: object = None
+    backward: object = None
 
     @staticmethod
     def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, residuals=None,
-           **knobs) -> "Preset":
+           plan=None, backward=None, **knobs) -> "Preset":
         def items(d):
             return tuple(sorted((d or {}).items()))
 
@@ -59,7 +63,7 @@ class Preset:
         if residuals not in (None, "auto", "save", "none"):
             raise ValueError(f"Preset: residuals must be None, 'auto', 'save' or 'none', got {residuals!r}")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
-                      residuals)
+                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"))
 
     def applies_to(self, machine: Machine) -> bool:
         return self.target is None or self.target == machine.kind
@@ -74,6 +78,25 @@ class Preset:
         data.pop("description", None)
         knobs = data.pop("knobs", {})
         return Preset.of(**data, **knobs)
+
+
+# how a multi-output DNF runs: "fused" (one kernel: programs own one output's rows, every output
+# without that variable scatter-added, atomics on a GPU), "owner" (outputs grouped so that each
+# kernel's programs own the rows of all its outputs: no atomics, each kernel recomputing what
+# they share; bitwise repeatable), "per_output" (one kernel per output)
+PLANS = ("fused", "owner", "per_output")
+
+
+def _check_plan(plan, what: str):
+    if plan == "atomic":  # the seed's name for the fused backward
+        return "fused"
+    if plan is None or plan in PLANS or (what == "backward" and plan == "split"):  # (attention's, ``api``)
+        return plan
+    if isinstance(plan, (tuple, list)) and plan and all(
+            isinstance(g, (tuple, list)) and g and all(isinstance(n, str) for n in g) for g in plan):
+        return tuple(tuple(g) for g in plan)
+    raise ValueError(f"Preset: {what} must be None, one of {PLANS} or a partition of output names "
+                     f"(a tuple of tuples of str), got {plan!r}")
 
 
 def _heavy_reads(onf: ONF, loops) -> list:
@@ -394,8 +417,12 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
     for o in onf.dnf.outputs:
         for r in o.vars:
             if r in candidates or r.extent < 1 or (r in shared and r != o.vars[-1] and len(shared) < len(o.vars)):
-                continue  # an axis every output has (a batch) runs over programs, but owns no rows
+                continue  # an axis every output has (a batch) runs over programs, but owns no rows …
             candidates.append(r)
+    # … unless it is the rows of them all (dK[s h] and dV[s e]: programs owning key tiles
+    # compute both, no atomics): then it is tried after the others, by the reuse order below
+    candidates += [v for o in onf.dnf.outputs for v in o.vars[:-1] if v in shared and v not in candidates]
+    candidates = list(dict.fromkeys(candidates))
     # a variable of extent 1 owns one row: it is valid (one program), but a longer one that
     # is valid too splits the work (a saving forward's query group g of extent 1 before t); and
     # one that every main-loop read depends on (a batch b) shares no tile between its rows: a
@@ -462,21 +489,72 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
     return W.with_knobs(o, cpu_loop=(r.name,)) if bt < r.extent else o
 
 
-def split_outputs(dnf: D.DNF) -> tuple:
-    """One single-output DNF per output of ``dnf`` (same inputs): kernels that together compute
-    it, each output recomputing what it shares with the others."""
-    return tuple(D.DNF(f"{dnf.name}_{o.name}", dnf.inputs, (o,)) for o in dnf.outputs)
+def split_outputs(dnf: D.DNF, groups=None) -> tuple:
+    """One DNF per group of output names (default: one per output), same inputs: kernels that
+    together compute ``dnf``, each recomputing what its outputs share with the others."""
+    by_name = {o.name: o for o in dnf.outputs}
+    groups = groups or [(o.name,) for o in dnf.outputs]
+    return tuple(D.DNF(f"{dnf.name}_{'_'.join(g)}", dnf.inputs, tuple(by_name[n] for n in g)) for g in groups)
+
+
+def plan_groups(dnf: D.DNF, plan, machine: Machine, preset: Preset | None = None) -> tuple:
+    """The output names of each kernel of ``plan`` (``PLANS`` or an explicit partition). The
+    "owner" groups are built in output order: an output joins the first group with which one
+    kernel computes both without atomics (its programs own the rows of every output)."""
+    names = [o.name for o in dnf.outputs]
+    if plan == "fused":
+        return (tuple(names),)
+    if plan == "per_output":
+        return tuple((n,) for n in names)
+    if plan == "owner":
+        groups: list = []
+        for n in names:
+            for i, g in enumerate(groups):
+                (sub,) = split_outputs(dnf, [g + (n,)])
+                try:
+                    joined = derive(sub, machine, preset)
+                except ONFError:
+                    continue
+                if not any(joined.scatter_var(st) is not None for st in joined.program.stages):
+                    groups[i] = g + (n,)
+                    break
+            else:
+                groups.append((n,))
+        return tuple(groups)
+    if isinstance(plan, str):
+        raise ONFError(f"{dnf.name}: no plan {plan!r} for this DNF; plans are {PLANS} or a partition of {names}")
+    flat = [n for g in plan for n in g]
+    if sorted(flat) != sorted(names):
+        raise ONFError(f"{dnf.name}: the plan {plan} must name each output once; outputs are {names}")
+    return plan
 
 
 def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
-    """The ONF of ``dnf`` for ``machine`` (``derive``); for a multi-output DNF that no fused
-    schedule fits (no output variable can own the programs), a tuple of one ONF per output."""
+    """The ONF of ``dnf`` for ``machine`` (``derive``), or for a multi-output DNF a tuple of ONFs
+    that together compute it (``runtime.lowered`` runs them in turn): the preset's ``plan``
+    (``plan_groups``); else one fused ONF, except where no fused schedule fits (one ONF per
+    output), where it scatter-adds on a GPU ("owner": the default backward needs no atomics
+    and is bitwise repeatable), or where its scatter-added partials outgrow a CPU's cache."""
+    plan = preset.plan if preset is not None and preset.applies_to(machine) else None
+    if plan is not None and len(dnf.outputs) > 1:
+        groups = plan_groups(dnf, plan, machine, preset)
+        if len(groups) == 1:
+            return derive(dnf, machine, preset)
+        return tuple(derive(d, machine, preset) for d in split_outputs(dnf, groups))
     try:
         onf = derive(dnf, machine, preset)
     except ONFError:
         if len(dnf.outputs) == 1:
             raise
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
+    if machine.is_gpu and any(onf.scatter_var(st) is not None for st in onf.program.stages):
+        groups = plan_groups(dnf, "owner", machine, preset)
+        if len(groups) == 1:
+            return onf
+        try:
+            return tuple(derive(d, machine, preset) for d in split_outputs(dnf, groups))
+        except ONFError:
+            return onf
     if not machine.is_gpu and _scatter_partial_bytes(onf) >= _cpu_cache_budget(machine) // 2:
         # XLA holds each row tile's scatter-added partial whole over the output's other axes
         # (dK[s h]: bt × S scores deep). From half the cache budget of ``_cpu_rows`` on, one

@@ -310,6 +310,8 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             values = {m: S.InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
             state = ProgramState(onf, backend, {n: st for n, st in defs.items() if n not in memory}, values)
             ev = TileEval(state, _ranges_for(onf, own_vars, pl.program_id(0)))
+            # sibling reductions over one walked axis share one loop (dK and dV: P once per tile)
+            S.together(ev, [t[0] for t in targets if t[3] is None])
             for (tname, tvars, dt, sst, _), oref in zip(targets, o_refs):
                 # a plain target is its stage's value, written; a scattered one its partial
                 # sum over this program's tile of the grid variable, atomically added

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""The attention adjoint on this CPU under its two XLA plans, side by side in one process.
+"""The attention adjoint on this CPU under its three XLA plans, side by side in one process.
 
 The adjoint kernel of multi-head attention (dQ, dK, dV; ``mha_kernel(...).adjoint``, derived in
 the algebra) — recomputing the softmax's statistics, or reading the saved ones and Out — is run as
   - fused: one ONF, programs own query-row tiles, dK and dV scatter-added over them
     (``schedule.derive``);
-  - split: one ONF per output (``schedule.split_outputs``), each output's rows owned.
+  - split: one ONF per output (``schedule.split_outputs``), each output's rows owned;
+  - owner: one ONF per row owner (``schedule.plan_groups``: dQ owning query tiles, dK and dV
+    together owning key tiles, their Σ_t in one loop sharing P).
 ``schedule.derive_plan`` takes the split plan on a CPU when the fused plan's scatter-added
 partial per row tile exceeds the cache budget; this table is the measurement behind that rule.
 Contenders alternate; best and median of the repetitions. B=1, N=8, H=E=64, float32.
@@ -56,20 +58,25 @@ def main():
                 ("recompute", kern.adjoint(spec, spec, spec), primal),
                 ("saved", kern.adjoint(spec, spec, spec, saved=True), primal + list(saved) + [out])):
             dnf = adj.dnf(*arrays)
+            owner = schedule.plan_groups(dnf, "owner", machine)
             plans = {"fused": schedule.derive(dnf, machine),
-                     "split": tuple(schedule.derive(d, machine) for d in schedule.split_outputs(dnf))}
+                     "split": tuple(schedule.derive(d, machine) for d in schedule.split_outputs(dnf)),
+                     "owner": tuple(schedule.derive(d, machine) for d in schedule.split_outputs(dnf, owner))}
             chosen = schedule.derive_plan(dnf, machine)
+            chosen = ("fused" if not isinstance(chosen, tuple) else
+                      "split" if len(chosen) == len(dnf.outputs) else "owner")
             fns = {n: jax.jit(runtime.lowered(p, "xla")) for n, p in plans.items()}
             got = {n: f(*arrays) for n, f in fns.items()}
-            diff = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got["fused"], got["split"]))
+            diff = {n: max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got[n], got["fused"]))
+                    for n in fns}
             times = timing.alternating(fns, arrays, reps=args.reps)
             for n, ts in times.items():
-                picked = "yes" if (n == "split") == isinstance(chosen, tuple) else ""
+                picked = "yes" if n == chosen else ""
                 rows.append(f"| {S} | {variant} | {n} | {min(ts):.4f} | {statistics.median(ts):.4f} | "
                             f"{statistics.median(times['fused']) / statistics.median(ts):.2f}× | {picked} | "
-                            f"{'max rel. diff fused vs split %.1e' % diff if n == 'split' else ''} |")
+                            f"{'max rel. diff vs fused %.1e' % diff[n] if n != 'fused' else ''} |")
     lines = [
-        "# The attention adjoint (dQ, dK, dV) on the CPU: fused vs split XLA plans",
+        "# The attention adjoint (dQ, dK, dV) on the CPU: fused, split and owner XLA plans",
         "",
         timing.machine_line(),
         f"Run: `python scripts/bench_backward_plans.py` — B=1, N={args.heads}, H=E=64, float32, T = S; the adjoint "

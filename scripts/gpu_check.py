@@ -70,6 +70,7 @@ def main():
     import pallas_kernels
     from moajax import machines, schedule
     from moajax.kernels import attention_forward_backward
+    from moajax.schedule import Preset
 
     machine = machines.for_device(dev)
     lines += ["", f"## Fused forward+backward, atomic scatter-add ONF ({machine.name} profile)", "",
@@ -121,6 +122,35 @@ def main():
                     base = t if name == "jax.nn xla" else base
                     rel = f"{base / t:.2f}×" if base else "—"
                     lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | {rel} |")
+                    print(lines[-1], flush=True)
+    # jit(grad) of attention under each of the seed's backward ONFs (plans of the derived
+    # adjoint: "atomic", "split", "owner" — the default) against jax.grad of jax.nn
+    lines += ["", "## jit(grad) w.r.t. q, k, v: the backward ONFs (median of 10, after 2 warm-ups)", "",
+              "| dtype | B·T·N·H | causal | impl | ms | TFLOP/s (14·B·T²·N·H) | vs jax.nn xla |",
+              "|---|---|---|---|---:|---:|---:|"]
+    grads = {f"moajax {b}": (lambda b: lambda q, k, v, c: moajax.dot_product_attention(
+        q, k, v, is_causal=c, onf=Preset.of(backward=b)))(b) for b in ("owner", "split", "atomic")}
+    grads.update({f"jax.nn {i}": (lambda i: lambda q, k, v, c: jax.nn.dot_product_attention(
+        q, k, v, is_causal=c, implementation=i))(i) for i in ("xla", "cudnn")})
+    for dt in ("bfloat16", "float32"):
+        for (B, T, N, H) in ((1, 4096, 8, 64),):
+            for causal in (False, True):
+                q = jnp.asarray(rng.standard_normal((B, T, N, H)), dt)
+                flops = 14 * B * T * T * N * H / (2 if causal else 1)
+                base = None
+                for name, f in sorted(grads.items(), key=lambda kv: kv[0] != "jax.nn xla"):
+                    g = jax.jit(jax.grad(lambda a, b, d, f=f: jnp.sum(f(a, b, d, causal).astype(jnp.float32)),
+                                         argnums=(0, 1, 2)))
+                    try:
+                        t = bench(g, q, q, q, reps=10)
+                    except Exception as e:
+                        lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | — | — | {type(e).__name__} |")
+                        print(lines[-1], flush=True)
+                        continue
+                    base = t if name == "jax.nn xla" else base
+                    rel = f"{base / t:.2f}×" if base else "—"
+                    lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | {t * 1e3:.3f} | "
+                                 f"{flops / t / 1e12:.1f} | {rel} |")
                     print(lines[-1], flush=True)
     # the fused forward+backward (one head, atomics) against jax.grad of jax.nn (XLA), float32
     lines += ["", "| fused fwd+bwd | T·H | impl | ms | vs jax.grad(jax.nn xla) |", "|---|---|---|---:|---:|"]

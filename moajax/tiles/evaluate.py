@@ -131,6 +131,29 @@ class TileEval(Scope):
         sub = self if same_range(rng, self.ranges.get(v)) else self.child({v: rng})
         return sub.tile_reduce(mono, v, body)
 
+    def reduce_together(self, reds) -> list:
+        """Several reductions ``(monoid, v, body, result_free)`` over one sequential v in one
+        loop over its tiles, carrying every accumulator: one tile scope per step, so what
+        their bodies share (the probabilities of dK's and dV's Σ_t) is computed once per tile."""
+        import jax.numpy as jnp
+
+        v = reds[0][1]
+        axis = self.onf.axis_of(v)
+        monos = [_ops.MONOIDS[m] for m, *_ in reds]
+        outs = [self.ordered(x for x in free if self.range_of(x).size != 1) for *_, free in reds]
+        inits = tuple(jnp.full(tuple(self.range_of(x).size for x in ov), mono.identity(body.dtype), body.dtype)
+                      for (_, _, body, _), mono, ov in zip(reds, monos, outs))
+        self.hoist([body for _, _, body, _ in reds], v)
+
+        def step(i, accs):
+            sub = self.child({v: Range(i * axis.tile, axis.tile, v.extent)})
+            return tuple(_ops.OPS[mono.op].jnp_fn()(acc, broadcast_to_vars(sub.tile_reduce(mono, v, body), ov,
+                                                                           self.ranges))
+                         for acc, mono, ov, (_, _, body, _) in zip(accs, monos, outs, reds))
+
+        res = self.backend.fori_loop(axis.ntiles, step, inits)
+        return [Named(r, ov) for r, ov in zip(res, outs)]
+
     def tile_reduce(self, mono, v: Var, body: D.Expr) -> Named:
         """The monoid reduction of body over v's range in this scope (past the end: the identity)."""
         import jax.numpy as jnp

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from moajax import dnf as D
 from moajax.onf import OnlineStage, Stage
 from moajax.reference import Named
 from moajax.tiles import online
@@ -32,12 +33,55 @@ class InMemory:
 
 def run(ev, roots) -> None:
     """Compute, in program order, the stages named ``roots`` that scope ``ev`` does not see
-    yet (what they read is computed on demand)."""
+    yet (what they read is computed on demand). Sibling reductions over one sequential axis
+    run in one loop first (``together``)."""
     defs = ev.state.defs
+    together(ev, roots)
     for st in ev.onf.program.stages:
         todo = [n for n in st.defines if n in roots and n in defs and ev.stage_value(n, st.result_vars(n)) is None]
         if todo:
             compute(ev, st)
+
+
+def _needed(ev, roots) -> list:
+    """The local plain stages the stages ``roots`` read, directly or not, in program order."""
+    defs = ev.state.defs
+    need, todo = set(), [n for n in roots if n in defs]
+    while todo:
+        n = todo.pop()
+        if n in need:
+            continue
+        need.add(n)
+        for e in defs[n].exprs():
+            if e is not None:
+                todo += [x.stage for x in D.walk(e) if isinstance(x, D.Ref) and x.stage in defs]
+    return [st for st in ev.onf.program.stages if st.name in need]
+
+
+def together(ev, roots) -> None:
+    """Compute in one loop the stages needed here that are each a reduction over the same
+    sequential axis (no range here, more than one tile), not accumulated across programs and
+    not yet computed: dK = Σ_t … and dV = Σ_t P × dO of a pass owning key tiles read P once
+    per tile instead of once per reduction (FlashAttention-2's one pass over the queries)."""
+    onf = ev.onf
+    groups: dict = {}
+    for st in _needed(ev, roots):
+        if isinstance(st, OnlineStage):
+            continue
+        body = st.body
+        if (not isinstance(body, D.Red) or st.place == "memory"
+                or onf.accumulation(st.name) is not None or ev.stage_value(st.name, st.result_vars(st.name)) is not None):
+            continue
+        a = onf.axis_of(body.var)
+        if a.role == "sequential" and a.ntiles > 1 and body.var not in ev.ranges:
+            groups.setdefault(body.var, []).append(st)
+    for v, sts in groups.items():
+        if len(sts) < 2:
+            continue
+        scope = ev.within({w for st in sts for w in st.vars})
+        vals = scope.reduce_together([(st.body.monoid, v, st.body.body, st.body.free) for st in sts])
+        for st, val in zip(sts, vals):
+            ev.values[st.name] = val
 
 
 def compute(ev, st) -> None:

@@ -1,0 +1,124 @@
+"""The seed's backward ONFs (REFERENCE.md §5) as plans of the derived adjoint's outputs, chosen
+with ``Preset.of(backward=...)``: "atomic" (one kernel, dK and dV scatter-added), "split" (dV
+in a kernel owning key tiles, dK still scatter-added) and "owner" (no atomics; the GPU
+default). Each runs under ``jax.grad`` against the independent float64 reference, on XLA and
+Pallas-interpret; the cost model counts their atomics and ptxas their atom instructions.
+
+Tolerance: float64 rel ≤ 1e-12 (the loops and the reference sum ≤ 64 terms in other orders)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moajax
+import references as R
+from helpers import rel_err
+from moajax import compat, cost, gpu_report, machines, schedule
+from moajax.kernels.attention import mha_kernel
+from moajax.onf import ONFError
+from moajax.schedule import Preset
+
+F64 = 1e-12
+REASON = gpu_report.compiler_available() or (None if gpu_report.ptxas_path() else "ptxas not found")
+needs_compiler = pytest.mark.skipif(REASON is not None, reason=f"offline GPU toolchain unavailable: {REASON}")
+A100 = machines.load("delta-a100")
+
+
+def _args(K, seed):
+    r = np.random.default_rng(seed)
+    return [r.standard_normal(s) for s in [(2, 40, 4, 8), (2, 40, K, 8), (2, 40, K, 8), (2, 40, 4, 8)]]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("backward", ["atomic", "split", "owner"])
+@pytest.mark.parametrize("K", [4, 2])
+def test_each_backward_onf_gives_the_gradient(backward, K, impl):
+    q, k, v, g = _args(K, 1)
+    bias = np.random.default_rng(2).standard_normal((2, 4, 40, 40))
+    pre = Preset.of(backward=backward)
+
+    def loss(q, k, v, bias):
+        return jnp.sum(moajax.dot_product_attention(q, k, v, bias, is_causal=True, onf=pre, implementation=impl) * g)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    for a, b in zip(grads, R.mha_backward(q, k, v, g, bias=bias, is_causal=True, return_dbias=True)):
+        assert rel_err(a, b) <= F64
+
+
+def _seed_adjoint_dnf():
+    """The adjoint jax.grad runs at the seed's setting: float64, n = 2048, d = 64, one head."""
+    specs = [jax.ShapeDtypeStruct((1, 2048, 1, 64), np.float64)] * 3
+    with compat.enable_x64_context(True):
+        adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
+        return adj.dnf(*args)
+
+
+def _plan(dnf, plan):
+    p = schedule.derive_plan(dnf, A100, Preset.of(plan=plan))
+    return p if isinstance(p, tuple) else (p,)
+
+
+def test_the_cost_model_counts_the_seeds_atomics():
+    # paper II's fused kernel accumulates dK and dV atomically, the seed's fix dK only: 2.00×
+    # (ncu at N = 2048: 1,073,741,824 vs 536,870,912 atomic instructions); owner has none
+    dnf = _seed_adjoint_dnf()
+    atomic = sum(cost.estimate(o).atomics for o in _plan(dnf, "fused"))
+    split = sum(cost.estimate(o).atomics for o in _plan(dnf, (("d_query", "d_key"), ("d_value",))))
+    owner = _plan(dnf, "owner")
+    assert split > 0 and atomic == 2 * split
+    assert len(owner) == 2 and sum(cost.estimate(o).atomics for o in owner) == 0
+    # dQ owning query tiles; dK and dV together, owning key tiles
+    assert [[o.name for o in p.dnf.outputs] for p in owner] == [["d_query"], ["d_key", "d_value"]]
+
+
+def test_the_gpu_default_backward_is_owner():
+    p = schedule.derive_plan(_seed_adjoint_dnf(), A100)
+    assert isinstance(p, tuple) and sum(cost.estimate(o).atomics for o in p) == 0
+
+
+def test_owner_is_bitwise_repeatable():
+    q, k, v, g = _args(2, 3)
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(moajax.dot_product_attention(
+        q, k, v, onf=Preset.of(backward="owner"), implementation="pallas_interpret") * g), argnums=(0, 1, 2)))
+    first, second = f(q, k, v), f(q, k, v)
+    for a, b in zip(first, second):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@needs_compiler
+def test_ptxas_counts_atom_instructions_of_each_plan():
+    # a smaller seed setting (float32, n = 512) keeps the offline compile short
+    specs = [jax.ShapeDtypeStruct((1, 512, 1, 64), np.float32)] * 3
+    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
+    dnf = adj.dnf(*args)
+    counts = {}
+    for name, plan in [("atomic", "fused"), ("split", (("d_query", "d_key"), ("d_value",))), ("owner", "owner")]:
+        counts[name] = sum(r.atomics for o in _plan(dnf, plan) for r in gpu_report.onf_reports(o, "sm_80"))
+    assert counts["owner"] == 0 and counts["split"] > 0 and counts["atomic"] > counts["split"], counts
+
+
+def test_bad_plans_are_named():
+    with pytest.raises(ValueError, match="Preset: backward must be"):
+        Preset.of(backward="fast")
+    with pytest.raises(ValueError, match="Preset: plan must be"):
+        Preset.of(plan=[[1, 2]])
+    with pytest.raises(ONFError, match="must name each output once"):
+        _plan(_seed_adjoint_dnf(), (("d_query",), ("d_value",)))
+
+
+def test_owner_computes_p_once_per_tile_for_dk_and_dv():
+    # the pass owning key tiles walks the queries once: S = Q Kᵀ, dP = dO Vᵀ, dV += Pᵀ dO,
+    # dK += dSᵀ Q — one loop, four contractions, one exp (P shared by dK's and dV's Σ_t);
+    # the pass owning query tiles: S, dP, dQ += dS K
+    import pallas_kernels
+
+    specs = [jax.ShapeDtypeStruct((1, 1024, 1, 64), np.float32)] * 3
+    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
+    dq, dkv = schedule.derive_plan(adj.dnf(*args), A100, Preset.of(plan="owner"))
+    assert [o.name for o in dkv.dnf.outputs] == ["d_key", "d_value"]
+    for onf, dots in ((dkv, 4), (dq, 3)):
+        fn = pallas_kernels.lower(onf, interpret=True)
+        text = str(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in onf.dnf.inputs]))
+        assert text.count("scan[") + text.count("while[") == 1, onf.dnf.name
+        assert text.count("dot_general") == dots and text.count(" exp ") == 1, onf.dnf.name
