@@ -99,6 +99,27 @@ def main():
     def bench(f, *a, reps=20):
         return median_seconds(f, *a, reps=reps, warmups=2)
 
+    def table(impls, shapes, flops_per, reps, wrap):
+        """One row per dtype × shape × causal × contender, jax.nn xla first (the baseline)."""
+        for dt in ("bfloat16", "float32"):
+            for (B, T, N, H) in shapes:
+                for causal in (False, True):
+                    q = jnp.asarray(rng.standard_normal((B, T, N, H)), dt)
+                    flops = flops_per * B * T * T * N * H / (2 if causal else 1)
+                    base = None
+                    for name, f in sorted(impls.items(), key=lambda kv: kv[0] != "jax.nn xla"):
+                        try:
+                            t = bench(wrap(f, causal), q, q, q, reps=reps)
+                        except Exception as e:
+                            lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | — | — | {type(e).__name__} |")
+                            print(lines[-1], flush=True)
+                            continue
+                        base = t if name == "jax.nn xla" else base
+                        rel = f"{base / t:.2f}×" if base else "—"
+                        lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | {t * 1e3:.3f} | "
+                                     f"{flops / t / 1e12:.1f} | {rel} |")
+                        print(lines[-1], flush=True)
+
     lines += ["", "## Timing (median of 20, after 2 warm-ups)", "",
               "| dtype | B·T·N·H | causal | impl | ms | TFLOP/s | vs jax.nn xla |", "|---|---|---|---|---:|---:|---:|"]
     impls = {
@@ -106,23 +127,8 @@ def main():
         "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla"),
         "jax.nn cudnn": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn"),
     }
-    for dt in ("bfloat16", "float32"):
-        for (B, T, N, H) in ((4, 2048, 16, 64), (1, 8192, 16, 128), (1, 16384, 8, 64)):
-            for causal in (False, True):
-                q = jnp.asarray(rng.standard_normal((B, T, N, H)), dt)
-                flops = 4 * B * T * T * N * H / (2 if causal else 1)
-                base = None
-                for name, f in impls.items():
-                    try:
-                        t = bench(jax.jit(lambda a, b, d, f=f: f(a, b, d, causal)), q, q, q)
-                    except Exception as e:
-                        lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | — | — | {type(e).__name__} |")
-                        print(lines[-1], flush=True)
-                        continue
-                    base = t if name == "jax.nn xla" else base
-                    rel = f"{base / t:.2f}×" if base else "—"
-                    lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | {rel} |")
-                    print(lines[-1], flush=True)
+    table(impls, ((4, 2048, 16, 64), (1, 8192, 16, 128), (1, 16384, 8, 64)), 4, 20,
+          lambda f, c: jax.jit(lambda a, b, d: f(a, b, d, c)))
     # jit(grad) of attention under each of the seed's backward ONFs (plans of the derived
     # adjoint: "atomic", "split", "owner" — the default) against jax.grad of jax.nn
     lines += ["", "## jit(grad) w.r.t. q, k, v: the backward ONFs (median of 10, after 2 warm-ups)", "",
@@ -132,26 +138,8 @@ def main():
         q, k, v, is_causal=c, onf=Preset.of(backward=b)))(b) for b in ("owner", "split", "atomic")}
     grads.update({f"jax.nn {i}": (lambda i: lambda q, k, v, c: jax.nn.dot_product_attention(
         q, k, v, is_causal=c, implementation=i))(i) for i in ("xla", "cudnn")})
-    for dt in ("bfloat16", "float32"):
-        for (B, T, N, H) in ((1, 4096, 8, 64),):
-            for causal in (False, True):
-                q = jnp.asarray(rng.standard_normal((B, T, N, H)), dt)
-                flops = 14 * B * T * T * N * H / (2 if causal else 1)
-                base = None
-                for name, f in sorted(grads.items(), key=lambda kv: kv[0] != "jax.nn xla"):
-                    g = jax.jit(jax.grad(lambda a, b, d, f=f: jnp.sum(f(a, b, d, causal).astype(jnp.float32)),
-                                         argnums=(0, 1, 2)))
-                    try:
-                        t = bench(g, q, q, q, reps=10)
-                    except Exception as e:
-                        lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | — | — | {type(e).__name__} |")
-                        print(lines[-1], flush=True)
-                        continue
-                    base = t if name == "jax.nn xla" else base
-                    rel = f"{base / t:.2f}×" if base else "—"
-                    lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | {t * 1e3:.3f} | "
-                                 f"{flops / t / 1e12:.1f} | {rel} |")
-                    print(lines[-1], flush=True)
+    table(grads, ((1, 4096, 8, 64),), 14, 10, lambda f, c: jax.jit(jax.grad(
+        lambda a, b, d: jnp.sum(f(a, b, d, c).astype(jnp.float32)), argnums=(0, 1, 2))))
     # the fused forward+backward (one head, atomics) against jax.grad of jax.nn (XLA), float32
     lines += ["", "| fused fwd+bwd | T·H | impl | ms | vs jax.grad(jax.nn xla) |", "|---|---|---|---:|---:|"]
     for T, H in ((2048, 64), (8192, 64)):
