@@ -21,6 +21,7 @@ the tiles that keep a score tile inside the last-level cache.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -498,29 +499,24 @@ def split_outputs(dnf: D.DNF, groups=None) -> tuple:
 
 
 def plan_groups(dnf: D.DNF, plan, machine: Machine, preset: Preset | None = None) -> tuple:
-    """The output names of each kernel of ``plan`` (``PLANS`` or an explicit partition). The
-    "owner" groups are built in output order: an output joins the first group with which one
-    kernel computes both without atomics (its programs own the rows of every output)."""
+    """The output names of each kernel of ``plan`` (``PLANS`` or an explicit partition): for
+    "owner", the outputs over the same row variables, where one kernel computes them without
+    atomics (its programs own the rows of every output)."""
     names = [o.name for o in dnf.outputs]
     if plan == "fused":
         return (tuple(names),)
     if plan == "per_output":
         return tuple((n,) for n in names)
     if plan == "owner":
+        # outputs over the same row variables (all but the last: dK[s h] and dV[s e]) are one
+        # group if one kernel computes them without atomics, else each its own
+        by_rows: dict = {}
+        for o in dnf.outputs:
+            by_rows.setdefault(frozenset(v.name for v in o.vars[:-1]), []).append(o.name)
         groups: list = []
-        for n in names:
-            for i, g in enumerate(groups):
-                (sub,) = split_outputs(dnf, [g + (n,)])
-                try:
-                    joined = derive(sub, machine, preset)
-                except ONFError:
-                    continue
-                if not any(joined.scatter_var(st) is not None for st in joined.program.stages):
-                    groups[i] = g + (n,)
-                    break
-            else:
-                groups.append((n,))
-        return tuple(groups)
+        for g in by_rows.values():
+            groups += [tuple(g)] if len(g) == 1 or _owns_all(dnf, g, machine, preset) else [(n,) for n in g]
+        return tuple(sorted(groups, key=lambda g: names.index(g[0])))
     if isinstance(plan, str):
         raise ONFError(f"{dnf.name}: no plan {plan!r} for this DNF; plans are {PLANS} or a partition of {names}")
     flat = [n for g in plan for n in g]
@@ -529,12 +525,22 @@ def plan_groups(dnf: D.DNF, plan, machine: Machine, preset: Preset | None = None
     return plan
 
 
+def _owns_all(dnf: D.DNF, names, machine: Machine, preset: Preset | None) -> bool:
+    """Does one kernel compute the outputs ``names`` with programs owning rows of them all?"""
+    (sub,) = split_outputs(dnf, [tuple(names)])
+    try:
+        onf = derive(sub, machine, preset)
+    except ONFError:
+        return False
+    return not any(onf.scatter_var(st) is not None for st in onf.program.stages)
+
+
 def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     """The ONF of ``dnf`` for ``machine`` (``derive``), or for a multi-output DNF a tuple of ONFs
     that together compute it (``runtime.lowered`` runs them in turn): the preset's ``plan``
     (``plan_groups``); else one fused ONF, except where no fused schedule fits (one ONF per
-    output), where it scatter-adds on a GPU ("owner": the default backward needs no atomics
-    and is bitwise repeatable), or where its scatter-added partials outgrow a CPU's cache."""
+    output) or where it scatter-adds ("owner": no atomics, bitwise repeatable, faster on both
+    backends)."""
     plan = preset.plan if preset is not None and preset.applies_to(machine) else None
     if plan is not None and len(dnf.outputs) > 1:
         groups = plan_groups(dnf, plan, machine, preset)
@@ -547,23 +553,18 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         if len(dnf.outputs) == 1:
             raise
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
-    if machine.is_gpu and any(onf.scatter_var(st) is not None for st in onf.program.stages):
+    if any(onf.scatter_var(st) is not None for st in onf.program.stages):
+        # programs that scatter-add (atomics on a GPU; on XLA a partial per row tile held whole
+        # over the output's other axes) lose to the "owner" plan: dQ owning query tiles, dK and
+        # dV together owning key tiles in one loop sharing P. On the 2-core EPYC it is 1.13–3.30×
+        # the fused plan for the attention adjoint at S = 256…4096 (1.68–2.37× reading the saved
+        # statistics), and 0.99–1.51× one kernel per output (bench/results/backward_plans_cpu.md;
+        # measured for attention only)
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) == 1:
             return onf
         try:
             return tuple(derive(d, machine, preset) for d in split_outputs(dnf, groups))
-        except ONFError:
-            return onf
-    if not machine.is_gpu and _scatter_partial_bytes(onf) >= _cpu_cache_budget(machine) // 2:
-        # XLA holds each row tile's scatter-added partial whole over the output's other axes
-        # (dK[s h]: bt × S scores deep). From half the cache budget of ``_cpu_rows`` on, one
-        # program per output is faster: on the 2-core EPYC the attention adjoint's split plan is
-        # 1.25×/1.78×/2.80×/3.12× the fused one at S = 512/1024/2048/4096 (1.51×–1.62× for the
-        # adjoint reading saved statistics), and 0.94× (0.87×) at S = 256, a quarter of the
-        # budget (side by side: bench/results/backward_plans_cpu.md)
-        try:
-            return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
         except ONFError:
             return onf
     return onf
@@ -573,17 +574,19 @@ def _cpu_cache_budget(machine: Machine) -> int:
     return max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
 
 
-def _scatter_partial_bytes(onf: ONF) -> int:
-    """The largest partial one step of a walked scatter-add holds on XLA: the row tile times
-    the output's other axes, vectorised whole (0 where no output is scatter-added)."""
-    out = 0
-    stage_of = dict(onf.program.outputs)
-    for o in onf.dnf.outputs:
-        r = onf.scatter_var(onf.program.stage_of(stage_of[o.name]))
-        if r is not None:
-            deep = int(np.prod([v.extent for v in o.vars[:-1]]))
-            out = max(out, np.dtype(o.dtype).itemsize * onf.axis_of(r).tile * deep)
-    return out
+@functools.lru_cache(maxsize=256)
+def _hoisted(dnf: D.DNF, store: tuple) -> ONF:
+    """The DNF's ONF with the preset's store policies applied and its stages hoisted: the same
+    for every machine (its target is set by ``derive``), and on a large adjoint (a transformer
+    block's) the costliest step of a derivation, so it is made once per DNF."""
+    onf = initial(dnf)
+    for label, policy in store:
+        if policy == "recompute":
+            continue
+        if policy not in ("onchip", "memory"):
+            raise ONFError(f"{dnf.name}: store policy for {label!r} is {policy!r}; use recompute, onchip or memory")
+        onf = W.materialize(onf, label, "local" if policy == "onchip" else "memory")
+    return W.hoist(onf)
 
 
 def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
@@ -594,15 +597,7 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
         raise TypeError("derive: give a preset or keywords, not both")
     if not preset.applies_to(machine):
         preset = Preset()
-    onf = initial(dnf, machine.name)
-    store = dict(preset.store)
-    for label, policy in store.items():
-        if policy == "recompute":
-            continue
-        if policy not in ("onchip", "memory"):
-            raise ONFError(f"{dnf.name}: store policy for {label!r} is {policy!r}; use recompute, onchip or memory")
-        onf = W.materialize(onf, label, "local" if policy == "onchip" else "memory")
-    onf = W.hoist(onf)
+    onf = dataclasses.replace(_hoisted(dnf, preset.store), target=machine.name)
     carry = preset.carry or "online"
     if carry not in ("online", "passes"):
         raise ONFError(f"{dnf.name}: carry must be 'online' or 'passes', got {carry!r}")
