@@ -74,7 +74,12 @@ def together(ev, roots) -> None:
             continue
         a = onf.axis_of(body.var)
         if a.role == "sequential" and a.ntiles > 1 and body.var not in ev.ranges:
-            groups.setdefault(body.var, []).append(st)
+            # one that reads another of the group (RMSNorm's Σ_d x·w ÷ rms after rms = Σ_d x²)
+            # needs that one whole first: it stays a loop of its own
+            group = groups.setdefault(body.var, [])
+            reads = {x.name for x in _needed(ev, [st.name])} - {st.name}
+            if not any(m.name in reads or st.name in {x.name for x in _needed(ev, [m.name])} for m in group):
+                group.append(st)
     for v, sts in groups.items():
         if len(sts) < 2:
             continue
