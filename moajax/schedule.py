@@ -165,9 +165,9 @@ def _structure(onf: ONF, gpu: bool = False):
 # one table serves every kernel. Chosen from sweeps compiled to PTX with ptxas (registers,
 # spills, shared memory: bench/results/smem_sweep.md, gpu_report.md); every default is checked
 # for 0 spill bytes by ``moajax gpu-report``. Tables, not a register model: over the 1296
-# compilations of smem_sweep.md no count of register-resident bytes per thread (accumulators,
-# with or without the operand tiles) separates the tilings ptxas spills from those it does
-# not (float32 forward: spilling from 88 words per thread, spill-free up to 136).
+# compilations of smem_sweep.md no count of register-resident words per thread separates the
+# tilings ptxas spills from those it does not (bench/results/register_model.md, from
+# scripts/fit_registers.py: float32 forward spilling from 88 words, spill-free up to 136).
 GPU_TILES = {
     (2, 64): [(128, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (32, 32, 4, 2), (16, 16, 4, 2)],
     (2, 128): [(128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2), (16, 16, 4, 2)],

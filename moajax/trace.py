@@ -120,11 +120,11 @@ def _op(name, prim, eqn, xs):
     if prim in _BINARY:
         return _BINARY[prim](xs[0], xs[1])
     if prim == "integer_pow":
-        y = exponent = eqn.params["y"]
+        y = eqn.params["y"]
         if y < 1:
             raise TraceError(f"{name}: integer_pow with exponent {y} (only positive powers)")
         out = xs[0]
-        for _ in range(exponent - 1):
+        for _ in range(y - 1):
             out = out * xs[0]
         return out
     if prim == "square":
