@@ -4,7 +4,8 @@ For a DNF scheduled by an ONF (the shapes and dtypes are the DNF's) it counts
 
 * ``flops`` (a multiply-add is 2; ``matmul_flops`` of them are in contractions) and
   ``transcendentals`` (exp, log, √, … evaluations), stage by stage, each subexpression over
-  exactly the index points it is evaluated on (so recomputation across passes shows);
+  exactly the index points it is evaluated on (so recomputation across passes shows); a
+  stage whose masked tiles are skipped (``ONF.skips``) counts the share of tiles it visits;
 * the papers' element counts: ``input_elements`` (each input element once),
   ``output_elements``, ``intermediate_elements`` (every stage placed in main memory, once) —
   the classical attention forward materialises score, num and probs (3n²) and den (n);
@@ -332,6 +333,12 @@ def estimate(onf: ONF, machine=None) -> Cost:
     flops = matmul = trans = 0.0
     for st in onf.program.stages:
         f, m, t = _stage_flops(onf, st)
+        sk = onf.skip_of(st.name)
+        if sk is not None:  # the masked tiles its loop leaves out (``ONF.skips``)
+            from moajax.masked import visited_fraction
+
+            share = visited_fraction(onf, sk)
+            f, m, t = f * share, m * share, t * share
         flops, matmul, trans = flops + f, matmul + m, trans + t
     in_el = sum(math.prod(i.shape) for i in dnf.inputs)
     out_el = sum(math.prod(o.shape) for o in dnf.outputs)

@@ -244,9 +244,10 @@ def model_cases(dtypes=("bfloat16", "float32")):
 
 def training_cases(dtypes=("bfloat16", "float32")):
     """What ``jax.grad`` of ``dot_product_attention`` runs on a GPU (jax.nn layout, B=1,
-    T=S=1024, N=8, H=64; multi-head K=8 and GQA K=2): the saving forward (Out with its row
-    max and sum) and the derived adjoint's plan (one fused ONF, or one per output), each ONF
-    its own row."""
+    T=S=1024, N=8, H=64; multi-head K=8, GQA K=2, and causal multi-head, whose loops skip the
+    masked tiles: their bounds are computed in the kernel): the saving forward (Out with its
+    row max and sum) and the derived adjoint's plan (one fused ONF, or one per output), each
+    ONF its own row."""
     import jax
     import numpy as np
 
@@ -255,17 +256,18 @@ def training_cases(dtypes=("bfloat16", "float32")):
     from moajax.onf import ONFError
 
     out = []
-    for kv in (8, 2):
+    for kv, causal in ((8, False), (2, False), (8, True)):
         kern = mha_kernel(None, None, kv != 8)
         for dt in dtypes:
             S = [jax.ShapeDtypeStruct((1, 1024, n, 64), np.dtype(dt)) for n in (8, kv, kv)]
-            adj, args = kern.saved_adjoint(*S)
-            parts = [("saving forward", kern.with_row_statistics().dnf(*S)), ("adjoint", adj.dnf(*args))]
+            adj, args = kern.saved_adjoint(*S, is_causal=causal)
+            parts = [("saving forward", kern.with_row_statistics().dnf(*S, is_causal=causal)),
+                     ("adjoint", adj.dnf(*args, is_causal=causal))]
             for m in machines.available().values():
                 if not m.is_gpu:
                     continue
                 for what, dnf in parts:
-                    label = f"grad {'GQA K=2' if kv != 8 else 'MHA'} {what} {dt} H=64"
+                    label = f"grad {'GQA K=2' if kv != 8 else 'MHA'}{' causal' if causal else ''} {what} {dt} H=64"
                     try:
                         plan = schedule.derive_plan(dnf, m)
                     except ONFError as e:

@@ -232,9 +232,11 @@ class Kernel:
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
         chosen: list = []
-        # a Preset's ``backward``: how the adjoint's outputs are cut into kernels (its plan)
-        backward_preset = (Preset.of(plan=onf.backward, target=onf.target)
-                           if isinstance(onf, Preset) and onf.backward is not None else None)
+        # what of a Preset the adjoint's kernels take: ``backward`` (how its outputs are cut into
+        # kernels: its plan), the tiles (named by dimension) and ``skip``
+        backward_preset = (Preset.of(plan=onf.backward, target=onf.target, skip=onf.skip, tiles=dict(onf.tiles))
+                           if isinstance(onf, Preset) and (onf.backward is not None or onf.skip is not None
+                                                           or onf.tiles) else None)
 
         def saving():
             """The forward that also saves the row statistics, or None — decided (and its

@@ -266,6 +266,90 @@ class Program:
         return out
 
 
+# ----------------------------------------------------------------------------- masked tiles
+
+
+def _term_key(t) -> tuple:
+    return (0, t.name, "") if isinstance(t, Var) else (1, t.array, str(t.index))
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """Σ cᵢ·xᵢ + k ≥ 0 over integers: each xᵢ an index variable or a runtime integer scalar
+    (a ``Read``, e.g. a batch element's sequence length ⟨b⟩ψlengths)."""
+
+    terms: tuple  # ((Var | D.Read, int), ...)
+    const: int
+
+    def coeff(self, x) -> int:
+        return sum(c for t, c in self.terms if t == x)
+
+    def without(self, x) -> "Affine":
+        return Affine(tuple((t, c) for t, c in self.terms if t != x), self.const)
+
+    def __add__(self, other: "Affine") -> "Affine":
+        acc: dict = {}
+        for t, c in self.terms + other.terms:
+            acc[t] = acc.get(t, 0) + c
+        keep = sorted(((t, c) for t, c in acc.items() if c), key=lambda tc: _term_key(tc[0]))
+        return Affine(tuple(keep), self.const + other.const)
+
+    def vars(self) -> set:
+        out = set()
+        for t, _ in self.terms:
+            out |= {t} if isinstance(t, Var) else set(t.free)
+        return out
+
+    def text(self) -> str:
+        parts = []
+        for t, c in self.terms:
+            name = t.name if isinstance(t, Var) else D.show(t)
+            parts.append(("+ " if c > 0 else "− ") + (name if abs(c) == 1 else f"{abs(c)}·{name}"))
+        if self.const or not parts:
+            parts.append(("+ " if self.const >= 0 else "− ") + str(abs(self.const)))
+        s = " ".join(parts)
+        return (s[2:] if s.startswith("+ ") else "−" + s[2:]) + " ≥ 0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """∀ rows ∃ ``var``: every condition holds — each row keeps a key. ``exempt`` conditions
+    name rows whose contributions are 0 whatever the skip (they are left out of the check)."""
+
+    var: Var
+    conds: tuple  # Affine, each with coefficient 0 or ±1 on var
+    exempt: tuple = ()
+
+    def text(self) -> str:
+        keep = " ∧ ".join(c.text() for c in self.conds)
+        out = f"every row keeps some {self.var.name}: {keep}"
+        return out + (f" (exempt rows: ¬({' ∧ '.join(c.text() for c in self.exempt)}))" if self.exempt else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    """The tiles of the walked variable ``var`` that a reduction ``of`` in stage ``stage`` (its
+    top one, one nested in it, or an online pass's logit) leaves out: outside every
+    ``bounds`` condition (coefficient ±1 on var) its body is the monoid's identity, so a program
+    walks only the tiles between the least lower and the greatest upper bound over its rows.
+    A bound marked in ``kept`` is exact only for rows that keep a key (exp(m₀ − max) = 0 for
+    the mask fill m₀); it is used where ``guard`` holds for the program's rows, else every tile
+    is walked. ``of`` is the expression the skip was derived for (the stage's reduction or
+    online logit): a rewrite that changes it invalidates the skip (``ONF.validate``)."""
+
+    stage: str
+    var: Var
+    bounds: tuple  # Affine
+    kept: tuple  # bool per bound
+    guard: Guard | None
+    of: D.Expr
+
+    def text(self) -> str:
+        b = ", ".join(a.text() + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.bounds, self.kept))
+        g = f"; ⁽ᵏ⁾ where {self.guard.text()}" if any(self.kept) else ""
+        return f"{self.stage} over {self.var.name}: {b}{g}"
+
+
 # ----------------------------------------------------------------------------- schedule
 
 
@@ -343,6 +427,7 @@ class ONF:
     target: str = "generic"
     history: tuple = ()
     accumulate: tuple = ()  # ((stage name, "atomic"), ...)
+    skips: tuple = ()  # Skip per stage whose masked tiles are left out (``rewrites.skip_masked``)
 
     # ---- lookups
     def axis(self, name: str) -> Axis:
@@ -357,6 +442,16 @@ class ONF:
             if a.name == v.name:
                 return a
         return Axis(v.name, v.extent, max(v.extent, 1), "whole", "pad")
+
+    def skip_of(self, stage: str) -> Skip | None:
+        """The masked tiles the walk of ``stage`` (its top reduction or online pass) leaves
+        out (None: it walks every tile)."""
+        st = self.program.stage_of(stage)
+        top = st.logit if isinstance(st, OnlineStage) else st.reduction
+        for sk in self.skips:
+            if sk.stage == st.name and top is not None and sk.of is top:
+                return sk
+        return None
 
     def gamma_of(self, name: str) -> str:
         return dict(self.gamma).get(name, "C")
@@ -415,6 +510,8 @@ class ONF:
         lines.append(f"  store:  {', '.join(f'{k} {v}' for k, v in st.items()) or '—'}")
         if self.accumulate:
             lines.append("  accumulate: " + ", ".join(f"{k} {v}" for k, v in self.accumulate))
+        for sk in self.skips:
+            lines.append(f"  skip:   {sk.text()}")
         lines.append(f"  knobs:  {self.knobs.text()}")
         lines.append("  program:")
         ctx = D.ShowContext()
@@ -497,8 +594,30 @@ class ONF:
                     "over a grid axis (nothing crosses programs)"
                 )
 
+    def _validate_skips(self):
+        for sk in self.skips:
+            try:
+                st = self.program.stage_of(sk.stage)
+            except KeyError:
+                raise ONFError(f"{self.dnf.name}: a skip names unknown stage {sk.stage!r}") from None
+            # a reduction's skip holds wherever that reduction is (it is a fact of its body);
+            # an online pass's is a fact of the whole logit
+            if isinstance(sk.of, D.Red):
+                ok = sk.of.var == sk.var and any(x is sk.of for e in st.exprs() if e is not None for x in D.walk(e))
+            else:
+                ok = isinstance(st, OnlineStage) and st.var == sk.var and st.logit is sk.of
+            if not ok:
+                raise ONFError(
+                    f"{self.dnf.name}: the skip of {sk.stage!r} was derived for another expression than the stage "
+                    "now holds (a rewrite changed it after skip_masked): derive the skip again")
+            if len(sk.kept) != len(sk.bounds) or any(abs(b.coeff(sk.var)) != 1 for b in sk.bounds):
+                raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} has a bound that does not bound {sk.var.name}")
+            if any(sk.kept) and sk.guard is None:
+                raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} relies on kept keys but has no guard")
+
     def _validate_program(self):
         self._validate_accumulate()
+        self._validate_skips()
         seen: set[str] = set()
         for s in self.program.stages:
             if s.place not in PLACES:

@@ -12,6 +12,9 @@
                    the store-vs-recompute choice.
     accumulate     an output X[v] = c · Σ_r g (c not using r) → X[v] = Σ_r c·g, added into
                    memory by every program that owns a tile of r ("atomic": scatter-add).
+    skip_masked    op_w B → op_{w : c(w)} B  where B is the identity wherever the affine mask
+                   condition c fails: a program walks only the tiles of w its rows keep
+                   (causal, local windows, lengths; ``moajax.masked``).
     tile / lift / with_gamma / with_knobs   schedule-only changes (the program is untouched).
 
 Every rewrite is checked in the tests by running the ONF against the DNF reference.
@@ -510,9 +513,20 @@ def with_knobs(onf: ONF, **kw) -> ONF:
     return onf.replace(knobs=dataclasses.replace(onf.knobs, **kw), note=f"with_knobs({shown})")
 
 
+def skip_masked(onf: ONF) -> ONF:
+    """Record, per stage walking a variable, the tiles its mask conditions leave out
+    (``moajax.masked.derive_skip``); the stages are unchanged, the backends walk fewer tiles."""
+    from moajax import masked
+
+    found = masked.skips(onf)
+    if not found and not onf.skips:
+        return onf
+    return onf.replace(skips=found, note=f"skip_masked({', '.join(sk.stage for sk in found) or '—'})")
+
+
 def retarget(onf: ONF, target: str) -> ONF:
     return onf.replace(target=target)
 
 
 __all__ = ["hoist", "fuse_online", "split_k", "materialize", "accumulate", "tile", "lift", "with_gamma", "with_knobs",
-           "retarget", "factor_out_invariants", "Knobs"]
+           "retarget", "skip_masked", "factor_out_invariants", "Knobs"]

@@ -52,10 +52,12 @@ class Preset:
     # None: derived, ``derive_plan``); ``backward``: the same for this call's adjoint
     plan: object = None
     backward: object = None
+    # leave out the tiles a mask provably zeroes (``rewrites.skip_masked``); None: True
+    skip: bool | None = None
 
     @staticmethod
     def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, residuals=None,
-           plan=None, backward=None, **knobs) -> "Preset":
+           plan=None, backward=None, skip=None, **knobs) -> "Preset":
         def items(d):
             return tuple(sorted((d or {}).items()))
 
@@ -63,8 +65,10 @@ class Preset:
             raise ValueError(f"Preset: target must be None, 'cpu' or 'gpu', got {target!r}")
         if residuals not in (None, "auto", "save", "none"):
             raise ValueError(f"Preset: residuals must be None, 'auto', 'save' or 'none', got {residuals!r}")
+        if skip not in (None, True, False):
+            raise TypeError(f"Preset: skip must be a bool, got {skip!r}")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
-                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"))
+                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip)
 
     def applies_to(self, machine: Machine) -> bool:
         return self.target is None or self.target == machine.kind
@@ -622,9 +626,17 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
     present = {v.name for v in onf.program.vars()}
     moot = {d for spec in dnf.inputs for d, n in zip(spec.dims, spec.shape) if n == 1} - present
     roles = {name: role for name, role in preset.roles if name not in moot}
+    walked = {x.var.name for e in onf.program.exprs() for x in D.walk(e) if isinstance(x, D.Red)}
+    walked |= {v.name for v in onf.program.walked()}
     for name, t in preset.tiles:
         if name not in moot:
-            onf = W.tile(onf, name, int(t), roles.pop(name, None))
+            role = roles.pop(name, None)
+            axis = next((a for a in onf.axes if a.name == name), None)
+            if axis is None:
+                axis = next((onf.axis_of(v) for v in onf.program.vars() if v.name == name), None)
+            if role is None and axis is not None and name in walked and int(t) < axis.extent and axis.role == "whole":
+                role = "sequential"  # a walked axis held whole because it fit one tile: walk it in these tiles
+            onf = W.tile(onf, name, int(t), role)
     for name, role in roles.items():
         onf = W.tile(onf, name, onf.axis(name).tile if name in {a.name for a in onf.axes} else 1, role)
     for name, parts in preset.split:
@@ -640,5 +652,7 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
     grid = {a.name for a in onf.axes if a.role == "grid"}
     if any(n not in grid for n in onf.knobs.cpu_loop):  # a preset made a looped axis non-grid
         onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))
+    if preset.skip is not False:
+        onf = W.skip_masked(onf)
     return check_fits(onf.validate(), machine)
 

@@ -104,3 +104,19 @@ def test_gqa_training_kernels_compile_without_spills(machine):
         reports = gpu_report.onf_reports(onf, machine.arch)
         assert len(reports) == 1, (label, reports)
         assert reports[0].spill_stores == 0 and reports[0].spill_loads == 0, (label, reports[0])
+
+
+@needs_compiler
+@pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
+def test_causal_training_kernels_with_skipped_tiles_compile_without_spills(machine):
+    """jax.grad of causal attention on a GPU: each kernel's loop runs between bounds computed
+    in the kernel from its program id (the masked tiles skipped). Lowering to Triton IR is not
+    enough — jnp's integer floor division and a min over a stack of scalars lowered, but did
+    not compile — so each is compiled to PTX: 0 spill bytes, and every walk has its skip."""
+    cases = [c for c in gpu_report.training_cases(("float32",)) if c[1] == machine and "causal" in c[0]]
+    assert [c[0].split("float32 H=64")[-1].strip() for c in cases] == ["", "d_query", "d_key_d_value"]
+    for label, m, onf in cases:
+        assert not isinstance(onf, Exception), (label, onf)
+        assert onf.skips, label
+        reports = gpu_report.onf_reports(onf, machine.arch)
+        assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in reports), (label, reports)

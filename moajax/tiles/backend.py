@@ -53,10 +53,14 @@ class Backend:
             return da.astype(out_dtype), db.astype(out_dtype)
         return da, db
 
-    def fori_loop(self, n, body, init):
+    def fori_loop(self, n, body, init, start=0):
+        """body(i, carry) for i = start … start + n − 1 (a traced start or n: the visited span
+        of a loop whose masked tiles are skipped, ``tiles.skipping``)."""
         from jax import lax
 
-        return lax.fori_loop(0, n, body, init)
+        if isinstance(start, int) and start == 0:
+            return lax.fori_loop(0, n, body, init)
+        return lax.fori_loop(start, start + n, body, init)
 
     def whole(self, v: Var) -> Range:
         """The range of ``v`` evaluated over all of it (every tile at once)."""

@@ -15,6 +15,7 @@ from moajax import dnf as D
 from moajax import ops as _ops
 from moajax.ix import Ix, Var
 from moajax.reference import Named, align
+from moajax.tiles import skipping
 from moajax.tiles.contract import contract_factors
 from moajax.tiles.masking import fill_past_end, valid
 from moajax.tiles.ranges import Range, broadcast_to_vars, index_values, same_range
@@ -79,7 +80,7 @@ class TileEval(Scope):
         if isinstance(e, D.Ref):
             return self.ref(e)
         if isinstance(e, D.Red):
-            return self.reduce(e.monoid, e.var, e.body, e.free)
+            return self.reduce(e.monoid, e.var, e.body, e.free, skipping.skip_for(self.onf, e))
         raise TypeError(f"cannot evaluate {type(e).__name__} in a tile")
 
     def ref(self, e: D.Ref) -> Named:
@@ -106,9 +107,10 @@ class TileEval(Scope):
         return val
 
     # ---- reductions
-    def reduce(self, monoid: str, v: Var, body: D.Expr, result_free) -> Named:
-        """op_v body: a loop over the tiles of a sequential v, this program's partial over
-        its own grid tile of v (a scatter-added stage), else one step over all of v."""
+    def reduce(self, monoid: str, v: Var, body: D.Expr, result_free, skip=None) -> Named:
+        """op_v body: a loop over the tiles of a sequential v (those ``skip`` leaves in), this
+        program's partial over its own grid tile of v (a scatter-added stage), else one step
+        over all of v."""
         import jax.numpy as jnp
 
         axis = self.onf.axis_of(v)
@@ -117,12 +119,13 @@ class TileEval(Scope):
             out_vars = self.ordered(x for x in result_free if self.range_of(x).size != 1)
             init = jnp.full(tuple(self.range_of(x).size for x in out_vars), mono.identity(body.dtype), body.dtype)
             self.hoist([body], v)
+            first, count = skipping.span(self, [skip], v)
 
             def step(i, acc):
                 part = self.child({v: Range(i * axis.tile, axis.tile, v.extent)}).tile_reduce(mono, v, body)
                 return _ops.OPS[mono.op].jnp_fn()(acc, broadcast_to_vars(part, out_vars, self.ranges))
 
-            return Named(self.backend.fori_loop(axis.ntiles, step, init), out_vars)
+            return Named(self.backend.fori_loop(count, step, init, first), out_vars)
         if axis.role == "grid" and v in self.ranges:
             # a stage accumulated across programs (ONF.accumulate): this program's partial
             # sum is over its own tile of v (the XLA backend's tile is the whole grid)
@@ -131,10 +134,11 @@ class TileEval(Scope):
         sub = self if same_range(rng, self.ranges.get(v)) else self.child({v: rng})
         return sub.tile_reduce(mono, v, body)
 
-    def reduce_together(self, reds) -> list:
+    def reduce_together(self, reds, skips=None) -> list:
         """Several reductions ``(monoid, v, body, result_free)`` over one sequential v in one
         loop over its tiles, carrying every accumulator: one tile scope per step, so what
-        their bodies share (the probabilities of dK's and dV's Σ_t) is computed once per tile."""
+        their bodies share (the probabilities of dK's and dV's Σ_t) is computed once per tile.
+        The loop visits the union of the tiles their ``skips`` leave in."""
         import jax.numpy as jnp
 
         v = reds[0][1]
@@ -144,6 +148,7 @@ class TileEval(Scope):
         inits = tuple(jnp.full(tuple(self.range_of(x).size for x in ov), mono.identity(body.dtype), body.dtype)
                       for (_, _, body, _), mono, ov in zip(reds, monos, outs))
         self.hoist([body for _, _, body, _ in reds], v)
+        first, count = skipping.span(self, list(skips) if skips is not None else [None], v)
 
         def step(i, accs):
             sub = self.child({v: Range(i * axis.tile, axis.tile, v.extent)})
@@ -151,7 +156,7 @@ class TileEval(Scope):
                                                                            self.ranges))
                          for acc, mono, ov, (_, _, body, _) in zip(accs, monos, outs, reds))
 
-        res = self.backend.fori_loop(axis.ntiles, step, inits)
+        res = self.backend.fori_loop(count, step, inits, first)
         return [Named(r, ov) for r, ov in zip(res, outs)]
 
     def tile_reduce(self, mono, v: Var, body: D.Expr) -> Named:

@@ -13,6 +13,7 @@ import numpy as np
 from moajax import dnf as D
 from moajax.onf import OnlineStage
 from moajax.reference import Named
+from moajax.tiles import skipping
 from moajax.tiles.contract import contract, operand
 from moajax.tiles.masking import fill_past_end, valid, zero_padded
 from moajax.tiles.ranges import Range, broadcast_to_vars, same_range
@@ -68,7 +69,8 @@ def carry(ev, st: OnlineStage) -> dict:
             m, accs = carried
             return step(ev.child({v: Range(i * axis.tile, axis.tile, v.extent)}), m, accs)
 
-        m, accs = ev.backend.fori_loop(axis.ntiles, body, (m0, acc0))
+        first, count = skipping.span(ev, [ev.onf.skip_of(st.name)], v)
+        m, accs = ev.backend.fori_loop(count, body, (m0, acc0), first)
     else:
         rng = ev.backend.whole(v)
         m, accs = step(ev if same_range(rng, ev.ranges.get(v)) else ev.child({v: rng}), m0, acc0)

@@ -84,7 +84,8 @@ def together(ev, roots) -> None:
         if len(sts) < 2:
             continue
         scope = ev.within({w for st in sts for w in st.vars})
-        vals = scope.reduce_together([(st.body.monoid, v, st.body.body, st.body.free) for st in sts])
+        vals = scope.reduce_together([(st.body.monoid, v, st.body.body, st.body.free) for st in sts],
+                                     [onf.skip_of(st.name) for st in sts])
         for st, val in zip(sts, vals):
             ev.values[st.name] = val
 

@@ -1,0 +1,414 @@
+"""Masked tiles: where a walked reduction's body is its monoid's identity, as affine bounds.
+
+    op_w B  =  op_{w : c(w)} B      whenever B = id(op) wherever c fails.
+
+A mask in the DNF is ``c ? x : y`` with c a conjunction of comparisons. A comparison that is
+affine in the index variables and in runtime integer scalars (``⟨b⟩ψlengths``), with
+coefficient ±1 on the walked variable w, is a bound on w: when B, with that comparison false,
+reduces to the identity (Σ: 0; ⌈ and the online softmax: the mask fill), a program walks only
+the tiles of w between the least lower and the greatest upper bound over its rows — causal,
+local-window and length masks skip whole tiles instead of computing and masking them.
+
+The mask fill m₀ (``large_negative``: −0.7·max, jax.nn's) is not −∞: a row whose every key is
+masked averages V over all keys. exp(m₀ − X), with X a row statistic (the row max or log-sum),
+is 0 only for a row that keeps a key, and a ⌈ or online pass leaves out m₀ only then. A bound
+that needs this is marked *kept*, and the skip carries a ``Guard`` — ∀ rows ∃ key: every
+masking condition of the row holds — that each program checks from the same affine
+conditions; where it fails, every tile is walked, and the fully masked row gets jax.nn's
+result. (It takes every score a kept key has to exceed m₀ by more than exp's range: true
+of any finite score not itself within 10⁻³⁶ of −max.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax.ix import Ix, Var
+from moajax.onf import ONF, Affine, Guard, OnlineStage, Skip, Stage
+
+_CMP = {"lt": (1, -1, -1), "le": (1, -1, 0), "gt": (-1, 1, -1), "ge": (-1, 1, 0)}  # y·a + x·b + k ≥ 0
+
+ZERO, FILL, SHIFTED, TRUE, FALSE = "0", "m₀", "m₀ − X", "true", "false"
+
+
+def _fill_of(dtype) -> float | None:
+    """The mask fill m₀ of a float dtype (``kernels.common.large_negative``)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        return None
+    from moajax.kernels.common import large_negative
+
+    return large_negative(dtype)
+
+
+def linear(e: D.Expr) -> Affine | None:
+    """e as Σ cᵢ·xᵢ + k (index variables, runtime integer scalars), or None."""
+    while isinstance(e, (D.Tag, D.Convert)):
+        if isinstance(e, D.Convert) and np.dtype(e.dtype).kind not in "iu":
+            return None
+        e = e.children[0]
+    if isinstance(e, D.IndexValue):
+        terms = []
+        for atom, c in e.ix.terms:
+            if not isinstance(atom, Var):
+                return None  # ⌊·/d⌋, mod: not affine
+            terms.append((atom, int(c)))
+        return Affine(tuple(terms), int(e.ix.const))
+    if isinstance(e, D.Lit) and np.dtype(e.dtype).kind in "iu":
+        return Affine((), int(e.value))
+    if isinstance(e, D.Read) and np.dtype(e.dtype).kind in "iu":
+        return Affine(((e, 1),), 0)
+    if isinstance(e, D.Call) and e.op in ("add", "sub"):
+        a, b = (linear(c) for c in e.children)
+        if a is None or b is None:
+            return None
+        if e.op == "sub":
+            b = Affine(tuple((t, -c) for t, c in b.terms), -b.const)
+        return a + b
+    return None
+
+
+def comparison(c: D.Expr) -> Affine | None:
+    """An affine comparison x ⋈ y as one condition ≥ 0 (integers: x < y is y − x − 1 ≥ 0)."""
+    if not (isinstance(c, D.Call) and c.op in _CMP):
+        return None
+    x, y = (linear(a) for a in c.children)
+    if x is None or y is None:
+        return None
+    sy, sx, k = _CMP[c.op]
+    scale = lambda a, s: Affine(tuple((t, s * v) for t, v in a.terms), s * a.const)  # noqa: E731
+    return scale(y, sy) + scale(x, sx) + Affine((), k)  # (sums are kept in one term order)
+
+
+def conjuncts(c: D.Expr) -> list:
+    """The conditions a conjunction c₁ ∧ c₂ ∧ … is made of."""
+    if isinstance(c, D.Call) and c.op == "logical_and":
+        return [x for a in c.children for x in conjuncts(a)]
+    return [c]
+
+
+class _Under:
+    """The value of expressions where one condition (``atom``) is false, as far as it is
+    known: 0, the fill m₀, m₀ − X (X a row statistic), true or false (None: unknown) — each
+    with the statistics X whose exp(m₀ − X) = 0 it assumed of a row keeping a key."""
+
+    def __init__(self, atom: D.Expr):
+        self.atom = atom
+        self.memo: dict = {}
+
+    def value(self, e: D.Expr):
+        return self(e)[0]
+
+    def __call__(self, e: D.Expr) -> tuple:
+        hit = self.memo.get(id(e))
+        if hit is not None and hit[0] is e:
+            return hit[1]
+        out = self._val(e)
+        out = out if isinstance(out, tuple) else (out, frozenset())
+        self.memo[id(e)] = (e, out)
+        return out
+
+    def _val(self, e):
+        if e is self.atom:
+            return FALSE
+        if isinstance(e, D.Tag):
+            return self(e.body)
+        if isinstance(e, D.Lit):
+            if np.dtype(e.dtype) == np.bool_:
+                return TRUE if bool(e.value) else FALSE
+            if float(e.value) == 0.0:
+                return ZERO
+            fill = _fill_of(e.dtype)
+            return FILL if fill is not None and float(e.value) == fill else None
+        if isinstance(e, D.Convert):  # m₀ widened or narrowed stays far below exp's range
+            v, xs = self(e.arg)
+            return (v, xs) if v == ZERO or (v == FILL and np.dtype(e.dtype).kind == "f") else None
+        if isinstance(e, D.Red):
+            v, xs = self(e.body)
+            return (ZERO, xs) if e.monoid == "add" and v == ZERO else None
+        if not isinstance(e, D.Call):
+            return None
+        op, args = e.op, e.children
+        if op == "where":
+            c, cx = self(args[0])
+            if c == FALSE:
+                v, xs = self(args[2])
+                return v, xs | cx
+            if c == TRUE:
+                v, xs = self(args[1])
+                return v, xs | cx
+            (a, ax), (b, bx) = self(args[1]), self(args[2])
+            return (a, ax | bx) if a is not None and a == b else None
+        vals = [self(a) for a in args]
+        vs = [v for v, _ in vals]
+
+        def least(want):  # the cheapest argument with that value (fewest assumptions)
+            hits = [xs for v, xs in vals if v == want]
+            return (want, min(hits, key=len)) if hits else None
+
+        if op == "logical_and":
+            return least(FALSE) or ((TRUE, frozenset().union(*(x for _, x in vals))) if all(v == TRUE for v in vs) else None)
+        if op == "logical_or":
+            return least(TRUE) or ((FALSE, frozenset().union(*(x for _, x in vals))) if all(v == FALSE for v in vs) else None)
+        if op == "logical_not":
+            return ({TRUE: FALSE, FALSE: TRUE}[vs[0]], vals[0][1]) if vs[0] in (TRUE, FALSE) else None
+        if op == "mul":
+            return least(ZERO)
+        if op in ("div", "neg"):
+            return vals[0] if vs[0] == ZERO else None
+        if op in ("add", "sub"):
+            if vs == [ZERO, ZERO]:
+                return ZERO, vals[0][1] | vals[1][1]
+            if op == "sub" and vs[0] == FILL and vs[1] is None:
+                return SHIFTED, vals[0][1] | {args[1]}
+            return None
+        if op == "maximum":
+            return (FILL, vals[0][1] | vals[1][1]) if vs == [FILL, FILL] else None
+        if op == "exp":
+            return (ZERO, vals[0][1]) if vs[0] == SHIFTED else None
+        return None
+
+
+def _masking_atoms(exprs) -> list | None:
+    """The conditions that mask a score to the fill: every conjunct of a ``c ? x : m₀``; None
+    when one is not an affine comparison (a data mask: no closed-form guard)."""
+    out: list = []
+    for e in exprs:
+        for x in D.walk(e):
+            if isinstance(x, D.Call) and x.op == "where":
+                y = x.children[2]
+                while isinstance(y, (D.Tag, D.Convert)):
+                    y = y.children[0]
+                fill = _fill_of(y.dtype) if isinstance(y, D.Lit) else None
+                if fill is None or float(y.value) != fill:
+                    continue
+                for a in conjuncts(x.children[0]):
+                    if comparison(a) is None:
+                        return None
+                    if a not in out:
+                        out.append(a)
+    return out
+
+
+def _stat_vars(x: D.Expr) -> set:
+    """The row variables of a row statistic X (a read, a stage value or a reduction)."""
+    return set(x.free)
+
+
+def _identity(monoid: str, val) -> bool:
+    return val == ZERO if monoid == "add" else (monoid == "max" and val == FILL)
+
+
+def derive_skip(onf: ONF, st, red: D.Red | None = None) -> Skip | None:
+    """The masked tiles of the variable stage ``st`` walks — or that its reduction ``red``
+    (nested in it: GQA's Σ_t inside Σ_g) walks. None: no bound found."""
+    if red is not None:
+        if red.monoid not in ("add", "max"):
+            return None
+        w, of, body, monoid, exprs = red.var, red, red.body, red.monoid, (red.body,)
+    elif isinstance(st, OnlineStage):
+        w, of, body, monoid, exprs = st.var, st.logit, st.logit, "max", (st.logit,)
+    elif isinstance(st, Stage) and st.reduction is not None and st.reduction.monoid in ("add", "max"):
+        of = st.reduction
+        w, body, monoid, exprs = of.var, of.body, of.monoid, (of.body,)
+    else:
+        return None
+    cands = []
+    for x in D.walk(body):
+        if isinstance(x, D.Call) and x.op == "where":
+            for a in conjuncts(x.children[0]):
+                aff = comparison(a)
+                if aff is not None and abs(aff.coeff(w)) == 1 and a not in [c for c, _ in cands]:
+                    cands.append((a, aff))
+    bounds, kept, shifts = [], [], []
+    for a, aff in cands:
+        if aff in bounds:
+            continue
+        val, xs = _Under(a)(body)
+        if not _identity(monoid, val):
+            continue
+        # ⌈ (and the online pass) leave out m₀ only in a row keeping a key; Σ through exp(m₀ − X)
+        uses = monoid == "max" or bool(xs)
+        bounds.append(aff)
+        kept.append(uses)
+        if monoid == "max":
+            shifts.append(set(of.free) if isinstance(of, D.Red) else set(st.max_vars))
+        shifts += [_stat_vars(x) for x in xs]
+    if not bounds:
+        return None
+    guard = _guard(exprs, body, shifts) if any(kept) else None
+    if guard is None and any(kept):  # no closed-form guard: keep the exact bounds only
+        bounds, kept = [b for b, k in zip(bounds, kept) if not k], [False] * sum(not k for k in kept)
+        if not bounds:
+            return None
+    return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of)
+
+
+def _guard(exprs, body, row_sets) -> Guard | None:
+    """∀ rows ∃ key: the masking conditions of the scores hold — the key variable being the
+    one the masks use that no row statistic X is indexed by."""
+    atoms = _masking_atoms(exprs)
+    if not atoms:
+        return None
+    conds = [comparison(a) for a in atoms]
+    used = {t for c in conds for t, _ in c.terms if isinstance(t, Var)}  # not a length's own index
+    rows = set().union(*row_sets) if row_sets else set()
+    keys = {v for v in used if isinstance(v, Var)} - rows
+    if len(keys) != 1:
+        return None
+    k = keys.pop()
+    if any(abs(c.coeff(k)) > 1 for c in conds):
+        return None
+    # a row condition whose failure zeroes the body without any kept key (rows past a query
+    # length, whose cotangent is 0) exempts those rows from the check
+    conds_keep, exempt = [], []
+    for a, c in zip(atoms, [comparison(a) for a in atoms]):
+        if c in conds_keep or c in exempt:
+            continue
+        if c.coeff(k) == 0:
+            if _Under(a)(body) == (ZERO, frozenset()):
+                exempt.append(c)
+                continue
+        conds_keep.append(c)
+    return Guard(k, tuple(conds_keep), tuple(exempt))
+
+
+def skips(onf: ONF) -> tuple:
+    """The masked tiles of every stage's walk and of every reduction nested in a stage."""
+    out = []
+    for st in onf.program.stages:
+        top = derive_skip(onf, st)
+        if top is not None:
+            out.append(top)
+        outer = st.logit if isinstance(st, OnlineStage) else st.reduction
+        for e in st.exprs():
+            for x in D.walk(e) if e is not None else ():
+                if isinstance(x, D.Red) and x is not outer and all(sk.of is not x for sk in out):
+                    sk = derive_skip(onf, st, x)
+                    if sk is not None:
+                        out.append(sk)
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _extreme(aff: Affine, box, read_value, xp, upper: bool):
+    """max (``upper``) or min of an affine form over a box of rows: each variable v in
+    [lo, hi] (``box[v]``), each runtime scalar over its values (``read_value``)."""
+    total = aff.const
+    for t, c in aff.terms:
+        if isinstance(t, Var):
+            lo, hi = box[t]
+            total = total + c * (hi if (c > 0) == upper else lo)
+        else:
+            vals = read_value(t)
+            total = total + (c * (xp.max(vals) if (c > 0) == upper else xp.min(vals)))
+    return total
+
+
+def guard_holds(guard: Guard, box, read_value, xp):
+    """Does every row of ``box`` (rows the exempt conditions leave out excepted) keep a key?
+    Each condition is affine, so the least over the box of u − l (a lower and an upper bound
+    on the key) and of each row condition is at a corner: exact, no enumeration."""
+    k = guard.var
+    box = {v: r for v, r in box.items() if v != k}  # the key is what is searched for
+    for c in guard.exempt:  # only the rows it keeps need a key
+        vs = [t for t, _ in c.terms if isinstance(t, Var)]
+        if len(vs) == 1:
+            v = vs[0]
+            cv = c.coeff(v)
+            rest = _extreme(c.without(v), box, read_value, xp, upper=True)
+            lo, hi = box[v]
+            box[v] = (xp.maximum(lo, -rest), hi) if cv > 0 else (lo, xp.minimum(hi, rest)) if cv < 0 else (lo, hi)
+    lowers = [c for c in guard.conds if c.coeff(k) > 0] + [Affine(((k, 1),), 0)]
+    uppers = [c for c in guard.conds if c.coeff(k) < 0] + [Affine(((k, -1),), k.extent - 1)]
+    ok = True
+    for lo_c in lowers:
+        for up_c in uppers:
+            gap = lo_c.without(k) + up_c.without(k)  # u(row) − l(row)
+            ok = xp.logical_and(ok, _extreme(gap, box, read_value, xp, upper=False) >= 0)
+    for c in guard.conds:
+        if c.coeff(k) == 0:
+            ok = xp.logical_and(ok, _extreme(c, box, read_value, xp, upper=False) >= 0)
+    empty = False
+    for lo, hi in box.values():
+        empty = xp.logical_or(empty, lo > hi)
+    return xp.logical_or(ok, empty)
+
+
+def _div(x, d: int, xp):
+    """x // d for x ≥ 0."""
+    if xp is np or isinstance(x, (int, np.integer, np.ndarray)):
+        return np.asarray(x) // d if isinstance(x, np.ndarray) else x // d
+    from jax import lax
+
+    return lax.div(x, xp.asarray(d, x.dtype))
+
+
+def tile_span(skip: Skip, tile: int, ntiles: int, box, read_value, xp, guard_ok=True):
+    """(first tile, number of tiles) of ``skip.var`` a program with rows ``box`` walks: from
+    the least lower bound to the greatest upper bound over its rows (kept bounds only where
+    ``guard_ok``), clipped to the axis."""
+    w = skip.var
+    lo, hi = 0, w.extent - 1
+    for b, kept in zip(skip.bounds, skip.kept):
+        cw = b.coeff(w)
+        ext = _extreme(b.without(w), box, read_value, xp, upper=True)
+        val = -ext if cw > 0 else ext  # w ≥ −rest  or  w ≤ rest, at its loosest over the rows
+        if cw > 0:
+            new = xp.maximum(lo, val)
+        else:
+            new = xp.minimum(hi, val)
+        if kept:
+            new = xp.where(guard_ok, new, lo if cw > 0 else hi)
+        if cw > 0:
+            lo = new
+        else:
+            hi = new
+    lo = xp.clip(lo, 0, w.extent - 1)
+    hi = xp.clip(hi, 0, w.extent - 1)
+    # both ≥ 0: a truncating division is the floor (Triton lowers jnp's floor_divide of
+    # integers wrongly: a bool subtracted from an i32)
+    first = _div(lo, tile, xp)
+    last = _div(hi, tile, xp)
+    count = xp.where(hi >= lo, last - first + 1, 0)
+    return first, xp.clip(count, 0, ntiles)
+
+
+def visited_fraction(onf: ONF, skip: Skip) -> float:
+    """The share of (program, tile) pairs of ``skip.var`` its loops visit, over every program
+    (the grid tiles of the row variables its bounds name). Runtime lengths are unknown to the
+    model: bounds and guard conditions that read one are taken as keeping everything."""
+    w = skip.var
+    axis = onf.axis_of(w)
+    if axis.role != "sequential" or axis.ntiles <= 1:
+        return 1.0
+    static = lambda a: all(isinstance(t, Var) for t, _ in a.terms)  # noqa: E731
+    keep = [(b, k) for b, k in zip(skip.bounds, skip.kept) if static(b)]
+    if not keep:
+        return 1.0
+    guard = skip.guard
+    if guard is not None:
+        guard = Guard(guard.var, tuple(c for c in guard.conds if static(c)), tuple(c for c in guard.exempt if static(c)))
+    sk = Skip(skip.stage, w, tuple(b for b, _ in keep), tuple(k for _, k in keep), guard, skip.of)
+    vars_ = {t for b in sk.bounds for t, _ in b.terms if isinstance(t, Var)}
+    if guard is not None:
+        vars_ |= {t for c in guard.conds + guard.exempt for t, _ in c.terms if isinstance(t, Var)}
+    grid = sorted((v for v in vars_ if v != w and onf.axis_of(v).role == "grid"), key=lambda v: v.name)
+    mesh = np.meshgrid(*[np.arange(onf.axis_of(v).ntiles) for v in grid], indexing="ij") if grid else []
+    box = {}
+    for v in vars_:
+        if v in grid:
+            i = mesh[grid.index(v)]
+            t = onf.axis_of(v).tile
+            box[v] = (i * t, np.minimum((i + 1) * t, v.extent) - 1)
+        else:
+            box[v] = (0, v.extent - 1)
+    ok = guard_holds(guard, box, None, np) if any(sk.kept) else True
+    _, count = tile_span(sk, axis.tile, axis.ntiles, box, None, np, ok)
+    return float(np.mean(count)) / axis.ntiles
+
+
+__all__ = ["derive_skip", "visited_fraction", "skips", "guard_holds", "tile_span", "linear", "comparison", "conjuncts"]

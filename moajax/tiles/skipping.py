@@ -1,0 +1,65 @@
+"""Masked tiles in a program: which tiles of a walked variable its loop visits (``ONF.skips``).
+
+A loop over the tiles of w serves one or more stages; each stage's ``Skip`` bounds the w its
+body is not the identity for, over the program's rows (its grid tile of each row variable,
+the whole extent of a variable it does not own). The loop visits the union of the stages'
+spans, from its first tile on: ``(first, count)``, traced where a bound reads a program id or
+a runtime length. A stage without a skip makes the loop visit every tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from moajax import dnf as D
+from moajax import masked
+from moajax.ix import Var
+
+
+def skip_for(onf, red: D.Red):
+    """The skip derived for this reduction (a stage's top reduction), or None."""
+    for sk in onf.skips:
+        if sk.of is red:
+            return sk
+    return None
+
+
+def _box(ev, vars_, loop: Var) -> dict:
+    """[lo, hi] of each variable over this program's rows (the loop's own: all of it)."""
+    import jax.numpy as jnp
+
+    box = {}
+    for v in vars_:
+        r = ev.ranges.get(v)
+        if r is None or v == loop:
+            box[v] = (0, v.extent - 1)
+        elif isinstance(r.start, int):
+            box[v] = (r.start, min(r.start + r.size, v.extent) - 1)
+        else:
+            box[v] = (r.start, jnp.minimum(r.start + r.size, v.extent) - 1)
+    return box
+
+
+def span(ev, skips, v: Var):
+    """(first tile, number of tiles) of v that a loop serving stages with these ``skips``
+    (None for a stage without one) visits in scope ``ev``."""
+    import jax.numpy as jnp
+
+    axis = ev.onf.axis_of(v)
+    if not skips or any(sk is None for sk in skips):
+        return 0, axis.ntiles
+    firsts, ends = [], []
+    for sk in skips:
+        vars_ = {t for b in sk.bounds for t, _ in b.terms if isinstance(t, Var)}
+        if sk.guard is not None:
+            vars_ |= {t for c in sk.guard.conds + sk.guard.exempt for t, _ in c.terms if isinstance(t, Var)}
+        box = _box(ev, vars_, v)
+        read = lambda r: ev.eval(r).data  # noqa: E731 - a length of this program's batch element(s)
+        ok = masked.guard_holds(sk.guard, box, read, jnp) if any(sk.kept) else True
+        first, count = masked.tile_span(sk, axis.tile, axis.ntiles, box, read, jnp, ok)
+        firsts.append(jnp.where(count > 0, first, axis.ntiles))
+        ends.append(jnp.where(count > 0, first + count, 0))
+    # pairwise (Triton has no reduction over a stack of scalars)
+    first, end = functools.reduce(jnp.minimum, firsts), functools.reduce(jnp.maximum, ends)
+    first = jnp.minimum(first, axis.ntiles).astype(jnp.int32)
+    return first, jnp.maximum(end - first, 0).astype(jnp.int32)

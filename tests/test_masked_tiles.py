@@ -1,0 +1,226 @@
+"""Masked tiles are skipped, not computed and masked (``rewrites.skip_masked``, ``moajax.masked``).
+
+What is checked: the bounds the analysis finds in attention's masks (causal, local window,
+lengths) and where it must find none (a data mask gives no guard); that skipping changes no
+bit of any output or gradient (the online softmax and the Σ over skipped tiles add exact
+identities), on XLA and on Pallas-interpret, including fully masked rows (the guard walks
+every tile there: jax.nn's uniform average); that skipped tiles are never read (NaN planted in
+them does not reach the result; without the skip it does — the test can fail); the tile spans
+against brute-force enumeration; the cost model's share; the ONF's validation. (The 300-example
+property test over random shapes, windows, lengths and groupings runs in these small tiles:
+test_attention_variants.py.)
+
+Tolerances: float64 rel ≤ 1e-12 against the independent reference (tests/references.py), as in
+test_attention_variants.py; skip against no skip: bitwise (0.0) — the skipped terms are exact
+zeros and leave every running maximum unchanged.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moajax
+import references as R
+from moajax import cost, machines, masked, schedule
+from moajax.kernels.attention import mha_kernel
+from moajax.onf import ONFError, OnlineStage
+from moajax.schedule import Preset
+
+SDS = jax.ShapeDtypeStruct
+TILES = {"t": 2, "s": 2}  # small tiles: several per axis at test sizes, so loops skip
+
+
+def _dnf(B=2, T=64, S=64, N=4, K=2, H=8, qlen=False, kvlen=False, mask=False, **kw):
+    specs = [SDS((B, T, N, H), np.float32), SDS((B, S, K, H), np.float32), SDS((B, S, K, H), np.float32)]
+    specs += [SDS((B, 1, T, S), np.bool_)] if mask else []
+    specs += [SDS((B,), np.int32)] * (int(qlen) + int(kvlen))
+    kern = mha_kernel(None, "b n1 t s" if mask else None, K != N, qlen, kvlen)
+    return kern, specs, kern.dnf(*specs, **kw)
+
+
+def test_causal_window_and_length_bounds_are_found():
+    _, _, d = _dnf(kvlen=True, is_causal=True, local_window_size=(8, 0))
+    onf = schedule.derive(d, machines.load("h200"))
+    online = next(s for s in onf.program.stages if isinstance(s, OnlineStage))
+    sk = onf.skip_of(online.name)
+    assert sk is not None and sk.var.name == "s"
+    assert sorted(b.text() for b in sk.bounds) == sorted(
+        ["−s + t ≥ 0", "s − t + 8 ≥ 0", "−s + ⟨b⟩ψkey_value_seq_lengths − 1 ≥ 0"])
+    # ⌈ leaves out the fill only in a row keeping a key: every bound is kept, with a guard
+    assert all(sk.kept) and sk.guard is not None and sk.guard.var.name == "s"
+    assert "skip:" in onf.pretty() and "skip_masked" in onf.pretty()
+
+
+def test_the_backward_skips_exactly_where_the_adjoint_masks_with_zero():
+    kern, specs, _ = _dnf(K=4, qlen=True, kvlen=True, is_causal=True)
+    adj, aspecs = kern.saved_adjoint(*specs, is_causal=True)
+    plan = schedule.derive_plan(adj.dnf(*aspecs, is_causal=True), machines.load("h200"))
+    by_out = {o.dnf.outputs[0].name: o for o in plan}
+    dq = by_out["d_query"]
+    causal = [sk for sk in dq.skips if sk.var.name == "s" and "−s + t ≥ 0" in [b.text() for b in sk.bounds]]
+    assert causal and not any(k for sk in causal for k in sk.kept)  # `c ? … : 0`: no kept key needed
+    dkv = [o for o in plan if o is not dq]
+    kept = [sk for o in dkv for sk in o.skips if sk.var.name == "t"]
+    assert kept and all("−s + t ≥ 0" in [x.text() for x in sk.bounds] for sk in kept)
+    # dV's Σ_t P × dO needs exp(m₀ − max) = 0: kept, and rows past the query length are exempt
+    # from the guard (their cotangent is 0), so padding does not switch the skip off
+    dv = [sk for sk in kept if any(sk.kept)]
+    assert dv and all(sk.guard is not None for sk in dv)
+    assert any("query_seq_lengths" in c.text() for sk in dv for c in sk.guard.exempt)
+
+
+def test_a_data_mask_gives_no_kept_skip():
+    # a bool mask can mask a whole row: no closed-form guard, so the forward walks every tile
+    _, _, d = _dnf(mask=True, is_causal=True)
+    onf = schedule.derive(d, machines.load("h200"))
+    assert all(not any(sk.kept) for sk in onf.skips)
+    online = next(s for s in onf.program.stages if isinstance(s, OnlineStage))
+    assert onf.skip_of(online.name) is None
+
+
+def test_skip_false_and_stale_skips():
+    _, _, d = _dnf(is_causal=True)
+    h200 = machines.load("h200")
+    assert schedule.derive(d, h200, Preset.of(skip=False)).skips == ()
+    onf = schedule.derive(d, h200)
+    assert onf.skips
+    other = schedule.derive(_dnf(is_causal=True, local_window_size=(3, 3))[2], h200)
+    stale = dataclasses.replace(other, skips=onf.skips)
+    with pytest.raises(ONFError, match="skip"):
+        stale.validate()
+    with pytest.raises(TypeError, match="skip must be a bool"):
+        Preset.of(skip="yes")
+
+
+# ----------------------------------------------------------------------------- exactness
+
+B, T, S, N, K, H = 2, 9, 11, 4, 2, 3
+
+
+def _qkv(dtype=np.float64, T=T, S=S, K=K, seed=0):
+    r = np.random.default_rng(seed)
+    return [r.standard_normal(s).astype(dtype) for s in [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)]]
+
+
+def _value_and_grads(impl, skip, q, k, v, g, **kw):
+    onf = Preset.of(tiles=TILES, skip=skip)
+
+    def f(q, k, v):
+        return moajax.dot_product_attention(q, k, v, implementation=impl, onf=onf, **kw)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    return [out, *vjp(g)]
+
+
+CASES = {
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(2, 1)),
+    "causal, kv lengths, one empty": dict(is_causal=True, key_value_seq_lengths=np.array([11, 0], np.int32)),
+    "window, both lengths": dict(local_window_size=(3, 0), query_seq_lengths=np.array([6, 9], np.int32),
+                                 key_value_seq_lengths=np.array([4, 11], np.int32)),
+    # T > S with a window: the last rows keep no key (fully masked: jax.nn's average of V)
+    "rows past every key": dict(local_window_size=(1, 0), T=14, S=6),
+}
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_skipping_changes_no_bit_and_matches_the_reference(case, impl):
+    kw = dict(CASES[case])
+    shape = dict(T=kw.pop("T", T), S=kw.pop("S", S))
+    q, k, v, g = _qkv(**shape)
+    got = _value_and_grads(impl, None, q, k, v, g, **kw)
+    full = _value_and_grads(impl, False, q, k, v, g, **kw)
+    for a, b in zip(got, full):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    ref = [R.mha_variants(q, k, v, **kw)] + list(R.mha_variants(q, k, v, dout=g, **kw)[:3])
+    for a, b in zip(got, ref):
+        assert np.all(np.isfinite(a))
+        assert float(np.max(np.abs(np.asarray(a) - b))) <= 1e-12 * max(float(np.max(np.abs(b))), 1.0)
+
+
+def _poisoned(impl, keys, **kw):
+    """(value and grads with NaN in K and V at ``keys`` of batch element 0, the same with 0
+    there, the NaN run with every tile walked)."""
+    q, k, v, g = _qkv(T=5)
+    k, v = k.copy(), v.copy()
+    k[0, keys], v[0, keys] = 0.0, 0.0
+    clean = _value_and_grads(impl, None, q, k, v, g, **kw)
+    k[0, keys], v[0, keys] = np.nan, np.nan
+    return (_value_and_grads(impl, None, q, k, v, g, **kw), clean,
+            _value_and_grads(impl, False, q, k, v, g, **kw))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_skipped_tiles_are_never_read(impl):
+    # causal with 5 queries and 11 keys in tiles of 2: no program walks past key tile 2, so keys
+    # 6 … 10 are never read — NaN there cannot reach the result. Walked and masked, 0 × NaN
+    # poisons every row: the test can fail
+    got, clean, walked = _poisoned(impl, slice(6, None), is_causal=True)
+    for a, b in zip(got, clean):
+        assert np.array_equal(np.asarray(a)[:, :6], np.asarray(b)[:, :6])
+    assert not np.all(np.isfinite(walked[0]))
+
+
+def test_keys_past_a_length_are_never_read_per_batch_element():
+    # Pallas: one program per batch element, so its length bounds its own walk. (XLA runs the
+    # batch at once: its walk is bounded by the longest length of the batch.)
+    kw = dict(is_causal=True, key_value_seq_lengths=np.array([2, 11], np.int32))
+    got, clean, walked = _poisoned("pallas_interpret", slice(2, None), **kw)
+    for a, b in zip(got[:2], clean[:2]):  # the output and dQ
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not np.all(np.isfinite(walked[0]))
+
+
+# ----------------------------------------------------------------------------- spans
+
+
+def _brute_span(keep, rows, tile, n):
+    """The tiles holding a kept (row, key) for some row of ``rows``: enumeration."""
+    need = [j for j in range(n) if any(keep(t, s) for t in rows for s in range(j * tile, (j + 1) * tile))]
+    return (need[0], need[-1] - need[0] + 1) if need else None
+
+
+@pytest.mark.parametrize("window,causal,length", [((3, 0), True, None), ((2, 5), False, 13), (None, True, 7),
+                                                  ((0, 0), False, None)])
+def test_tile_spans_cover_exactly_the_kept_tiles(window, causal, length):
+    Tn = Sn = 24
+    kern, specs, d = _dnf(T=Tn, S=Sn, kvlen=length is not None, is_causal=causal, local_window_size=window)
+    onf = schedule.derive(d, machines.load("h200"), Preset.of(tiles={"t": 4, "s": 4}))
+    online = next(s for s in onf.program.stages if isinstance(s, OnlineStage))
+    sk = onf.skip_of(online.name)
+
+    def keep(t, s):
+        ok = (not causal or s <= t) and (length is None or s < length)
+        return ok and (window is None or t - window[0] <= s <= t + window[1])
+
+    read = lambda r: np.array(length)  # noqa: E731 - the length of this batch element
+    for i in range(Tn // 4):
+        box = {v: ((i * 4, i * 4 + 3) if v.name == "t" else (0, v.extent - 1))
+               for b in sk.bounds + sk.guard.conds for v, _ in b.terms if not hasattr(v, "array")}
+        ok = masked.guard_holds(sk.guard, box, read, np)
+        first, count = masked.tile_span(sk, 4, Sn // 4, box, read, np, ok)
+        want = _brute_span(keep, range(i * 4, i * 4 + 4), 4, Sn // 4)
+        every_row_keeps = all(any(keep(t, s) for s in range(Sn)) for t in range(i * 4, i * 4 + 4))
+        assert bool(ok) == every_row_keeps
+        if every_row_keeps:
+            assert (int(first), int(count)) == want
+        else:  # a row keeping no key: walk every tile (jax.nn averages V over all keys)
+            assert (int(first), int(count)) == (0, Sn // 4)
+
+
+def test_the_cost_model_counts_the_skipped_tiles():
+    h200 = machines.load("h200")
+    full = schedule.derive(_dnf(B=1, T=8192, S=8192, N=8, K=8, H=64)[2], h200)
+    causal = schedule.derive(_dnf(B=1, T=8192, S=8192, N=8, K=8, H=64, is_causal=True)[2], h200)
+    sk = causal.skips[0]
+    # brute force: program i (rows i·bt … i·bt + bt − 1) walks key tiles 0 … ⌊(i·bt + bt − 1)/bs⌋
+    bt, bs = causal.axis("t").tile, causal.axis("s").tile
+    n = 8192 // bs
+    share = np.mean([((i * bt + bt - 1) // bs + 1) / n for i in range(8192 // bt)])
+    assert masked.visited_fraction(causal, sk) == pytest.approx(share, abs=1e-12)
+    ratio = cost.estimate(causal, h200).flops / cost.estimate(full, h200).flops
+    assert 0.49 < ratio < 0.52
