@@ -200,13 +200,15 @@ def _identity(monoid: str, val) -> bool:
     return val == ZERO if monoid == "add" else (monoid == "max" and val == FILL)
 
 
-def derive_skip(onf: ONF, st, red: D.Red | None = None) -> Skip | None:
+def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None) -> Skip | None:
     """The masked tiles of the variable stage ``st`` walks — or that its reduction ``red``
-    (nested in it: GQA's Σ_t inside Σ_g) walks. None: no bound found."""
+    (nested in it: GQA's Σ_t inside Σ_g) walks, or, with ``over``, of the variable ``over``
+    of red's result (a scatter-added stage written tile by tile: the tiles where every
+    partial is 0 are not added). None: no bound found."""
     if red is not None:
-        if red.monoid not in ("add", "max"):
+        if red.monoid not in ("add", "max") or (over is not None and red.monoid != "add"):
             return None
-        w, of, body, monoid, exprs = red.var, red, red.body, red.monoid, (red.body,)
+        w, of, body, monoid, exprs = over or red.var, red, red.body, red.monoid, (red.body,)
     elif isinstance(st, OnlineStage):
         w, of, body, monoid, exprs = st.var, st.logit, st.logit, "max", (st.logit,)
     elif isinstance(st, Stage) and st.reduction is not None and st.reduction.monoid in ("add", "max"):
@@ -282,6 +284,12 @@ def skips(onf: ONF) -> tuple:
         if top is not None:
             out.append(top)
         outer = st.logit if isinstance(st, OnlineStage) else st.reduction
+        if onf.scatter_var(st) is not None:  # written tile by tile over its sequential variables
+            for v in st.vars:
+                if onf.axis_of(v).role == "sequential":
+                    sk = derive_skip(onf, st, st.accumulated, over=v)
+                    if sk is not None:
+                        out.append(sk)
         for e in st.exprs():
             for x in D.walk(e) if e is not None else ():
                 if isinstance(x, D.Red) and x is not outer and all(sk.of is not x for sk in out):

@@ -443,13 +443,15 @@ class ONF:
                 return a
         return Axis(v.name, v.extent, max(v.extent, 1), "whole", "pad")
 
-    def skip_of(self, stage: str) -> Skip | None:
+    def skip_of(self, stage: str, var: Var | None = None) -> Skip | None:
         """The masked tiles the walk of ``stage`` (its top reduction or online pass) leaves
-        out (None: it walks every tile)."""
+        out — or, with ``var``, its tile-by-tile writes over ``var`` (a scatter-added stage).
+        None: it walks every tile."""
         st = self.program.stage_of(stage)
-        top = st.logit if isinstance(st, OnlineStage) else st.reduction
+        top = st.logit if isinstance(st, OnlineStage) else (st.accumulated if var is not None else st.reduction)
         for sk in self.skips:
-            if sk.stage == st.name and top is not None and sk.of is top:
+            walk = var if var is not None else (top.var if isinstance(top, D.Red) else sk.var)
+            if sk.stage == st.name and top is not None and sk.of is top and sk.var == walk:
                 return sk
         return None
 
@@ -603,7 +605,8 @@ class ONF:
             # a reduction's skip holds wherever that reduction is (it is a fact of its body);
             # an online pass's is a fact of the whole logit
             if isinstance(sk.of, D.Red):
-                ok = sk.of.var == sk.var and any(x is sk.of for e in st.exprs() if e is not None for x in D.walk(e))
+                walked = sk.of.var == sk.var or (sk.of is st.accumulated and sk.var in st.result_vars(st.name))
+                ok = walked and any(x is sk.of for e in st.exprs() if e is not None for x in D.walk(e))
             else:
                 ok = isinstance(st, OnlineStage) and st.var == sk.var and st.logit is sk.of
             if not ok:

@@ -31,6 +31,7 @@ from moajax.tiles.evaluate import TileEval
 from moajax.tiles.operands import prepare_inputs
 from moajax.tiles.ranges import Range, broadcast_to_vars
 from moajax.tiles.scope import ProgramState
+from moajax.tiles.skipping import span
 
 
 def _is_pow2(n: int) -> bool:
@@ -310,8 +311,8 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             values = {m: S.InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
             state = ProgramState(onf, backend, {n: st for n, st in defs.items() if n not in memory}, values)
             ev = TileEval(state, _ranges_for(onf, own_vars, pl.program_id(0)))
-            # sibling reductions over one walked axis share one loop (dK and dV: P once per tile)
-            S.together(ev, [t[0] for t in targets if t[3] is None])
+            writes = []
+            emits: dict = {}  # v → [(write a tile, its skip)]: scattered targets walked over v
             for (tname, tvars, dt, sst, _), oref in zip(targets, o_refs):
                 # a plain target is its stage's value, written; a scattered one its partial
                 # sum over this program's tile of the grid variable, atomically added
@@ -325,17 +326,33 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
                         oref[_out_index(ctx, tvars, oref.shape)] = data
 
                 seq = [v for v in tvars if onf.axis_of(v).role == "sequential"]
-                if not seq:
+                v = seq[0] if seq else None
+                skip = onf.skip_of(tname, v) if sst is not None and v is not None else None
+                writes.append((emit, tvars, v, skip, body))
+                if sst is not None and v is not None:
+                    ev.hoist([body], v)
+                    emits.setdefault(v, []).append((emit, skip))
+            # sibling reductions over one walked axis share one loop (dK and dV: P once per
+            # tile), and so do the scattered partials written over that axis (the fused
+            # backward: dQ's Σ_s, dK's and dV's partials — P once per tile, 5 contractions)
+            scattered = [[e for e, _ in es] for es in emits.values()]
+            S.together(ev, [t[0] for t in targets if t[3] is None], emits)
+            left = [e for es in emits.values() for e, _ in es]  # not taken into a shared loop
+            for emit, tvars, v, skip, body in writes:
+                if v is None:
                     emit(ev.within(tvars))  # the target's whole axes
                     continue
-                v, a = seq[0], onf.axis_of(seq[0])
+                if any(emit is e for es in scattered for e in es) and not any(emit is e for e in left):
+                    continue  # written in a shared loop
+                a = onf.axis_of(v)
                 ev.hoist([body], v)
+                first, count = span(ev, [skip], v)
 
                 def step(i, carry, v=v, a=a, emit=emit):
                     emit(ev.child({v: Range(i * a.tile, a.tile, v.extent)}))
                     return carry
 
-                backend.fori_loop(a.ntiles, step, jnp.int32(0))
+                backend.fori_loop(count, step, jnp.int32(0), first)
 
         call = pl.pallas_call(
             kernel,

@@ -122,3 +122,25 @@ def test_owner_computes_p_once_per_tile_for_dk_and_dv():
         text = str(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in onf.dnf.inputs]))
         assert text.count("scan[") + text.count("while[") == 1, onf.dnf.name
         assert text.count("dot_general") == dots and text.count(" exp ") == 1, onf.dnf.name
+
+
+@pytest.mark.parametrize("causal,dots,exps", [(True, 5, 2), (False, 6, 2)])
+def test_the_atomic_backward_walks_the_keys_once_with_p_once_per_tile(causal, dots, exps):
+    # the seed's fused kernel: programs own query tiles and walk the keys once; each key tile
+    # gives dQ's Σ_s term and the scatter-added dK and dV partials in one loop:
+    # S = Q Kᵀ, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K — five contractions.
+    # Findings, pinned here: without a mask, hoisting sinks 1/ℓ into dQ's dP (Σ_e (dO × 1/ℓ) × V)
+    # and not into dK's ((Σ_e dO × V) × 1/ℓ): two contractions of dP, six in all. With the causal
+    # mask the adjoint writes the masked score twice (scaled on q for dQ, on k for dK): one
+    # contraction (named alike, ``TileEval._same_contraction``); with or without the mask, two
+    # exps per tile (score2 and score are different expressions around that one contraction).
+    import pallas_kernels
+
+    specs = [jax.ShapeDtypeStruct((1, 1024, 1, 64), np.float32)] * 3
+    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs, is_causal=causal)
+    onf = schedule.derive_plan(adj.dnf(*args, is_causal=causal), A100, Preset.of(plan="fused"))
+    assert not isinstance(onf, tuple) and onf.accumulate
+    fn = pallas_kernels.lower(onf, interpret=True)
+    text = str(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in onf.dnf.inputs]))
+    assert text.count("scan[") + text.count("while[") == 1
+    assert text.count("dot_general") == dots and text.count(" exp ") == exps

@@ -50,9 +50,37 @@ class TileEval(Scope):
         hit = self.lookup(e)
         if hit is not None:
             return hit
+        key = self._same_contraction(e)
+        if key is not e:
+            hit = self.lookup(key)
+            if hit is not None:
+                return hit
         out = self._eval(e)
         self.remember(e, out)
+        if key is not e:
+            self.remember(key, out)
         return out
+
+    def _same_contraction(self, e: D.Expr) -> D.Expr:
+        """One name for Σ_v of a product whatever the order of its factors: the adjoint writes
+        the score as Σ_h (q × c) × k in dQ's body and Σ_h q × (k × c) in dK's — one
+        contraction, computed once per tile where both are evaluated (the fused backward).
+        Only the name: each is evaluated as written (the factors' grouping is a schedule
+        the tile tables were calibrated for)."""
+        if not (isinstance(e, D.Red) and e.monoid == "add"):
+            return e
+        cache = self.state.__dict__.setdefault("_contractions", {})
+        hit = cache.get(id(e))
+        if hit is not None and hit[0] is e:
+            return hit[1]
+        factors = D.product_factors(e.body)
+        key = e
+        if len(factors) >= 2:
+            ordered = sorted(factors, key=D.show)
+            if ordered != factors:
+                key = D.Red("add", e.var, D.product(ordered, e.body.dtype))
+        cache[id(e)] = (e, key)
+        return key
 
     def _eval(self, e):
         if isinstance(e, D.Read):
@@ -134,27 +162,33 @@ class TileEval(Scope):
         sub = self if same_range(rng, self.ranges.get(v)) else self.child({v: rng})
         return sub.tile_reduce(mono, v, body)
 
-    def reduce_together(self, reds, skips=None) -> list:
+    def reduce_together(self, reds, skips=None, v: Var | None = None, emits=()) -> list:
         """Several reductions ``(monoid, v, body, result_free)`` over one sequential v in one
         loop over its tiles, carrying every accumulator: one tile scope per step, so what
         their bodies share (the probabilities of dK's and dV's Σ_t) is computed once per tile.
+        ``emits``: ``(write(tile scope), skip)`` for outputs written tile by tile over v in the
+        same loop (the fused backward's dK and dV partials beside dQ's Σ_s: P once per tile).
         The loop visits the union of the tiles their ``skips`` leave in."""
         import jax.numpy as jnp
 
-        v = reds[0][1]
+        v = reds[0][1] if v is None else v
         axis = self.onf.axis_of(v)
         monos = [_ops.MONOIDS[m] for m, *_ in reds]
         outs = [self.ordered(x for x in free if self.range_of(x).size != 1) for *_, free in reds]
         inits = tuple(jnp.full(tuple(self.range_of(x).size for x in ov), mono.identity(body.dtype), body.dtype)
                       for (_, _, body, _), mono, ov in zip(reds, monos, outs))
         self.hoist([body for _, _, body, _ in reds], v)
-        first, count = skipping.span(self, list(skips) if skips is not None else [None], v)
+        skips = list(skips) if skips is not None else [None] * len(reds)
+        first, count = skipping.span(self, skips + [sk for _, sk in emits], v)
 
         def step(i, accs):
             sub = self.child({v: Range(i * axis.tile, axis.tile, v.extent)})
-            return tuple(_ops.OPS[mono.op].jnp_fn()(acc, broadcast_to_vars(sub.tile_reduce(mono, v, body), ov,
-                                                                           self.ranges))
-                         for acc, mono, ov, (_, _, body, _) in zip(accs, monos, outs, reds))
+            new = tuple(_ops.OPS[mono.op].jnp_fn()(acc, broadcast_to_vars(sub.tile_reduce(mono, v, body), ov,
+                                                                          self.ranges))
+                        for acc, mono, ov, (_, _, body, _) in zip(accs, monos, outs, reds))
+            for write, _ in emits:
+                write(sub)
+            return new
 
         res = self.backend.fori_loop(count, step, inits, first)
         return [Named(r, ov) for r, ov in zip(res, outs)]

@@ -19,7 +19,7 @@ from moajax.ix import Var
 def skip_for(onf, red: D.Red):
     """The skip derived for this reduction (a stage's top reduction), or None."""
     for sk in onf.skips:
-        if sk.of is red:
+        if sk.of is red and sk.var == red.var:
             return sk
     return None
 

@@ -58,11 +58,14 @@ def _needed(ev, roots) -> list:
     return [st for st in ev.onf.program.stages if st.name in need]
 
 
-def together(ev, roots) -> None:
+def together(ev, roots, emits=None) -> None:
     """Compute in one loop the stages needed here that are each a reduction over the same
     sequential axis (no range here, more than one tile), not accumulated across programs and
     not yet computed: dK = Σ_t … and dV = Σ_t P × dO of a pass owning key tiles read P once
-    per tile instead of once per reduction (FlashAttention-2's one pass over the queries)."""
+    per tile instead of once per reduction (FlashAttention-2's one pass over the queries).
+    ``emits`` (v → [(write(tile scope), skip)]): outputs written tile by tile over v that join
+    v's loop (the fused backward's scatter-added dK and dV beside dQ); those that joined a
+    loop are removed from it, the rest are left for the caller."""
     onf = ev.onf
     groups: dict = {}
     for st in _needed(ev, roots):
@@ -80,12 +83,15 @@ def together(ev, roots) -> None:
             reads = {x.name for x in _needed(ev, [st.name])} - {st.name}
             if not any(m.name in reads or st.name in {x.name for x in _needed(ev, [m.name])} for m in group):
                 group.append(st)
+    emits = emits if emits is not None else {}
     for v, sts in groups.items():
-        if len(sts) < 2:
+        mine = emits.pop(v, [])
+        if len(sts) + len(mine) < 2:
+            emits.setdefault(v, []).extend(mine)
             continue
         scope = ev.within({w for st in sts for w in st.vars})
         vals = scope.reduce_together([(st.body.monoid, v, st.body.body, st.body.free) for st in sts],
-                                     [onf.skip_of(st.name) for st in sts])
+                                     [onf.skip_of(st.name) for st in sts], v, mine)
         for st, val in zip(sts, vals):
             ev.values[st.name] = val
 
