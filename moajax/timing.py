@@ -26,17 +26,21 @@ def median_seconds(fn, *args, reps: int, warmups: int = 1) -> float:
 
 
 def alternating(fns: dict, args, *, reps: int, warmups: int = 1) -> dict:
-    """Wall times of several contenders, run in turn (A, B, C, A, B, C, …) so that a change in
-    the machine's speed hits them alike: name → the list of ``reps`` times, after ``warmups``
-    untimed runs of each."""
+    """Wall times of several contenders, run in turn so that a change in the machine's speed
+    hits them alike: name → the list of ``reps`` times, after ``warmups`` untimed runs of each.
+    Each round starts one contender later (A B C, B C A, C A B, …): a run right after a
+    contender that sweeps gigabytes (jax.nn's S × S scores) is measurably slower, and the
+    rotation spreads that over all of them."""
     import jax
 
     for _ in range(warmups):
         for fn in fns.values():
             jax.block_until_ready(fn(*args))
     out = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for i in range(reps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[name]
             t = time.perf_counter()
             jax.block_until_ready(fn(*args))
             out[name].append(time.perf_counter() - t)
