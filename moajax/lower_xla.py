@@ -18,7 +18,7 @@ import numpy as np
 
 from moajax import dnf as D
 from moajax.ix import Ix, Var
-from moajax.onf import ONF, ONFError
+from moajax.onf import ONF, ONFError, Stage
 from moajax.reference import Named, align
 from moajax.tiles import stages as S
 from moajax.tiles.backend import Backend, full_ranges, is_static_full
@@ -190,6 +190,11 @@ def lower(onf: ONF) -> Callable:
                           and onf.axis_of(v).ntiles > 1)
             groups.setdefault((loops, onf.scatter_var(stage)), []).append((o, stage, out_stage[o.name]))
         results = {}
+        for plain_key, scatter_key in _one_pass_pairs(onf, groups):
+            plain, scattered = groups.pop(plain_key), groups.pop(scatter_key)
+            datas = _one_pass(onf, backend, scope, plain, scattered, scatter_key[1], scatter_key[0][0])
+            for (o, _, _), data in zip(plain + scattered, datas):
+                results[o.name] = data
         for (loops, scatter), members in groups.items():
             for (o, _, _), data in zip(members, _program_group(onf, backend, scope, members, loops, scatter)):
                 results[o.name] = data
@@ -243,6 +248,85 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
         # slice the padding off, restore size-1 axes
         data = data[tuple(slice(0, v.extent) for v in o.vars if ranges[v].size != 1)]
         out.append(jnp.reshape(data, tuple(v.extent for v in o.vars)).astype(o.dtype))
+    return out
+
+
+def _one_pass_pairs(onf: ONF, groups: dict) -> list:
+    """(plain group, scattered group) pairs one walk can compute: outputs scatter-added over
+    the grid axis r the cpu_loop walks, written tile by tile over their sequential axis v, and
+    outputs owned per tile of r whose stages reduce over v (the fused backward's dK, dV and dQ)."""
+    defs = {n: st for st in onf.program.stages for n in st.defines}
+    out = []
+    for (loops, scatter), members in groups.items():
+        if scatter is None or scatter.name not in onf.knobs.cpu_loop or len(loops) != 1:
+            continue
+        v, key = loops[0], ((scatter,), None)
+        if key not in groups or onf.axis_of(v).role != "sequential":
+            continue
+        seen, todo = set(), [name for _, _, name in groups[key]]
+        while todo:
+            st = defs.get(todo.pop())
+            if st is None or st.name in seen:
+                continue
+            seen.add(st.name)
+            if isinstance(st, Stage) and st.reduction is not None and st.reduction.var == v:
+                out.append((key, (loops, scatter)))
+                break
+            todo += [x.stage for e in st.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Ref)]
+    return out
+
+
+def _one_pass(onf: ONF, backend, scope, plain, scattered, r, v) -> list:
+    """FlashAttention-2's backward on the CPU: per tile of r (the programs' rows), one walk of
+    v's tiles computes the plain outputs' Σ_v (dQ's) and adds the scattered outputs' partials
+    (dK's, dV's) into their buffers — what their bodies share (P, dP, dS) once per tile. The
+    plain outputs' tiles are written per tile of r; every buffer is carried by the walk over r."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    ar = onf.axis_of(r)
+    members = plain + scattered
+    all_vars = []
+    for o, _, _ in members:
+        all_vars += [w for w in o.vars if w not in all_vars]
+    ranges = full_ranges(backend, tuple(all_vars) + (r,))
+    orders = [tuple(w for w in o.vars if ranges[w].size != 1) for o, _, _ in members]
+    bodies = [st.accumulated for _, st, _ in scattered]
+    root = scope({w: rg for w, rg in ranges.items() if w != v})  # v is walked, never whole
+    root.hoist(bodies, r)
+
+    def over_rows(i, bufs):
+        rows = root.child({r: Range(i * ar.tile, ar.tile, r.extent)})
+        rows.hoist(bodies, v)
+        emits = []
+        for buf, body, (_, st, _), order in zip(bufs[len(plain):], bodies, scattered, orders[len(plain):]):
+            def update(tile, acc, body=body, order=order):
+                rs = {**ranges, v: tile.ranges[v]}
+                part = jnp.reshape(broadcast_to_vars(tile.eval(body), order, rs), [rs[w].size for w in order])
+                ax, start = order.index(v), tile.ranges[v].start
+                cur = lax.dynamic_slice_in_dim(acc, start, rs[v].size, ax)
+                return lax.dynamic_update_slice_in_dim(acc, cur + part.astype(acc.dtype), start, ax)
+
+            emits.append(S.Emit(update, onf.skip_of(st.name, v), buf))
+        pending = {v: list(emits)}
+        S.together(rows, [name for _, _, name in plain], pending)
+        if pending.get(v):
+            raise AssertionError(f"{onf.dnf.name}: the scattered outputs found no loop over {v.name} to join")
+        S.run(rows, [name for _, _, name in plain])
+        out = []
+        for buf, (o, _, name), order in zip(bufs, plain, orders):
+            tile = broadcast_to_vars(rows.eval(D.Ref(name, o.vars, o.dtype)), order, rows.ranges)
+            tile = jnp.reshape(tile, [rows.ranges[w].size for w in order]).astype(buf.dtype)
+            out.append(lax.dynamic_update_slice_in_dim(buf, tile, i * ar.tile, order.index(r)))
+        return tuple(out) + tuple(em.result for em in emits)
+
+    init = tuple(jnp.zeros(tuple(ranges[w].size for w in order), o.dtype if k < len(plain) else st.accumulated.dtype)
+                 for k, ((o, st, _), order) in enumerate(zip(members, orders)))
+    datas = backend.fori_loop(ar.ntiles, over_rows, init)
+    out = []
+    for (o, _, _), data in zip(members, datas):
+        data = data[tuple(slice(0, w.extent) for w in o.vars if ranges[w].size != 1)]
+        out.append(jnp.reshape(data, tuple(w.extent for w in o.vars)).astype(o.dtype))
     return out
 
 

@@ -558,11 +558,12 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
             raise
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
     if any(onf.scatter_var(st) is not None for st in onf.program.stages):
-        # programs that scatter-add (atomics on a GPU; on XLA a partial per row tile held whole
-        # over the output's other axes) lose to the "owner" plan: dQ owning query tiles, dK and
-        # dV together owning key tiles in one loop sharing P. On the 2-core EPYC it is 1.13–3.30×
-        # the fused plan for the attention adjoint at S = 256…4096 (1.68–2.37× reading the saved
-        # statistics), and 0.99–1.51× one kernel per output (bench/results/backward_plans_cpu.md;
+        # programs that scatter-add (atomics on a GPU; on XLA buffers carried over the row
+        # tiles) give way to the "owner" plan: dQ owning query tiles, dK and dV together owning
+        # key tiles in one loop sharing P — no atomics, bitwise repeatable. On the 2-core EPYC,
+        # for the attention adjoint reading the saved statistics (what jax.grad runs), it is
+        # 1.32–1.61× the one-pass fused plan at S = 1024…4096; for the adjoint recomputing
+        # them the fused plan is 1.02–1.77× owner (bench/results/backward_plans_cpu.md;
         # measured for attention only)
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) == 1:

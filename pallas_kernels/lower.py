@@ -312,7 +312,8 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             state = ProgramState(onf, backend, {n: st for n, st in defs.items() if n not in memory}, values)
             ev = TileEval(state, _ranges_for(onf, own_vars, pl.program_id(0)))
             writes = []
-            emits: dict = {}  # v → [(write a tile, its skip)]: scattered targets walked over v
+            emits: dict = {}  # v → [S.Emit]: scattered targets walked over v, written to memory
+            joins: dict = {}  # id(emit) → its S.Emit
             for (tname, tvars, dt, sst, _), oref in zip(targets, o_refs):
                 # a plain target is its stage's value, written; a scattered one its partial
                 # sum over this program's tile of the grid variable, atomically added
@@ -331,18 +332,18 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
                 writes.append((emit, tvars, v, skip, body))
                 if sst is not None and v is not None:
                     ev.hoist([body], v)
-                    emits.setdefault(v, []).append((emit, skip))
+                    joins[id(emit)] = S.Emit(lambda ctx, _, emit=emit: emit(ctx), skip)
+                    emits.setdefault(v, []).append(joins[id(emit)])
             # sibling reductions over one walked axis share one loop (dK and dV: P once per
             # tile), and so do the scattered partials written over that axis (the fused
             # backward: dQ's Σ_s, dK's and dV's partials — P once per tile, 5 contractions)
-            scattered = [[e for e, _ in es] for es in emits.values()]
             S.together(ev, [t[0] for t in targets if t[3] is None], emits)
-            left = [e for es in emits.values() for e, _ in es]  # not taken into a shared loop
+            left = {id(em) for es in emits.values() for em in es}  # no shared loop took these
             for emit, tvars, v, skip, body in writes:
                 if v is None:
                     emit(ev.within(tvars))  # the target's whole axes
                     continue
-                if any(emit is e for es in scattered for e in es) and not any(emit is e for e in left):
+                if id(emit) in joins and id(joins[id(emit)]) not in left:
                     continue  # written in a shared loop
                 a = onf.axis_of(v)
                 ev.hoist([body], v)

@@ -144,3 +144,28 @@ def test_the_atomic_backward_walks_the_keys_once_with_p_once_per_tile(causal, do
     text = str(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in onf.dnf.inputs]))
     assert text.count("scan[") + text.count("while[") == 1
     assert text.count("dot_general") == dots and text.count(" exp ") == exps
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_xla_one_pass_backward_matches_the_reference(causal, monkeypatch):
+    # the fused plan on the CPU, its cpu_loop walking query tiles: per query tile one walk over
+    # the key tiles computes dQ's Σ_s and adds the dK, dV partials (lower_xla._one_pass)
+    from moajax import lower_xla
+
+    calls = []
+    real = lower_xla._one_pass
+    monkeypatch.setattr(lower_xla, "_one_pass", lambda *a: calls.append(1) or real(*a))
+    with compat.enable_x64_context(True):
+        specs = [jax.ShapeDtypeStruct((2, 24, 2, 4), np.float64)] * 3
+        adj, args = mha_kernel(None, None, False).saved_adjoint(*specs, is_causal=causal)
+        dnf = adj.dnf(*args, is_causal=causal)
+        onf = schedule.derive(dnf, machines.local(), Preset.of(tiles={"t": 8, "s": 8}, cpu_loop="t"))
+        assert onf.accumulate and onf.axis("s").role == "sequential"
+        r = np.random.default_rng(7)
+        arrays = [r.standard_normal(a.shape) + (3.0 if n.startswith("saved1") else 0.0)
+                  for a, n in zip(args, [i.name for i in dnf.inputs])]
+        got = lower_xla.lower(onf)(*arrays)
+        want = adj.reference(*arrays, is_causal=causal)
+    assert calls, "the one-pass walk was not taken"
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= F64

@@ -166,9 +166,10 @@ class TileEval(Scope):
         """Several reductions ``(monoid, v, body, result_free)`` over one sequential v in one
         loop over its tiles, carrying every accumulator: one tile scope per step, so what
         their bodies share (the probabilities of dK's and dV's Σ_t) is computed once per tile.
-        ``emits``: ``(write(tile scope), skip)`` for outputs written tile by tile over v in the
-        same loop (the fused backward's dK and dV partials beside dQ's Σ_s: P once per tile).
-        The loop visits the union of the tiles their ``skips`` leave in."""
+        ``emits`` (``stages.Emit``): outputs written tile by tile over v in the same loop (the
+        fused backward's dK and dV partials beside dQ's Σ_s: P once per tile), each carried
+        (its ``result`` set after the loop) or written to memory. The loop visits the union of
+        the tiles their skips leave in."""
         import jax.numpy as jnp
 
         v = reds[0][1] if v is None else v
@@ -179,18 +180,23 @@ class TileEval(Scope):
                       for (_, _, body, _), mono, ov in zip(reds, monos, outs))
         self.hoist([body for _, _, body, _ in reds], v)
         skips = list(skips) if skips is not None else [None] * len(reds)
-        first, count = skipping.span(self, skips + [sk for _, sk in emits], v)
+        first, count = skipping.span(self, skips + [em.skip for em in emits], v)
+        carried = [em for em in emits if em.init is not None]
 
-        def step(i, accs):
+        def step(i, state):
+            accs, ems = state
             sub = self.child({v: Range(i * axis.tile, axis.tile, v.extent)})
             new = tuple(_ops.OPS[mono.op].jnp_fn()(acc, broadcast_to_vars(sub.tile_reduce(mono, v, body), ov,
                                                                           self.ranges))
                         for acc, mono, ov, (_, _, body, _) in zip(accs, monos, outs, reds))
-            for write, _ in emits:
-                write(sub)
-            return new
+            it = iter(ems)
+            ems = tuple(em.update(sub, next(it)) if em.init is not None else em.update(sub, None)
+                        for em in emits)
+            return new, tuple(x for x, em in zip(ems, emits) if em.init is not None)
 
-        res = self.backend.fori_loop(count, step, inits, first)
+        res, ems = self.backend.fori_loop(count, step, (inits, tuple(em.init for em in carried)), first)
+        for em, val in zip(carried, ems):
+            em.result = val
         return [Named(r, ov) for r, ov in zip(res, outs)]
 
     def tile_reduce(self, mono, v: Var, body: D.Expr) -> Named:

@@ -21,6 +21,19 @@ from moajax.tiles import online
 from moajax.tiles.ranges import Range, broadcast_to_vars, same_range
 
 
+@dataclasses.dataclass(eq=False)
+class Emit:
+    """An output written tile by tile over a walked variable inside a shared loop (a
+    scattered stage's partials): ``update(tile scope, carried)`` returns the new carried value
+    — or writes to memory and returns None, when ``init`` is None. ``result``: the carried
+    value after the loop."""
+
+    update: object
+    skip: object = None
+    init: object = None
+    result: object = None
+
+
 @dataclasses.dataclass(frozen=True)
 class InMemory:
     """A stage value held over more of an axis than one tile: a stage in main memory (over
@@ -63,9 +76,9 @@ def together(ev, roots, emits=None) -> None:
     sequential axis (no range here, more than one tile), not accumulated across programs and
     not yet computed: dK = Σ_t … and dV = Σ_t P × dO of a pass owning key tiles read P once
     per tile instead of once per reduction (FlashAttention-2's one pass over the queries).
-    ``emits`` (v → [(write(tile scope), skip)]): outputs written tile by tile over v that join
-    v's loop (the fused backward's scatter-added dK and dV beside dQ); those that joined a
-    loop are removed from it, the rest are left for the caller."""
+    ``emits`` (v → [``Emit``]): outputs written tile by tile over v that join v's loop (the
+    fused backward's scatter-added dK and dV beside dQ); those that joined a loop are removed
+    from it, the rest are left for the caller."""
     onf = ev.onf
     groups: dict = {}
     for st in _needed(ev, roots):
