@@ -19,9 +19,9 @@ from moajax.schedule import Preset, derive
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-def _shape_dtype(x, name):
+def _shape_dtype(x, name, who: str = "dot_product_attention"):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"dot_product_attention: {name} must be an array, got {type(x).__name__}")
+        raise TypeError(f"{who}: {name} must be an array, got {type(x).__name__}")
     import jax.numpy as jnp
 
     return tuple(int(s) for s in x.shape), np.dtype(jnp.dtype(x.dtype))
@@ -258,3 +258,84 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
     if isinstance(m, str):
         m = machines.load(m)
     return derive(dnf, m, preset)
+
+
+# ----------------------------------------------------------------------------- model kernels
+
+
+def _same_float_dtype(who: str, arrays: dict):
+    """The one floating dtype of ``arrays`` (name → array), or a TypeError naming the odd one."""
+    first = None
+    for name, x in arrays.items():
+        shape, dt = _shape_dtype(x, name, who)
+        if dt.name not in _FLOATS:
+            raise TypeError(f"{who}: {name} must be a floating array ({', '.join(_FLOATS)}), got {dt.name}")
+        if first is None:
+            first = (name, dt)
+        elif dt != first[1]:
+            raise TypeError(f"{who}: {name} has dtype {dt.name}, {first[0]} has {first[1].name}; give them one dtype")
+    return first[1]
+
+
+def _rows(who: str, x):
+    """x [..., D] as [n, D] rows (n the product of the leading axes), and a way back."""
+    import jax.numpy as jnp
+
+    shape = tuple(int(s) for s in x.shape)
+    if len(shape) < 1:
+        raise ValueError(f"{who}: x must have at least one axis (the features), got a scalar")
+    n = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return jnp.reshape(jnp.asarray(x), (n, shape[-1])), (lambda y: jnp.reshape(y, shape[:-1] + (y.shape[-1],)))
+
+
+def rms_norm(x, weight, *, eps=1e-6, onf=None, implementation=None, residuals="auto"):
+    """w ⊙ x ÷ √(mean(x²) + ε) over the last axis (paper IV's RMSNorm).
+
+    x [..., D], weight [D], one floating dtype (16-bit inputs accumulate in float32). A DSL
+    kernel (``moajax.kernels.norm.rmsnorm``) compiled like any: XLA loops on a CPU, Pallas on
+    CUDA; ``jax.grad`` runs its adjoint derived in the algebra. ``onf``, ``implementation``
+    and ``residuals`` as for ``dot_product_attention``."""
+    from moajax.kernels.norm import rmsnorm
+
+    who = "rms_norm"
+    _same_float_dtype(who, {"x": x, "weight": weight})
+    rows, back = _rows(who, x)
+    D = rows.shape[1]
+    if tuple(weight.shape) != (D,):
+        raise ValueError(f"{who}: weight has shape {list(weight.shape)}, expected [{D}] (x's last axis)")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{who}: eps must be a number, got {type(eps).__name__}")
+    if not (float(eps) > 0 and math.isfinite(float(eps))):
+        raise ValueError(f"{who}: eps must be a positive finite number, got {eps}")
+    runtime.check_onf_argument(onf, who)
+    runtime.check_implementation(implementation, who)
+    runtime.check_residuals(residuals, who)
+    if rows.shape[0] == 0:  # no rows: nothing to normalise
+        return rows.reshape(tuple(x.shape))
+    return back(rmsnorm(rows, weight, eps=float(eps), onf=onf, implementation=implementation, residuals=residuals))
+
+
+def gated_mlp(x, w_gate, w_up, w_down, *, onf=None, implementation=None, residuals="auto"):
+    """(silu(x +.× W_g) ⊙ x +.× W_u) +.× W_d over the last axis (paper IV's SwiGLU MLP).
+
+    x [..., D], w_gate and w_up [D, F], w_down [F, D], one floating dtype. A DSL kernel
+    (``moajax.kernels.mlp.swiglu``) compiled like any; ``jax.grad`` gives dx and the weight
+    gradients, reductions over the tokens, from its derived adjoint."""
+    from moajax.kernels.mlp import swiglu
+
+    who = "gated_mlp"
+    _same_float_dtype(who, {"x": x, "w_gate": w_gate, "w_up": w_up, "w_down": w_down})
+    rows, back = _rows(who, x)
+    D = rows.shape[1]
+    if len(w_gate.shape) != 2 or w_gate.shape[0] != D:
+        raise ValueError(f"{who}: w_gate has shape {list(w_gate.shape)}, expected [{D}, F] (D = x's last axis)")
+    F = int(w_gate.shape[1])
+    for name, w, want in (("w_up", w_up, (D, F)), ("w_down", w_down, (F, D))):
+        if tuple(w.shape) != want:
+            raise ValueError(f"{who}: {name} has shape {list(w.shape)}, expected {list(want)} (w_gate is [{D}, {F}])")
+    runtime.check_onf_argument(onf, who)
+    runtime.check_implementation(implementation, who)
+    runtime.check_residuals(residuals, who)
+    if rows.shape[0] == 0:  # no tokens
+        return rows.reshape(tuple(x.shape))
+    return back(swiglu(rows, w_gate, w_up, w_down, onf=onf, implementation=implementation, residuals=residuals))
