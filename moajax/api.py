@@ -339,3 +339,48 @@ def gated_mlp(x, w_gate, w_up, w_down, *, onf=None, implementation=None, residua
     if rows.shape[0] == 0:  # no tokens
         return rows.reshape(tuple(x.shape))
     return back(swiglu(rows, w_gate, w_up, w_down, onf=onf, implementation=implementation, residuals=residuals))
+
+
+def decode_attention(query, k_cache, v_cache, lengths=None, *, scale=None, onf=None, implementation=None):
+    """out = softmax(scale · K +.× q, the first ``lengths`` keys) +.× V: one query per head
+    against a key/value cache (paper III's decode step).
+
+    query [B, N, H]; k_cache [B, S_max, K, H], v_cache [B, S_max, K, E] with N % K == 0 (GQA/MQA
+    by ψ-selection of the kv head); ``lengths`` int [B] (None: every cache entry), runtime
+    values under ``jit``. The DNF is multi-head attention's with one query row — ψ-reduction
+    drops its axis of extent 1, leaving K +.× q — so a decode step is the last row of full
+    attention over the same prefix, and its schedule the machine's: on a GPU, split-K over the
+    cache with the softmax monoid's combine (flash-decoding) where B·N programs cannot fill
+    it; the keys past a length are skipped tile by tile (``rewrites.skip_masked``). The
+    papers' passes or the online pass: ``onf=Preset.of(carry="passes" | "online")``."""
+    who = "decode_attention"
+    _same_float_dtype(who, {"query": query, "k_cache": k_cache, "v_cache": v_cache})
+    qs, ks, vs = (tuple(int(d) for d in a.shape) for a in (query, k_cache, v_cache))
+    if len(qs) != 3:
+        raise ValueError(f"{who}: query must be [B, N, H], got shape {list(qs)}")
+    if len(ks) != 4 or len(vs) != 4:
+        raise ValueError(f"{who}: k_cache and v_cache must be [B, S_max, K, H] and [B, S_max, K, E], "
+                         f"got {list(ks)} and {list(vs)}")
+    B, N, H = qs
+    if ks[0] != B or ks[3] != H:
+        raise ValueError(f"{who}: k_cache has shape {list(ks)}, expected [{B}, S_max, K, {H}] (query is {list(qs)})")
+    if vs[:3] != ks[:3]:
+        raise ValueError(f"{who}: v_cache has shape {list(vs)}, expected [{ks[0]}, {ks[1]}, {ks[2]}, E] "
+                         f"(k_cache is {list(ks)})")
+    if N % ks[2]:
+        raise ValueError(f"{who}: {N} query heads are not a multiple of the cache's {ks[2]} kv heads")
+    if lengths is not None:
+        import jax
+
+        shape, ldt = _shape_dtype(lengths, "lengths", who)
+        if ldt.kind not in "iu":
+            raise TypeError(f"{who}: lengths must be an integer array, got {ldt.name}")
+        if shape != (B,):
+            raise ValueError(f"{who}: lengths must have shape [{B}] (one per batch element), got {list(shape)}")
+        if not isinstance(lengths, jax.core.Tracer):
+            v = np.asarray(lengths)
+            if v.size and (v.min() < 0 or v.max() > ks[1]):
+                raise ValueError(f"{who}: lengths must lie in 0 … {ks[1]} (the cache length), got {v.tolist()}")
+    out = dot_product_attention(query[:, None], k_cache, v_cache, scale=scale, key_value_seq_lengths=lengths,
+                                onf=onf, implementation=implementation)
+    return out[:, 0]

@@ -1,0 +1,115 @@
+"""``moajax.decode_attention``: one query per head against a key/value cache with ragged
+lengths (paper III), GQA/MQA, against the independent float64 single-head reference
+(tests/references.py ``decode``) applied per batch element and head over the first
+``lengths[b]`` keys; the step equals the last row of full causal attention over the prefix;
+both carries; the GPU schedule splits the walk (flash-decoding); bad input.
+
+Tolerance: float64 rel ≤ 1e-12 (a softmax over ≤ 40 keys summed in another order)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moajax
+import references as R
+from helpers import rel_err
+from moajax import machines, schedule
+from moajax.kernels.attention import mha_kernel
+from moajax.schedule import Preset
+
+
+def _case(B=3, S=40, N=4, K=2, H=8, seed=0):
+    r = np.random.default_rng(seed)
+    return r.standard_normal((B, N, H)), r.standard_normal((B, S, K, H)), r.standard_normal((B, S, K, H))
+
+
+def _ref(q, kc, vc, lengths):
+    B, N, _ = q.shape
+    K = kc.shape[2]
+    out = np.zeros(q.shape[:2] + (vc.shape[-1],))
+    for b in range(B):
+        for n in range(N):
+            kv = n // (N // K)
+            L = int(lengths[b])
+            if L == 0:  # no key kept: jax.nn's fully masked row averages every cache entry
+                out[b, n] = np.mean(vc[b, :, kv], axis=0)
+            else:
+                out[b, n] = R.decode(q[b, n], kc[b, :L, kv], vc[b, :L, kv])
+    return out
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_ragged_decode_matches_the_reference(impl):
+    q, kc, vc = _case()
+    lengths = np.array([40, 17, 1], np.int32)
+    got = jax.jit(lambda q, k, v, l: moajax.decode_attention(q, k, v, l, implementation=impl))(q, kc, vc, lengths)
+    assert rel_err(got, _ref(q, kc, vc, lengths)) <= 1e-12
+
+
+def test_a_step_is_the_last_row_of_causal_attention_over_the_prefix():
+    r = np.random.default_rng(1)
+    T, N, K, H = 9, 4, 1, 8  # MQA
+    qs, ks, vs = r.standard_normal((1, T, N, H)), r.standard_normal((1, T, K, H)), r.standard_normal((1, T, K, H))
+    full = moajax.dot_product_attention(qs, ks, vs, is_causal=True)
+    cache_k = np.concatenate([ks, np.zeros((1, 7, K, H))], axis=1)  # a longer buffer, padded
+    cache_v = np.concatenate([vs, np.zeros((1, 7, K, H))], axis=1)
+    step = moajax.decode_attention(qs[:, -1], cache_k, cache_v, np.array([T], np.int32))
+    assert rel_err(step, full[:, -1]) <= 1e-12
+
+
+def test_the_passes_carry_gives_the_same_step():
+    q, kc, vc = _case(seed=2)
+    lengths = np.array([3, 40, 22], np.int32)
+    a = moajax.decode_attention(q, kc, vc, lengths, onf=Preset.of(carry="passes"))
+    assert rel_err(a, _ref(q, kc, vc, lengths)) <= 1e-12
+
+
+def test_the_gpu_schedule_splits_the_cache_walk():
+    # B·N = 8 programs cannot fill an H200: split-K over the cache, the softmax monoid's combine
+    specs = [jax.ShapeDtypeStruct((1, 1, 8, 128), np.float16), jax.ShapeDtypeStruct((1, 32768, 2, 128), np.float16),
+             jax.ShapeDtypeStruct((1, 32768, 2, 128), np.float16), jax.ShapeDtypeStruct((1,), np.int32)]
+    onf = schedule.derive(mha_kernel(None, None, True, False, True).dnf(*specs), machines.load("h200"))
+    assert any(h.startswith("split_k(s") for h in onf.history), onf.history
+    assert onf.skips  # the keys past the length are skipped in each part
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.sampled_from([(2, 10, 4, 2), (1, 7, 2, 1), (3, 5, 2, 2)]), seed=st.integers(0, 2**16))
+def test_random_ragged_lengths(shape, seed):
+    B, S, N, K = shape
+    q, kc, vc = _case(B, S, N, K, 4, seed)
+    lengths = np.random.default_rng(seed).integers(0, S + 1, B).astype(np.int32)
+    got = _jitted(shape)(q, kc, vc, lengths)
+    assert rel_err(got, _ref(q, kc, vc, lengths)) <= 1e-12
+
+
+_JIT: dict = {}
+
+
+def _jitted(shape):
+    if shape not in _JIT:
+        _JIT[shape] = jax.jit(lambda q, k, v, l: moajax.decode_attention(q, k, v, l, implementation="xla"))
+    return _JIT[shape]
+
+
+def test_bad_input_is_named():
+    q, kc, vc = _case()
+    with pytest.raises(ValueError, match="decode_attention: lengths must lie in 0 … 40"):
+        moajax.decode_attention(q, kc, vc, np.array([41, 1, 1], np.int32))
+    with pytest.raises(ValueError, match="decode_attention: lengths must lie in 0 … 40"):
+        moajax.decode_attention(q, kc, vc, np.array([-1, 1, 1], np.int32))
+    with pytest.raises(ValueError, match="decode_attention: lengths must have shape"):
+        moajax.decode_attention(q, kc, vc, np.array([1, 1], np.int32))
+    with pytest.raises(TypeError, match="decode_attention: lengths must be an integer array"):
+        moajax.decode_attention(q, kc, vc, np.array([1.0, 1.0, 1.0]))
+    with pytest.raises(TypeError, match="decode_attention: v_cache has dtype float32"):
+        moajax.decode_attention(q, kc, vc.astype(np.float32))
+    with pytest.raises(ValueError, match="decode_attention: query must be"):
+        moajax.decode_attention(q[None], kc, vc)
+    with pytest.raises(ValueError, match="decode_attention: k_cache has shape"):
+        moajax.decode_attention(q, kc[..., :4], vc)
+    with pytest.raises(ValueError, match="not a multiple"):
+        moajax.decode_attention(q[:, :3], kc, vc)
