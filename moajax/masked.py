@@ -181,7 +181,8 @@ def _masking_atoms(exprs) -> list | None:
                 while isinstance(y, (D.Tag, D.Convert)):
                     y = y.children[0]
                 fill = _fill_of(y.dtype) if isinstance(y, D.Lit) else None
-                if fill is None or float(y.value) != fill:
+                # the mask fill, or −∞: a key past the end of a split part (``split_k``)
+                if fill is None or float(y.value) not in (fill, float("-inf")):
                     continue
                 for a in conjuncts(x.children[0]):
                     if comparison(a) is None:
@@ -239,12 +240,42 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
         shifts += [_stat_vars(x) for x in xs]
     if not bounds:
         return None
+    # a row variable that a later stage reduces this one's results over is no row of the
+    # softmax: split-K's part index s_o, whose parts the monoid combine joins. The kept key
+    # is then sought over the whole walk (a part with no key contributes 0 to the combine)
+    combined = _combined_over(onf, st)
+    shifts = [rows - combined for rows in shifts]
     guard = _guard(exprs, body, shifts) if any(kept) else None
     if guard is None and any(kept):  # no closed-form guard: keep the exact bounds only
         bounds, kept = [b for b, k in zip(bounds, kept) if not k], [False] * sum(not k for k in kept)
         if not bounds:
             return None
     return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of)
+
+
+def _combined_over(onf: ONF, st) -> set:
+    """The variables later stages reduce over while reading a result of ``st``."""
+    out = set()
+    names = set(st.defines)
+    for other in onf.program.stages:
+        for e in other.exprs():
+            for x in D.walk(e) if e is not None else ():
+                if isinstance(x, D.Red) and any(isinstance(y, D.Ref) and y.stage in names for y in D.walk(x.body)):
+                    out.add(x.var)
+    return out
+
+
+def _joined_key(conds, keys):
+    """Two key variables every condition uses as c·a + b with c = b's extent (split-K's part
+    s_o and the index s_i inside it) as one key k = c·a + b: (k, the conditions over k), or
+    None."""
+    p, q = sorted(keys, key=lambda v: v.name)
+    for a, b in ((p, q), (q, p)):
+        if any(c.coeff(b) for c in conds) and all(c.coeff(a) == b.extent * c.coeff(b) for c in conds):
+            k = Var(f"({b.extent}·{a.name} + {b.name})", a.extent * b.extent)
+            return k, [Affine(tuple((t, v) for t, v in c.terms if t not in (a, b))
+                              + (((k, c.coeff(b)),) if c.coeff(b) else ()), c.const) for c in conds]
+    return None
 
 
 def _guard(exprs, body, row_sets) -> Guard | None:
@@ -257,15 +288,18 @@ def _guard(exprs, body, row_sets) -> Guard | None:
     used = {t for c in conds for t, _ in c.terms if isinstance(t, Var)}  # not a length's own index
     rows = set().union(*row_sets) if row_sets else set()
     keys = {v for v in used if isinstance(v, Var)} - rows
-    if len(keys) != 1:
+    if len(keys) == 2 and _joined_key(conds, keys) is not None:
+        k, conds = _joined_key(conds, keys)
+    elif len(keys) == 1:
+        k = next(iter(keys))
+    else:
         return None
-    k = keys.pop()
     if any(abs(c.coeff(k)) > 1 for c in conds):
         return None
     # a row condition whose failure zeroes the body without any kept key (rows past a query
     # length, whose cotangent is 0) exempts those rows from the check
     conds_keep, exempt = [], []
-    for a, c in zip(atoms, [comparison(a) for a in atoms]):
+    for a, c in zip(atoms, conds):
         if c in conds_keep or c in exempt:
             continue
         if c.coeff(k) == 0:
@@ -376,12 +410,13 @@ def tile_span(skip: Skip, tile: int, ntiles: int, box, read_value, xp, guard_ok=
         else:
             hi = new
     lo = xp.clip(lo, 0, w.extent - 1)
+    empty = hi < lo  # no w kept (hi may be negative: a part wholly past a length)
     hi = xp.clip(hi, 0, w.extent - 1)
-    # both ≥ 0: a truncating division is the floor (Triton lowers jnp's floor_divide of
+    # both ≥ 0 here: a truncating division is the floor (Triton lowers jnp's floor_divide of
     # integers wrongly: a bool subtracted from an i32)
     first = _div(lo, tile, xp)
     last = _div(hi, tile, xp)
-    count = xp.where(hi >= lo, last - first + 1, 0)
+    count = xp.where(empty, 0, last - first + 1)
     return first, xp.clip(count, 0, ntiles)
 
 

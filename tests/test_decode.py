@@ -113,3 +113,24 @@ def test_bad_input_is_named():
         moajax.decode_attention(q, kc[..., :4], vc)
     with pytest.raises(ValueError, match="not a multiple"):
         moajax.decode_attention(q[:, :3], kc, vc)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_split_parts_past_the_length_are_skipped(impl):
+    # the cache walk split in 4 parts of 15 keys: the kept key is sought over the whole walk
+    # (a part with none adds 0 to the monoid combine), so a part wholly past a batch element's
+    # length walks no tile — NaN planted there never reaches the result. A length of 0 (no key
+    # at all) walks every tile: jax.nn's average over the whole cache.
+    q, kc, vc = _case(B=3, S=60, seed=4)
+    lengths = np.array([20, 60, 0], np.int32)
+    split = dict(split={"s": 4}, tiles={"s": 4})
+    want = _ref(q, kc, vc, lengths)
+    got = moajax.decode_attention(q, kc, vc, lengths, implementation=impl, onf=Preset.of(**split))
+    walked = moajax.decode_attention(q, kc, vc, lengths, implementation=impl, onf=Preset.of(skip=False, **split))
+    assert np.array_equal(np.asarray(got), np.asarray(walked))
+    assert rel_err(got, want) <= 1e-12
+    kc, vc = kc.copy(), vc.copy()
+    kc[0, 30:], vc[0, 30:] = np.nan, np.nan  # parts 2 and 3 of batch element 0
+    poisoned = moajax.decode_attention(q, kc, vc, lengths, implementation=impl, onf=Preset.of(**split))
+    if impl == "pallas_interpret":  # one program per batch element (XLA runs the batch at once)
+        assert np.array_equal(np.asarray(poisoned), np.asarray(got))

@@ -224,3 +224,17 @@ def test_the_cost_model_counts_the_skipped_tiles():
     assert masked.visited_fraction(causal, sk) == pytest.approx(share, abs=1e-12)
     ratio = cost.estimate(causal, h200).flops / cost.estimate(full, h200).flops
     assert 0.49 < ratio < 0.52
+
+
+def test_an_empty_span_visits_no_tile():
+    # s ≤ t − 100 with rows t < 64: no key of any row — zero tiles (a part wholly past a
+    # length); the upper bound is negative before it is clipped
+    from moajax.ix import Var
+    from moajax.onf import Affine, Skip
+
+    s, t = Var("s", 256), Var("t", 64)
+    sk = Skip("x", s, (Affine(((s, -1), (t, 1)), -100),), (False,), None, None)
+    first, count = masked.tile_span(sk, 32, 8, {t: (0, 63)}, None, np)
+    assert int(count) == 0
+    first, count = masked.tile_span(sk, 32, 8, {t: (0, 163 - 1)}, None, np)  # rows up to 161
+    assert (int(first), int(count)) == (0, 2)  # s ≤ 61: tiles 0 and 1

@@ -10,6 +10,7 @@ front instead of one per tile inside the loops.
 from __future__ import annotations
 
 from moajax import dnf as D
+from moajax.ix import Var
 from moajax.onf import ONF
 from moajax.tiles.ranges import var_order
 
@@ -22,12 +23,13 @@ def input_padding(onf: ONF) -> dict:
             if not isinstance(r, D.Read):
                 continue
             for ax, ix in enumerate(r.index):
-                sv = ix.as_shifted_var()
-                if sv is None:
+                # an affine index c + Σ aᵢ·vᵢ (aᵢ ≥ 0) reaches c + Σ aᵢ·(whole size of vᵢ − 1) in
+                # the last tiles: a shifted variable, or split-K's s_o·chunk + s_i, whose last
+                # tile runs past the end of the axis (an index with ⌊·/d⌋ or mod stays in bounds)
+                if ix.is_const or any(not isinstance(a, Var) or c < 0 for a, c in ix.terms) or ix.const < 0:
                     continue
-                v, c = sv
-                if c >= 0:
-                    need[r.array][ax] = max(need[r.array][ax], c + onf.axis_of(v).whole_size())
+                top = ix.const + sum(c * (onf.axis_of(a).whole_size() - 1) for a, c in ix.terms) + 1
+                need[r.array][ax] = max(need[r.array][ax], top)
     return need
 
 
