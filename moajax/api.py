@@ -384,3 +384,40 @@ def decode_attention(query, k_cache, v_cache, lengths=None, *, scale=None, onf=N
     out = dot_product_attention(query[:, None], k_cache, v_cache, scale=scale, key_value_seq_lengths=lengths,
                                 onf=onf, implementation=implementation)
     return out[:, 0]
+
+
+def kv_append(cache, new, positions):
+    """cache with ⟨b, positions[b] + i⟩ψ cache ← ⟨b, i⟩ψ new: the catenation of each batch
+    element's cached prefix with ``new``, written into the preallocated buffer.
+
+    cache [B, S_max, ...], new [B, T_new, ...] (the same trailing axes and dtype), positions
+    int [B] (where each element's new entries start). A scatter of the T_new rows: O(new)
+    work, and in place under ``jax.jit(..., donate_argnums=0)`` (the donated buffer is the
+    result's). Data movement only — no arithmetic for a DNF to fuse — so it is plain JAX.
+    Positions with new entries past the buffer are refused where their values are known;
+    under ``jit`` they are not checked, and entries that would land past S_max are dropped."""
+    import jax
+    import jax.numpy as jnp
+
+    who = "kv_append"
+    cs, cd = _shape_dtype(cache, "cache", who)
+    ns, nd = _shape_dtype(new, "new", who)
+    if nd != cd:
+        raise TypeError(f"{who}: new has dtype {nd.name}, cache has {cd.name}; give them one dtype")
+    if len(cs) < 2 or len(ns) != len(cs) or ns[0] != cs[0] or ns[2:] != cs[2:]:
+        raise ValueError(f"{who}: new has shape {list(ns)}, expected [{cs[0]}, T_new, {', '.join(map(str, cs[2:]))}] "
+                         f"(cache is {list(cs)})")
+    B, S_max, T = cs[0], cs[1], ns[1]
+    ps, pd = _shape_dtype(positions, "positions", who)
+    if pd.kind not in "iu":
+        raise TypeError(f"{who}: positions must be an integer array, got {pd.name}")
+    if ps != (B,):
+        raise ValueError(f"{who}: positions must have shape [{B}] (one per batch element), got {list(ps)}")
+    if not isinstance(positions, jax.core.Tracer):
+        v = np.asarray(positions)
+        if v.size and (v.min() < 0 or v.max() + T > S_max):
+            raise ValueError(f"{who}: positions must lie in 0 … {S_max - T} (the new {T} entries within the "
+                             f"cache's {S_max}), got {v.tolist()}")
+    rows = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    batch = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
+    return jnp.asarray(cache).at[batch, rows].set(new, mode="drop")

@@ -134,3 +134,50 @@ def test_split_parts_past_the_length_are_skipped(impl):
     poisoned = moajax.decode_attention(q, kc, vc, lengths, implementation=impl, onf=Preset.of(**split))
     if impl == "pallas_interpret":  # one program per batch element (XLA runs the batch at once)
         assert np.array_equal(np.asarray(poisoned), np.asarray(got))
+
+
+# ----------------------------------------------------------------------------- kv_append
+
+
+def test_kv_append_writes_in_place_under_donation():
+    cache = jnp.zeros((2, 64, 2, 8))
+    new = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 2, 8)))
+    step = jax.jit(moajax.kv_append, donate_argnums=0)
+    ptr = cache.unsafe_buffer_pointer()
+    out = step(cache, new, jnp.array([5, 61], jnp.int32))
+    assert cache.is_deleted() and out.unsafe_buffer_pointer() == ptr  # the donated buffer is reused
+    want = np.zeros((2, 64, 2, 8))
+    want[0, 5:8], want[1, 61:64] = new[0], new[1]
+    assert np.array_equal(np.asarray(out), want)
+    text = jax.jit(moajax.kv_append).lower(jnp.zeros((2, 64, 2, 8)), new, jnp.array([0, 0], jnp.int32)).as_text()
+    assert "scatter" in text and "dynamic_update_slice" not in text  # the T_new rows, not the buffer
+
+
+def test_decoding_over_an_appended_cache_is_causal_attention():
+    # token by token: append k, v at the step's position, decode the step's query
+    r = np.random.default_rng(5)
+    T, N, K, H = 6, 4, 2, 8
+    q, k, v = r.standard_normal((1, T, N, H)), r.standard_normal((1, T, K, H)), r.standard_normal((1, T, K, H))
+    kc, vc = jnp.zeros((1, 16, K, H)), jnp.zeros((1, 16, K, H))
+    steps = []
+    for t in range(T):
+        pos = jnp.array([t], jnp.int32)
+        kc, vc = moajax.kv_append(kc, k[:, t:t + 1], pos), moajax.kv_append(vc, v[:, t:t + 1], pos)
+        steps.append(moajax.decode_attention(q[:, t], kc, vc, pos + 1))
+    assert rel_err(np.stack(steps, axis=1), moajax.dot_product_attention(q, k, v, is_causal=True)) <= 1e-12
+
+
+def test_kv_append_bad_input_is_named():
+    cache, new = np.zeros((2, 8, 2, 4)), np.ones((2, 3, 2, 4))
+    with pytest.raises(ValueError, match="kv_append: positions must lie in 0 … 5"):
+        moajax.kv_append(cache, new, np.array([0, 6], np.int32))
+    with pytest.raises(ValueError, match="kv_append: positions must lie in 0 … 5"):
+        moajax.kv_append(cache, new, np.array([-1, 0], np.int32))
+    with pytest.raises(ValueError, match="kv_append: positions must have shape"):
+        moajax.kv_append(cache, new, np.array([0], np.int32))
+    with pytest.raises(TypeError, match="kv_append: positions must be an integer array"):
+        moajax.kv_append(cache, new, np.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match="kv_append: new has shape"):
+        moajax.kv_append(cache, new[:, :, :1], np.array([0, 0], np.int32))
+    with pytest.raises(TypeError, match="kv_append: new has dtype float32"):
+        moajax.kv_append(cache, new.astype(np.float32), np.array([0, 0], np.int32))
