@@ -214,25 +214,30 @@ def _check_score_mod(fn, dtype):
     return mod
 
 
+def _batch_ints(who, name, x, B, top, what, also=()):
+    """An int [B] argument (or one of the shapes ``also``), each value in 0 … ``top`` where
+    its values are known (under jit they are not checked): a named TypeError/ValueError."""
+    import jax
+
+    shape, dtype = _shape_dtype(x, name, who)
+    if dtype.kind not in "iu":
+        raise TypeError(f"{who}: {name} must be an integer array, got {dtype.name}")
+    if shape != (B,) and shape not in also:
+        raise ValueError(f"{who}: {name} must have shape [{B}] (one per batch element), got {list(shape)}")
+    if not isinstance(x, jax.core.Tracer):
+        v = np.asarray(x)
+        if v.size and (v.min() < 0 or v.max() > top):
+            raise ValueError(f"{who}: {name} must lie in 0 … {top} ({what}), got {v.tolist()}")
+
+
 def _check_lengths(name, x, B, n, batched):
     """A sequence-length argument: int [B] (an unbatched call: [1] or a scalar), each in 0 … n
     where its values are known (under jit they are not checked)."""
     if x is None:
         return None
-    import jax
     import jax.numpy as jnp
 
-    shape, dtype = _shape_dtype(x, name)
-    if dtype.kind not in "iu":
-        raise TypeError(f"dot_product_attention: {name} must be an integer array, got {dtype.name}")
-    if shape != (B,) and not (not batched and shape in ((), (1,))):
-        raise ValueError(f"dot_product_attention: {name} must have shape [{B}] (one length per batch element), "
-                         f"got {list(shape)}")
-    if not isinstance(x, jax.core.Tracer):
-        v = np.asarray(x)
-        if v.size and (v.min() < 0 or v.max() > n):
-            raise ValueError(f"dot_product_attention: {name} must lie in 0 … {n} (the sequence length), "
-                             f"got {v.tolist()}")
+    _batch_ints("dot_product_attention", name, x, B, n, "the sequence length", () if batched else ((), (1,)))
     return jnp.reshape(jnp.asarray(x, jnp.int32), (B,))
 
 
@@ -370,17 +375,7 @@ def decode_attention(query, k_cache, v_cache, lengths=None, *, scale=None, onf=N
     if N % ks[2]:
         raise ValueError(f"{who}: {N} query heads are not a multiple of the cache's {ks[2]} kv heads")
     if lengths is not None:
-        import jax
-
-        shape, ldt = _shape_dtype(lengths, "lengths", who)
-        if ldt.kind not in "iu":
-            raise TypeError(f"{who}: lengths must be an integer array, got {ldt.name}")
-        if shape != (B,):
-            raise ValueError(f"{who}: lengths must have shape [{B}] (one per batch element), got {list(shape)}")
-        if not isinstance(lengths, jax.core.Tracer):
-            v = np.asarray(lengths)
-            if v.size and (v.min() < 0 or v.max() > ks[1]):
-                raise ValueError(f"{who}: lengths must lie in 0 … {ks[1]} (the cache length), got {v.tolist()}")
+        _batch_ints(who, "lengths", lengths, B, ks[1], "the cache length")
     out = dot_product_attention(query[:, None], k_cache, v_cache, scale=scale, key_value_seq_lengths=lengths,
                                 onf=onf, implementation=implementation)
     return out[:, 0]
@@ -396,7 +391,6 @@ def kv_append(cache, new, positions):
     result's). Data movement only — no arithmetic for a DNF to fuse — so it is plain JAX.
     Positions with new entries past the buffer are refused where their values are known;
     under ``jit`` they are not checked, and entries that would land past S_max are dropped."""
-    import jax
     import jax.numpy as jnp
 
     who = "kv_append"
@@ -408,16 +402,7 @@ def kv_append(cache, new, positions):
         raise ValueError(f"{who}: new has shape {list(ns)}, expected [{cs[0]}, T_new, {', '.join(map(str, cs[2:]))}] "
                          f"(cache is {list(cs)})")
     B, S_max, T = cs[0], cs[1], ns[1]
-    ps, pd = _shape_dtype(positions, "positions", who)
-    if pd.kind not in "iu":
-        raise TypeError(f"{who}: positions must be an integer array, got {pd.name}")
-    if ps != (B,):
-        raise ValueError(f"{who}: positions must have shape [{B}] (one per batch element), got {list(ps)}")
-    if not isinstance(positions, jax.core.Tracer):
-        v = np.asarray(positions)
-        if v.size and (v.min() < 0 or v.max() + T > S_max):
-            raise ValueError(f"{who}: positions must lie in 0 … {S_max - T} (the new {T} entries within the "
-                             f"cache's {S_max}), got {v.tolist()}")
+    _batch_ints(who, "positions", positions, B, S_max - T, f"the new {T} entries within the cache's {S_max}")
     rows = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     batch = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
     return jnp.asarray(cache).at[batch, rows].set(new, mode="drop")
