@@ -5,7 +5,8 @@ array math (``moajax.moa``) → ψ-reduction → DNF (``moajax.dnf``) → ONF sc
 """
 
 from moajax import moa
-from moajax.api import attention_onf, decode_attention, dot_product_attention, gated_mlp, kv_append, rms_norm
+from moajax.api import (attention_onf, decode_attention, dot_product_attention, gated_mlp, kv_append, rms_norm,
+                        transformer_block, transformer_stack)
 from moajax.dnf import DNF
 from moajax.kernel import Kernel, kernel
 from moajax.moa import MoAShapeError, MoATypeError
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "moa", "kernel", "Kernel", "DNF", "Derivation", "psi_reduce", "MoAShapeError", "MoATypeError",
     "ONF", "ONFError", "Preset", "dot_product_attention", "attention_onf", "rms_norm", "gated_mlp",
-    "decode_attention", "kv_append",
+    "decode_attention", "kv_append", "transformer_block", "transformer_stack",
 ]

@@ -406,3 +406,101 @@ def kv_append(cache, new, positions):
     rows = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     batch = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
     return jnp.asarray(cache).at[batch, rows].set(new, mode="drop")
+
+
+# ----------------------------------------------------------------------------- the block
+
+BLOCK_PARAMS = {"attn_norm": "D", "wq": "D N H", "wk": "D K H", "wv": "D K H", "wo": "N H D", "mlp_norm": "D",
+                "w_gate": "D F", "w_up": "D F", "w_down": "F D"}
+
+
+def _block_dims(who: str, params, x) -> dict:
+    """The block's sizes from its params and x [B, T, D], every shape and dtype checked."""
+    from collections.abc import Mapping
+
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{who}: params must be a dict of arrays, got {type(params).__name__}")
+    missing = [k for k in BLOCK_PARAMS if k not in params]
+    if missing:
+        raise ValueError(f"{who}: params is missing {', '.join(map(repr, missing))} "
+                         f"(it needs {', '.join(BLOCK_PARAMS)})")
+    _same_float_dtype(who, {"x": x, **{k: params[k] for k in BLOCK_PARAMS}})
+    if len(x.shape) != 3:
+        raise ValueError(f"{who}: x must be [B, T, D], got shape {list(x.shape)}")
+    dims = {"D": int(x.shape[2])}
+    for name, spec in BLOCK_PARAMS.items():
+        shape = tuple(int(d) for d in params[name].shape)
+        letters = spec.split()
+        if len(shape) != len(letters):
+            raise ValueError(f"{who}: params[{name!r}] must be [{', '.join(letters)}], got shape {list(shape)}")
+        for letter, n in zip(letters, shape):
+            if dims.setdefault(letter, n) != n:
+                raise ValueError(f"{who}: params[{name!r}] has shape {list(shape)}: its {letter} is {n}, "
+                                 f"elsewhere {dims[letter]} ([{', '.join(letters)}])")
+    if dims["N"] % dims["K"]:
+        raise ValueError(f"{who}: {dims['N']} query heads are not a multiple of {dims['K']} kv heads")
+    return dims
+
+
+def rope(x, positions, theta: float):
+    """Rotary position embedding of x [B, T, N, H] (H even) at ``positions`` [T]: each half-pair
+    (x_i, x_{i+H/2}) rotated by the angle t·θ^(−2i/H) (the rotate-half convention)."""
+    import jax.numpy as jnp
+
+    H = x.shape[-1]
+    freqs = float(theta) ** (-np.arange(0, H // 2, dtype=np.float64) * 2.0 / H)
+    ang = jnp.asarray(positions, x.dtype)[:, None] * jnp.asarray(freqs, x.dtype)[None]  # [T, H/2]
+    cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+    x1, x2 = x[..., : H // 2], x[..., H // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def transformer_block(params, x, *, is_causal=True, eps=1e-6, rope_theta=None, onf=None, implementation=None):
+    """y = h + gated_mlp(rms_norm(h)),  h = x + attention(rms_norm(x) W_q, W_k, W_v) W_o: the
+    pre-norm block (paper IV) as its kernels.
+
+    x [B, T, D]; ``params``: attn_norm [D], wq [D, N, H], wk and wv [D, K, H] (GQA when K < N),
+    wo [N, H, D], mlp_norm [D], w_gate and w_up [D, F], w_down [F, D]; one floating dtype.
+    With ``rope_theta`` the rotary embedding (``rope``) turns q and k. RMSNorm, attention
+    and the MLP are the DSL kernels (``rms_norm``, ``dot_product_attention``, ``gated_mlp``),
+    their gradients their derived adjoints; the projections are dots (float32 at full
+    precision). ``onf`` and ``implementation`` go to every kernel."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    who = "transformer_block"
+    dims = _block_dims(who, params, x)
+    if rope_theta is not None and (dims["H"] % 2 or not float(rope_theta) > 0):
+        raise ValueError(f"{who}: rope_theta needs an even head dim and a positive base, got H = {dims['H']}, "
+                         f"rope_theta = {rope_theta}")
+    kw = dict(onf=onf, implementation=implementation)
+    hi = lax.Precision.HIGHEST
+    p = params
+    a = rms_norm(x, p["attn_norm"], eps=eps, **kw)
+    q, k, v = (jnp.einsum("btd,dnh->btnh", a, p[w], precision=hi) for w in ("wq", "wk", "wv"))
+    if rope_theta is not None:
+        pos = jnp.arange(x.shape[1])
+        q, k = rope(q, pos, rope_theta), rope(k, pos, rope_theta)
+    att = dot_product_attention(q, k, v, is_causal=is_causal, **kw)
+    h = x + jnp.einsum("btnh,nhd->btd", att, p["wo"], precision=hi)
+    return h + gated_mlp(rms_norm(h, p["mlp_norm"], eps=eps, **kw), p["w_gate"], p["w_up"], p["w_down"], **kw)
+
+
+def transformer_stack(stacked_params, x, **options):
+    """The blocks of ``stacked_params`` (each entry with a leading layer axis) applied in turn
+    by ``lax.scan``: one compiled block, L layers. ``options`` as ``transformer_block``'s."""
+    import jax
+
+    who = "transformer_stack"
+    from collections.abc import Mapping
+
+    if not isinstance(stacked_params, Mapping) or "attn_norm" not in stacked_params:
+        raise ValueError(f"{who}: stacked_params must be a dict of the block's params with a leading layer axis")
+    layers = {int(v.shape[0]) for v in stacked_params.values()}
+    if len(layers) != 1:
+        raise ValueError(f"{who}: the params' leading (layer) axes differ: {sorted(layers)}")
+
+    def layer(h, p):
+        return transformer_block(p, h, **options), None
+
+    return jax.lax.scan(layer, x, stacked_params)[0]
