@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Issue 11's two CPU benchmarks, each contender beside its baseline in one process.
+
+--block   jit(grad) of the pre-norm block (``moajax.transformer_block``: RMSNorm, causal
+          attention, SwiGLU as DSL kernels) against jit(grad) of the same block in plain jnp
+          with jax.nn attention inside; T = 4096, D = 512, 8 heads of 64, F = 1408, float32,
+          gradients w.r.t. x and every parameter; time (best and median of alternating runs)
+          and compiled temp memory. Target: ≥ 1.5× faster with ≤ 1/4 of the temp memory.
+--decode  one decode step (``moajax.decode_attention``) over a cache of 2²⁰ keys, d = 64,
+          float32, one head, against a same-run elementwise pass over the same cache
+          (``kc + 1``): decode's bytes read ÷ its time against the pass's bytes read and
+          written ÷ its time. Target: ≥ 70 % of that bandwidth.
+
+Results: bench/results/model_cpu.md (machine and date on the first lines).
+
+    python scripts/bench_model.py            # both
+    python scripts/bench_model.py --block --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _block(args, lines):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    from moajax.timing import alternating
+
+    T, D, N, H, F = args.tokens, 512, 8, 64, 1408
+    r = np.random.default_rng(0)
+    shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, N, H), "wv": (D, N, H), "wo": (N, H, D),
+              "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+    p = {k: jnp.asarray((1.0 if k.endswith("norm") else 0.0) + r.standard_normal(s) / np.sqrt(s[0]), jnp.float32)
+         for k, s in shapes.items()}
+    x = jnp.asarray(r.standard_normal((1, T, D)), jnp.float32)
+    g = jnp.asarray(r.standard_normal((1, T, D)), jnp.float32)
+
+    def plain(p, x):
+        def norm(x, w):
+            return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+        a = norm(x, p["attn_norm"])
+        q, k, v = (jnp.einsum("btd,dnh->btnh", a, p[w]) for w in ("wq", "wk", "wv"))
+        h = x + jnp.einsum("btnh,nhd->btd", jax.nn.dot_product_attention(q, k, v, is_causal=True), p["wo"])
+        m = norm(h, p["mlp_norm"])
+        return h + (jax.nn.silu(m @ p["w_gate"]) * (m @ p["w_up"])) @ p["w_down"]
+
+    fns = {"moajax block": lambda p, x: moajax.transformer_block(p, x, is_causal=True), "plain jnp block": plain}
+    compiled, temps = {}, {}
+    for name, f in fns.items():
+        c = jax.jit(jax.grad(lambda p, x, f=f: jnp.sum(f(p, x) * g), argnums=(0, 1))).lower(p, x).compile()
+        mem = c.memory_analysis()
+        temps[name] = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
+        compiled[name] = c
+    times = alternating(compiled, (p, x), reps=args.reps)
+    got, want = compiled["moajax block"](p, x), compiled["plain jnp block"](p, x)
+    err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in
+              zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    lines += [f"## Block jit(grad): T = {T}, D = {D}, {N} heads of {H}, F = {F}, float32, causal", "",
+              "| impl | best s | median s | speed-up (best) | temp MiB | temp ratio |", "|---|---:|---:|---:|---:|---:|"]
+    base_t, base_m = min(times["plain jnp block"]), temps["plain jnp block"]
+    for name in fns:
+        t = min(times[name])
+        lines.append(f"| {name} | {t:.4f} | {statistics.median(times[name]):.4f} | {base_t / t:.2f}× | "
+                     f"{temps[name] / 2**20:.1f} | {temps[name] / base_m:.3f} |")
+    sp, ratio = base_t / min(times["moajax block"]), temps["moajax block"] / base_m
+    lines += ["", f"Max relative difference of the gradients vs the plain block: {err:.1e}.", "",
+              f"- Target ≥ 1.5× faster: {'met' if sp >= 1.5 else 'NOT met'} ({sp:.2f}×); ≤ 1/4 of the temp memory: "
+              f"{'met' if ratio <= 0.25 else 'NOT met'} ({ratio:.3f}).", ""]
+    # the block's parts: where its time and memory go
+    m = p["mlp_norm"]
+    parts = {
+        "moajax gated_mlp": lambda x: moajax.gated_mlp(x, p["w_gate"], p["w_up"], p["w_down"]),
+        "plain jnp MLP": lambda x: (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"],
+        "moajax rms_norm": lambda x: moajax.rms_norm(x, m),
+        "plain jnp RMSNorm": lambda x: m * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6),
+    }
+    compiled, temps = {}, {}
+    for name, f in parts.items():
+        c = jax.jit(jax.grad(lambda x, f=f: jnp.sum(f(x) * g))).lower(x).compile()
+        mem = c.memory_analysis()
+        temps[name] = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
+        compiled[name] = c
+    times = alternating(compiled, (x,), reps=args.reps)
+    lines += ["Its parts alone, jit(grad) w.r.t. x:", "", "| impl | best s | median s | temp MiB |", "|---|---:|---:|---:|"]
+    for name in parts:
+        lines.append(f"| {name} | {min(times[name]):.4f} | {statistics.median(times[name]):.4f} | "
+                     f"{temps[name] / 2**20:.1f} |")
+    lines.append("")
+
+
+def _decode(args, lines):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    from moajax.timing import alternating
+
+    S, H = 1 << args.log2_keys, 64
+    r = np.random.default_rng(1)
+    q = jnp.asarray(r.standard_normal((1, 1, H)), jnp.float32)
+    kc = jnp.asarray(r.standard_normal((1, S, 1, H)), jnp.float32)
+    vc = jnp.asarray(r.standard_normal((1, S, 1, H)), jnp.float32)
+    fns = {"decode_attention": jax.jit(lambda q, k, v: moajax.decode_attention(q, k, v)),
+           "kc + 1": jax.jit(lambda q, k, v: k + 1)}
+    times = alternating(fns, (q, kc, vc), reps=args.reps * 2)
+    cache = S * H * 4
+    bw = {"decode_attention": 2 * cache / min(times["decode_attention"]),  # reads K and V
+          "kc + 1": 2 * cache / min(times["kc + 1"])}  # reads K, writes K + 1
+    err = float(jnp.max(jnp.abs(fns["decode_attention"](q, kc, vc)
+                                - jax.nn.dot_product_attention(q[:, None], kc, vc)[:, 0])))
+    share = bw["decode_attention"] / bw["kc + 1"]
+    lines += [f"## Decode: one head, cache of 2^{args.log2_keys} = {S} keys, d = {H}, float32", "",
+              "| impl | best ms | median ms | bytes moved (MiB) | GB/s (best) |", "|---|---:|---:|---:|---:|"]
+    for name in fns:
+        lines.append(f"| {name} | {1e3 * min(times[name]):.2f} | {1e3 * statistics.median(times[name]):.2f} | "
+                     f"{2 * cache / 2**20:.0f} | {bw[name] / 1e9:.2f} |")
+    lines += ["", f"Max abs difference vs jax.nn: {err:.1e}.", "",
+              f"- Target ≥ 70 % of the elementwise pass's bandwidth: {'met' if share >= 0.7 else 'NOT met'} "
+              f"({100 * share:.0f} %).", ""]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--block", action="store_true")
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--log2-keys", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "model_cpu.md"))
+    args = ap.parse_args()
+    both = not (args.block or args.decode)
+
+    from moajax.timing import machine_line, write_results
+
+    lines = ["# Issue 11's model benchmarks on the CPU", "", machine_line(),
+             "Run: `python scripts/bench_model.py` — contenders alternate in one process (each round starting one "
+             "later), best and median of the repetitions after a warm-up; temp = the compiled executable's temp "
+             "allocation.", ""]
+    if args.block or both:
+        _block(args, lines)
+    if args.decode or both:
+        _decode(args, lines)
+    write_results(args.out, lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
