@@ -99,3 +99,20 @@ def test_bad_input_is_named():
         moajax.gated_mlp(xm, wg, wu.astype(np.float32), wd)
     with pytest.raises(TypeError, match="gated_mlp: w_gate must be an array"):
         moajax.gated_mlp(xm, [[1.0]], wu, wd)
+
+
+def test_the_mlp_backward_contracts_every_term():
+    # dZ = Σ_f GH × (silu(U) × W_u + … × W_g): the sum holds both n and d, so it is distributed
+    # — two contractions — instead of an [n, f, d] tile summed over f (2 GiB at n=4096, d=512)
+    import re
+
+    from moajax import machines, runtime, schedule
+    from moajax.kernels.mlp import swiglu
+
+    n, d, f = 512, 64, 384
+    specs = [jax.ShapeDtypeStruct(s, np.float32) for s in [(n, d), (d, f), (d, f), (f, d), (n, d)]]
+    plan = schedule.derive_plan(swiglu.adjoint(*specs[:4]).dnf(*specs), machines.load("anvil-epyc-7543"))
+    for onf in plan if isinstance(plan, tuple) else (plan,):
+        text = str(jax.make_jaxpr(runtime.lowered(onf, "xla"))(*specs))
+        sizes = [int(np.prod([int(x) for x in m.split(",")])) for m in re.findall(r"f32\[([0-9,]+)\]", text)]
+        assert max(sizes) <= n * f, (onf.dnf.name, max(sizes))
