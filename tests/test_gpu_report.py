@@ -120,3 +120,22 @@ def test_causal_training_kernels_with_skipped_tiles_compile_without_spills(machi
         assert onf.skips, label
         reports = gpu_report.onf_reports(onf, machine.arch)
         assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in reports), (label, reports)
+
+
+@needs_compiler
+def test_decode_with_lengths_compiles_split_without_spills():
+    """decode_attention on the H200: one query row per head against 32768 keys with lengths —
+    split-K parts, each walking between bounds from its own part index and length — compiles
+    to PTX with 0 spill bytes."""
+    import jax
+
+    from moajax.kernels.attention import mha_kernel
+
+    S = jax.ShapeDtypeStruct
+    specs = [S((4, 1, 8, 128), np.float16), S((4, 32768, 2, 128), np.float16), S((4, 32768, 2, 128), np.float16),
+             S((4,), np.int32)]
+    h200 = machines.load("h200")
+    onf = schedule.derive(mha_kernel(None, None, True, False, True).dnf(*specs), h200)
+    assert onf.skips and any(h.startswith("split_k") for h in onf.history)
+    for r in gpu_report.onf_reports(onf, h200.arch):
+        assert r.spill_stores == 0 and r.spill_loads == 0, r
