@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from moajax import dnf as D
-from moajax.ix import Ix, Var
+from moajax.ix import Var
 from moajax.onf import ONF, Affine, Guard, OnlineStage, Skip, Stage
 
 _CMP = {"lt": (1, -1, -1), "le": (1, -1, 0), "gt": (-1, 1, -1), "ge": (-1, 1, 0)}  # y·a + x·b + k ≥ 0
@@ -192,11 +192,6 @@ def _masking_atoms(exprs) -> list | None:
     return out
 
 
-def _stat_vars(x: D.Expr) -> set:
-    """The row variables of a row statistic X (a read, a stage value or a reduction)."""
-    return set(x.free)
-
-
 def _identity(monoid: str, val) -> bool:
     return val == ZERO if monoid == "add" else (monoid == "max" and val == FILL)
 
@@ -237,7 +232,7 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
         kept.append(uses)
         if monoid == "max":
             shifts.append(set(of.free) if isinstance(of, D.Red) else set(st.max_vars))
-        shifts += [_stat_vars(x) for x in xs]
+        shifts += [set(x.free) for x in xs]  # the row variables of each statistic X
     if not bounds:
         return None
     # a row variable that a later stage reduces this one's results over is no row of the

@@ -18,7 +18,6 @@ zeros and leave every running maximum unchanged.
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
