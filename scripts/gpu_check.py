@@ -166,6 +166,53 @@ def main():
             lines.append(f"| fused fwd+bwd | {T}·{H} | {name} | {times[name] * 1e3:.3f} | "
                          f"{(base / times[name]) if base else float('nan'):.2f}× |")
             print(lines[-1], flush=True)
+    # issue 11 on the GPU: a decode step over a ragged batch (split-K by the schedule, the
+    # parts past each length skipped) and the block's jit(grad), each beside jax.nn
+    lines += ["", "| issue 11 | shape | impl | ms | vs jax.nn |", "|---|---|---|---:|---:|"]
+    B, S, N, K, H = 8, 32768, 32, 8, 128
+    q = jnp.asarray(rng.standard_normal((B, N, H)), jnp.bfloat16)
+    kc = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.bfloat16)
+    lengths = jnp.asarray(rng.integers(S // 4, S + 1, B), jnp.int32)
+    T, D, F = 4096, 512, 1408
+    x = jnp.asarray(rng.standard_normal((1, T, D)), jnp.float32)
+    shapes = {"attn_norm": (D,), "wq": (D, 8, 64), "wk": (D, 8, 64), "wv": (D, 8, 64), "wo": (8, 64, D),
+              "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+    p = {k: jnp.asarray(rng.standard_normal(v) / np.sqrt(v[0]), jnp.float32) for k, v in shapes.items()}
+
+    def plain_block(p, x):
+        def norm(x, w):
+            return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+        a = norm(x, p["attn_norm"])
+        qq, kk, vv = (jnp.einsum("btd,dnh->btnh", a, p[w]) for w in ("wq", "wk", "wv"))
+        h = x + jnp.einsum("btnh,nhd->btd", jax.nn.dot_product_attention(qq, kk, vv, is_causal=True), p["wo"])
+        m = norm(h, p["mlp_norm"])
+        return h + (jax.nn.silu(m @ p["w_gate"]) * (m @ p["w_up"])) @ p["w_down"]
+
+    def grad_of(f):
+        return jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x)), argnums=(0, 1)))
+
+    cases = [
+        (f"decode B={B} S={S} N={N} K={K} H={H} bf16", (q, kc, kc, lengths), {
+            "jax.nn": jax.jit(lambda q, k, v, l: jax.nn.dot_product_attention(
+                q[:, None], k, v, key_value_seq_lengths=l)[:, 0]),
+            "moajax": jax.jit(moajax.decode_attention)}),
+        (f"block grad T={T} D={D} 8×64 F={F} f32", (p, x), {
+            "jax.nn": grad_of(plain_block),
+            "moajax": grad_of(lambda p, x: moajax.transformer_block(p, x, is_causal=True))}),
+    ]
+    for label, args, fns in cases:
+        base = None
+        for name, f in fns.items():
+            try:
+                t = bench(f, *args, reps=10)
+            except Exception as e:
+                lines.append(f"| issue 11 | {label} | {name} | — | {type(e).__name__} |")
+                print(lines[-1], flush=True)
+                continue
+            base = t if name == "jax.nn" else base
+            lines.append(f"| issue 11 | {label} | {name} | {t * 1e3:.3f} | {(base / t) if base else float('nan'):.2f}× |")
+            print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     out = Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)
