@@ -34,6 +34,7 @@ def _block(args, lines):
 
     import moajax
     from moajax.timing import alternating
+    from plain_block import plain_block, rms_norm
 
     T, D, N, H, F = args.tokens, 512, 8, 64, 1408
     r = np.random.default_rng(0)
@@ -44,17 +45,7 @@ def _block(args, lines):
     x = jnp.asarray(r.standard_normal((1, T, D)), jnp.float32)
     g = jnp.asarray(r.standard_normal((1, T, D)), jnp.float32)
 
-    def plain(p, x):
-        def norm(x, w):
-            return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-
-        a = norm(x, p["attn_norm"])
-        q, k, v = (jnp.einsum("btd,dnh->btnh", a, p[w]) for w in ("wq", "wk", "wv"))
-        h = x + jnp.einsum("btnh,nhd->btd", jax.nn.dot_product_attention(q, k, v, is_causal=True), p["wo"])
-        m = norm(h, p["mlp_norm"])
-        return h + (jax.nn.silu(m @ p["w_gate"]) * (m @ p["w_up"])) @ p["w_down"]
-
-    fns = {"moajax block": lambda p, x: moajax.transformer_block(p, x, is_causal=True), "plain jnp block": plain}
+    fns = {"moajax block": lambda p, x: moajax.transformer_block(p, x, is_causal=True), "plain jnp block": plain_block}
     compiled, temps = {}, {}
     for name, f in fns.items():
         c = jax.jit(jax.grad(lambda p, x, f=f: jnp.sum(f(p, x) * g), argnums=(0, 1))).lower(p, x).compile()
@@ -82,7 +73,7 @@ def _block(args, lines):
         "moajax gated_mlp": lambda x: moajax.gated_mlp(x, p["w_gate"], p["w_up"], p["w_down"]),
         "plain jnp MLP": lambda x: (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"],
         "moajax rms_norm": lambda x: moajax.rms_norm(x, m),
-        "plain jnp RMSNorm": lambda x: m * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6),
+        "plain jnp RMSNorm": lambda x: rms_norm(x, m),
     }
     compiled, temps = {}, {}
     for name, f in parts.items():

@@ -179,15 +179,7 @@ def main():
               "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
     p = {k: jnp.asarray(rng.standard_normal(v) / np.sqrt(v[0]), jnp.float32) for k, v in shapes.items()}
 
-    def plain_block(p, x):
-        def norm(x, w):
-            return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-
-        a = norm(x, p["attn_norm"])
-        qq, kk, vv = (jnp.einsum("btd,dnh->btnh", a, p[w]) for w in ("wq", "wk", "wv"))
-        h = x + jnp.einsum("btnh,nhd->btd", jax.nn.dot_product_attention(qq, kk, vv, is_causal=True), p["wo"])
-        m = norm(h, p["mlp_norm"])
-        return h + (jax.nn.silu(m @ p["w_gate"]) * (m @ p["w_up"])) @ p["w_down"]
+    from plain_block import plain_block
 
     def grad_of(f):
         return jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x)), argnums=(0, 1)))

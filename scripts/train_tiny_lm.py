@@ -63,29 +63,11 @@ def moajax_logits(p, tokens):
 
 def plain_logits(p, tokens):
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    def norm(x, w):
-        return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    from plain_block import plain_block, rms_norm
 
-    def rope(x):
-        T = x.shape[1]
-        ang = np.arange(T)[:, None] * 10000.0 ** (-2.0 * np.arange(H // 2)[None] / H)
-        c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
-        lo, hi = x[..., : H // 2], x[..., H // 2:]
-        return jnp.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
-
-    def block(h, lp):
-        a = norm(h, lp["attn_norm"])
-        q, k, v = (jnp.einsum("btd,dnh->btnh", a, lp[w]) for w in ("wq", "wk", "wv"))
-        o = jax.nn.dot_product_attention(rope(q), rope(k), v, is_causal=True)
-        h = h + jnp.einsum("btnh,nhd->btd", o, lp["wo"])
-        m = norm(h, lp["mlp_norm"])
-        return h + (jax.nn.silu(m @ lp["w_gate"]) * (m @ lp["w_up"])) @ lp["w_down"], None
-
-    h = jax.lax.scan(block, p["embed"][tokens], p["layers"])[0]
-    return norm(h, p["final_norm"]) @ p["unembed"]
+    h = jax.lax.scan(lambda h, lp: (plain_block(lp, h, rope_theta=10000.0), None), p["embed"][tokens], p["layers"])[0]
+    return rms_norm(h, p["final_norm"]) @ p["unembed"]
 
 
 def trainer(logits_fn, lr: float):
