@@ -325,7 +325,11 @@ def gated_mlp(x, w_gate, w_up, w_down, *, onf=None, implementation=None, residua
 
     x [..., D], w_gate and w_up [D, F], w_down [F, D], one floating dtype. A DSL kernel
     (``moajax.kernels.mlp.swiglu``) compiled like any; ``jax.grad`` gives dx and the weight
-    gradients, reductions over the tokens, from its derived adjoint."""
+    gradients, reductions over the tokens, from its derived adjoint. ``residuals`` (or the
+    ``onf`` Preset's): what the forward keeps for the backward — "none"/"auto" recompute U =
+    x W_g and V = x W_u; ``("gate",)`` keeps U (paper IV); ``("gate", "up")`` keeps U and V
+    (paper IV's count, 2nd + 4n·d_ff: ``Kernel.interface_ledger``). Each kept [tokens, F]
+    array saves the backward one contraction."""
     from moajax.kernels.mlp import swiglu
 
     who = "gated_mlp"

@@ -82,6 +82,40 @@ def sequence(costs) -> Cost:
                 time_s=sum(c.time_s for c in costs) if timed else None, bound=longest.bound if timed else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Movement:
+    """One array crossing a kernel's interface in one phase of a training step: read from or
+    written to main memory, ``elements`` of it (dims: its axes' names)."""
+
+    phase: str  # "forward" | "backward"
+    array: str
+    access: str  # "read" | "write"
+    elements: int
+    dims: tuple
+
+
+def interface_ledger(forward: D.DNF, backward: D.DNF) -> list:
+    """The per-array accounting of a forward and its backward, "inputs + outputs + stored
+    intermediates": each array the forward reads and writes (its saved residuals among the
+    writes), then each the backward reads (the residuals read back) and writes — once each,
+    whatever the schedule. Paper IV's counts are sums of such rows: ``ledger_elements``."""
+    rows = []
+    for phase, dnf in (("forward", forward), ("backward", backward)):
+        read = dnf.arrays_read()
+        rows += [Movement(phase, i.name, "read", math.prod(i.shape), tuple(i.dims)) for i in dnf.inputs if i.name in read]
+        rows += [Movement(phase, o.name, "write", math.prod(o.shape), tuple(o.dims)) for o in dnf.outputs]
+    return rows
+
+
+def ledger_elements(rows, *, per: str | None = None, charged_elsewhere=()) -> int:
+    """The elements moved by the ledger ``rows``: only arrays with the axis ``per`` (paper IV
+    counts the token-proportional arrays, n = B·N, not the weights) and not those charged to a
+    neighbouring kernel (the MLP's Z and dZ, which its RMSNorm counts: read X, write Z, read
+    dZ, write dX — 4nd)."""
+    return sum(r.elements for r in rows
+               if (per is None or per in r.dims) and r.array not in charged_elsewhere)
+
+
 def _points(onf: ONF, vars_) -> int:
     """Index points of a value over ``vars_`` evaluated over every tile at once."""
     return math.prod(onf.axis_of(v).whole_size() for v in vars_)

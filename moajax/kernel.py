@@ -212,7 +212,9 @@ class Kernel:
         and elements than any output, e.g. a softmax's max and denominator) and its outputs
         for the backward to read (the papers' identities read them: ``moajax.identities``);
         "auto" does so where the cost model counts fewer flops for forward and backward
-        together; "none" saves only the inputs (the backward recomputes)."""
+        together; "none" saves only the inputs (the backward recomputes); a tuple of labels
+        (``moa.name``) saves those values too, whatever their size (paper IV's MLP keeps U:
+        ``("gate",)``), and the backward reads them instead of recomputing."""
         from moajax import adjoint as _adjoint
         from moajax import runtime
         from moajax.onf import ONF
@@ -232,6 +234,7 @@ class Kernel:
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
         chosen: list = []
+        labels = residuals if isinstance(residuals, tuple) else ()
         # what of a Preset the adjoint's kernels take: ``backward`` (how its outputs are cut into
         # kernels: its plan), the tiles (named by dimension) and ``skip``
         backward_preset = (Preset.of(plan=onf.backward, target=onf.target, skip=onf.skip, tiles=dict(onf.tiles))
@@ -242,8 +245,8 @@ class Kernel:
             """The forward that also saves the row statistics, or None — decided (and its
             adjoint derived) only when the call is first differentiated."""
             if not chosen:
-                pays = residuals == "save" or (residuals == "auto" and self._saving_pays(key[0], options))
-                chosen.append(self.with_row_statistics().compiled(
+                pays = residuals == "save" or labels or (residuals == "auto" and self._saving_pays(key[0], options))
+                chosen.append(self.with_row_statistics(labels).compiled(
                     *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
                     **options) if pays else None)
             return chosen[0]
@@ -253,7 +256,7 @@ class Kernel:
 
             cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
                    for ct, (shape, dt) in zip(cts, out_specs)]
-            adj = self._adjoint_for(key[0], options, outs is not None)
+            adj = self._adjoint_for(key[0], options, (labels or True) if outs is not None else False)
             grads = adj(*args, *cts, *saved, *(outs or ()), implementation=implementation, residuals="none",
                         onf=backward_preset, **options)
             grads = iter(grads if isinstance(grads, tuple) else (grads,))
@@ -275,14 +278,16 @@ class Kernel:
         return (isinstance(x, (moa.Name, moa.StopGradient)) and moa._is_float(x.dtype)
                 and any(isinstance(y, (moa.Reduce, moa.Inner)) for y in moa.nodes(x.arg)))
 
-    def row_statistics(self, outputs) -> tuple:
+    def row_statistics(self, outputs, labels: tuple = ()) -> tuple:
         """(outputs', statistics): the values a backward may read saved from the forward
         instead of recomputing — the labelled (``moa.name``) or held-constant
         (``moa.stop_gradient``) subexpressions that contain a reduction and have fewer axes
         and elements than any output, such as a softmax's max and denominator or an RMS, in a
-        fixed order; then each output cast to a narrower dtype, before the cast. One inside an Ω body (smaller than the body's cell) is first lifted out
-        over the Ω's frame (``moa.lift_from_omega``): ``outputs'`` are the same arrays with
-        the statistics as nodes of their own, which the backward differentiates."""
+        fixed order; then each output cast to a narrower dtype, before the cast; then the
+        values labelled by ``labels`` (a residual policy's choice, any size), in that order. One
+        inside an Ω body (smaller than the body's cell) is first lifted out over the Ω's frame
+        (``moa.lift_from_omega``): ``outputs'`` are the same arrays with the statistics as
+        nodes of their own, which the backward differentiates."""
         # a statistic reduces an axis away: fewer axes than the cell (or output) it serves, so
         # that a [t s] score is never one, whatever the sizes (T × S < T × E when S < E)
         before = {x.uid for x in moa.postorder(outputs)}
@@ -297,24 +302,36 @@ class Kernel:
         # as computed; reading the rounded O would change Δ by the rounding)
         stats += [o.arg for o in outputs if isinstance(o, moa.Cast) and moa._is_float(o.arg.dtype)
                   and np.dtype(o.dtype).itemsize < np.dtype(o.arg.dtype).itemsize and o.arg not in stats]
+        named = {}
+        for x in moa.postorder(outputs):
+            if isinstance(x, moa.Name) and moa._is_float(x.dtype):
+                named.setdefault(x.label, x)
+        for label in labels:
+            if label not in named:
+                raise ValueError(f"{self.name}: residuals names the label {label!r}, which this kernel does not "
+                                 f"define; its labels are {sorted(named)}")
+            if named[label] not in stats:
+                stats.append(named[label])
         return outputs, stats
 
-    def with_row_statistics(self) -> "Kernel":
-        """This kernel with its row statistics as further outputs (``saved0``, ``saved1``, …),
-        placed first so that its other outputs read them (``rewrites.hoist``)."""
-        hit = self._derived.get("with_row_statistics")
+    def with_row_statistics(self, labels: tuple = ()) -> "Kernel":
+        """This kernel with its row statistics (and the values labelled ``labels``) as further
+        outputs (``saved0``, ``saved1``, …), placed first so that its other outputs read them
+        (``rewrites.hoist``)."""
+        labels = tuple(labels)
+        hit = self._derived.get(("with_row_statistics", labels))
         if hit is not None:
             return hit
         primal = self
 
         def forward(*arrays, **opts):
             outs = primal.fn(*arrays, **opts)
-            outs, stats = primal.row_statistics(outs if isinstance(outs, tuple) else (outs,))
+            outs, stats = primal.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels)
             return tuple(stats) + outs
 
         forward.__signature__ = inspect.signature(self.fn)
-        forward.__name__ = f"{self.name}_saving"
-        hit = self._derived["with_row_statistics"] = _SavingKernel(forward, primal)
+        forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels)
+        hit = self._derived[("with_row_statistics", labels)] = _SavingKernel(forward, primal)
         return hit
 
     def _saving_pays(self, shape_key, options) -> bool:
@@ -343,23 +360,46 @@ class Kernel:
         return (flops(self.with_row_statistics(), []) + flops(with_saved, cts + saved + cts)
                 < flops(self, []) + flops(self._adjoint_for(shape_key, options, False), cts))
 
-    def saved_adjoint(self, *specs, **options) -> tuple:
-        """(the adjoint ``jax.grad`` runs where the forward saves its statistics and outputs,
-        the specs of its arguments: primals, cotangents, saved statistics, outputs)."""
+    def saved_adjoint(self, *specs, labels: tuple = (), **options) -> tuple:
+        """(the adjoint ``jax.grad`` runs where the forward saves its statistics (and the values
+        labelled ``labels``) and outputs, the specs of its arguments: primals, cotangents,
+        saved values, outputs)."""
         import jax
 
-        adj = self._adjoint_for(self._key(specs, options), options, True)
+        adj = self._adjoint_for(self._key(specs, options), options, tuple(labels) or True)
         outs = self._build(specs, options)[1]
         cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (outs if isinstance(outs, tuple) else (outs,))]
-        return adj, list(specs) + cts + self._saved_specs(specs, options) + cts
+        return adj, list(specs) + cts + self._saved_specs(specs, options, tuple(labels)) + cts
 
-    def _saved_specs(self, specs, options) -> list:
+    def interface_ledger(self, *specs, residuals="none", **options) -> list:
+        """``cost.interface_ledger`` of this kernel's forward and the backward ``jax.grad`` runs
+        under the residual policy ``residuals`` ("none", "save" or a tuple of labels): the
+        arrays each reads and writes, the saved ones written by the forward and read back."""
+        from moajax import cost, runtime
+
+        residuals = runtime.check_residuals(residuals, f"{self.name}.interface_ledger")
+        if residuals == "auto":
+            raise ValueError(f"{self.name}.interface_ledger: residuals must be chosen ('none', 'save' or labels)")
+        if residuals == "none":
+            import jax
+
+            outs = self._build(specs, options)[1]
+            cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (outs if isinstance(outs, tuple) else (outs,))]
+            adj, args = self._adjoint_for(self._key(specs, options), options, False), list(specs) + cts
+            forward = self.dnf(*specs, **options)
+        else:
+            labels = residuals if isinstance(residuals, tuple) else ()
+            adj, args = self.saved_adjoint(*specs, labels=labels, **options)
+            forward = self.with_row_statistics(labels).dnf(*specs, **options)
+        return cost.interface_ledger(forward, adj.dnf(*args, **options))
+
+    def _saved_specs(self, specs, options, labels: tuple = ()) -> list:
         """The specs of the saved statistics, each in its layout (``with_row_statistics``)."""
         import jax
 
         outs = self._build(specs, options)[1]
-        stats = self.row_statistics(outs if isinstance(outs, tuple) else (outs,))[1]
-        layouts = self.with_row_statistics().layouts(*specs, **options)
+        stats = self.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels)[1]
+        layouts = self.with_row_statistics(labels).layouts(*specs, **options)
         return [jax.ShapeDtypeStruct(x.shape if lay is None else lay.shape, x.dtype) for x, lay in zip(stats, layouts)]
 
     def _batchable(self, run, n_outputs: int, options, onf, implementation):
@@ -424,8 +464,9 @@ class Kernel:
                                            outputs=self.output_names, dims=dims)
         return hit
 
-    def _adjoint_for(self, shape_key, options, saved: bool = False) -> "Kernel":
-        """The adjoint kernel (cached per shapes and options) that ``compiled`` runs backward."""
+    def _adjoint_for(self, shape_key, options, saved: bool | tuple = False) -> "Kernel":
+        """The adjoint kernel (cached per shapes and options) that ``compiled`` runs backward
+        (``saved``: as for ``adjoint``)."""
         import jax
 
         key = (shape_key, tuple(sorted(options.items())), saved)
@@ -435,7 +476,7 @@ class Kernel:
             hit = self._derived[key] = self.adjoint(*specs, saved=saved, **options)
         return hit
 
-    def adjoint(self, *specs, wrt=None, saved: bool = False, **options) -> "Kernel":
+    def adjoint(self, *specs, wrt=None, saved: bool | tuple = False, **options) -> "Kernel":
         """The backward of this kernel as a ``Kernel`` (``moajax.adjoint``: derived in the algebra).
 
         Its inputs are the primals, then one cotangent per output (``d_<output>``, ρ and dims
@@ -444,7 +485,8 @@ class Kernel:
         It ψ-reduces to a DNF like any kernel. ``specs`` (default: ``example_specs()``) and
         ``options`` are only used to learn the outputs' dims and dtypes. With ``saved``, it
         also takes the forward's row statistics (``row_statistics``: ``saved0``, …) and reads
-        them where it would recompute them (the derivative still flows through them)."""
+        them where it would recompute them (the derivative still flows through them); ``saved``
+        a tuple of labels: the values so labelled too (``row_statistics``)."""
         from moajax import adjoint as _adjoint
 
         key = self._key(specs or self.example_specs(), options)
@@ -459,9 +501,10 @@ class Kernel:
                                  f"floating inputs are {floats}")
         primal, n = self, len(self.params)
         ct_names = tuple(f"d_{o}" for o in names)
-        stats = self.row_statistics(outs)[1] if saved else []
+        labels = tuple(saved) if isinstance(saved, tuple) else ()
+        stats = self.row_statistics(outs, labels)[1] if saved else []
         saved_names = tuple(f"saved{i}" for i in range(len(stats)))
-        layouts = self.with_row_statistics().layouts(*(specs or self.example_specs()), **options) if saved else []
+        layouts = self.with_row_statistics(labels).layouts(*(specs or self.example_specs()), **options) if saved else []
         taken = {p.name for p in self.params} | set(ct_names) | set(saved_names)
         # with ``saved``, the forward's outputs too: the derivative holds them for free, and the
         # papers' identities (``moajax.identities``) read them where the adjoint would recompute
@@ -471,7 +514,7 @@ class Kernel:
             outputs = primal.fn(*arrays[:n], **opts)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             if saved_names:  # the statistics as nodes of their own (lifted out of Ω bodies)
-                outputs, stats = primal.row_statistics(outputs)
+                outputs, stats = primal.row_statistics(outputs, labels)
             by_name = dict(zip([p.name for p in primal.params], arrays[:n]))
             cts = arrays[n:n + len(ct_names)]
             grads = _adjoint.vjp(outputs, cts, [by_name[w] for w in wrt])
@@ -487,7 +530,7 @@ class Kernel:
 
         def identities(dnf, specs, opts):
             """Δ-from-output and kin: the adjoint reads the forward's outputs and statistics."""
-            forward = primal.with_row_statistics().dnf(*specs[:n], **opts)
+            forward = primal.with_row_statistics(labels).dnf(*specs[:n], **opts)
             return _identities.delta_from_output(
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
                 saved={f"saved{i}": name for i, name in enumerate(saved_names)})
@@ -501,7 +544,8 @@ class Kernel:
         example = dict(self.example)
         for o in outs:
             example.update({d: s for d, s in zip(o.dims, o.shape) if d not in example})
-        return Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else ""),
+        return Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else "")
+                      + "".join(f"_{lb}" for lb in labels),
                       outputs=tuple(f"d_{w}" for w in wrt), dims=dims, identities=identities if saved else None)
 
     def _tangent_for(self, shape_key, options) -> "Kernel":

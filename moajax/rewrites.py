@@ -176,6 +176,8 @@ def hoist(onf: ONF) -> ONF:
             out_stages.append(s)
             continue
         body = go(s.body, (), frozenset(s.vars), s.vars[-1] if s.vars else None)
+        while isinstance(body, D.Tag):  # a label is transparent: a labelled value saved as an output
+            body = body.body
         pre = body
         if isinstance(body, D.Red):
             body = factor_out_invariants(body)
@@ -193,8 +195,30 @@ def hoist(onf: ONF) -> ONF:
         out_stages.extend(new_stages)
         new_stages.clear()
         out_stages.append(Stage(s.name, s.vars, body, s.place))
+    out_stages = _outputs_read_across(out_stages, {n for _, n in onf.program.outputs})
     prog = Program(tuple(_sink_stage(s) for s in out_stages), onf.program.outputs)
     return onf.replace(program=prog, note="hoist")
+
+
+def _outputs_read_across(stages, outputs) -> list:
+    """An output's stage that another stage reads across a variable it walks (U[n f], saved by
+    the MLP's forward, inside F = Σ_f H × W_d) is placed in memory: written whole, as an
+    output is, before the reader runs, which reads it back instead of recomputing it per tile."""
+    out = []
+    for st in stages:
+        if isinstance(st, Stage) and st.name in outputs and st.place == "local":
+            for reader in stages:
+                if reader is st:
+                    continue
+                walked = {x.var for e in reader.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Red)}
+                walked |= {reader.walks} - {None}
+                refs = [x for e in reader.exprs() if e is not None for x in D.walk(e)
+                        if isinstance(x, D.Ref) and x.stage == st.name]
+                if any(walked & x.free for x in refs):
+                    st = dataclasses.replace(st, place="memory")
+                    break
+        out.append(st)
+    return out
 
 
 # ----------------------------------------------------------------------------- online fusion

@@ -41,18 +41,26 @@ def check_onf_argument(onf, who: str) -> None:
 RESIDUALS = ("auto", "save", "none")
 
 
-def check_residuals(residuals, who: str) -> None:
+def check_residuals(residuals, who: str):
+    """The residual policy, checked: "auto", "save", "none", or a tuple of labels (``moa.name``)
+    whose values the forward saves besides what "save" saves (a list is taken as a tuple)."""
+    if isinstance(residuals, (tuple, list)):
+        if not residuals or not all(isinstance(r, str) and r for r in residuals):
+            raise ValueError(f"{who}: residuals as labels must be a non-empty tuple of label names "
+                             f"(moa.name), got {residuals!r}")
+        return tuple(dict.fromkeys(residuals))
     if residuals not in RESIDUALS:
-        raise ValueError(f"{who}: residuals must be 'auto', 'save' or 'none', got {residuals!r}")
+        raise ValueError(f"{who}: residuals must be 'auto', 'save', 'none' or a tuple of labels, got {residuals!r}")
+    return residuals
 
 
 def residual_policy(residuals, onf, who: str) -> str:
     """The residual policy of a call: its ``residuals`` keyword, or the Preset's choice."""
-    check_residuals(residuals, who)
+    residuals = check_residuals(residuals, who)
     chosen = getattr(onf, "residuals", None) if isinstance(onf, Preset) else None
     if chosen is None:
         return residuals
-    check_residuals(chosen, f"{who}: the onf Preset")
+    chosen = check_residuals(chosen, f"{who}: the onf Preset")
     if residuals not in ("auto", chosen):
         raise ValueError(f"{who}: residuals={residuals!r} contradicts the onf Preset's residuals={chosen!r}")
     return chosen
@@ -105,18 +113,22 @@ def has_gpu() -> bool:
 def lowered(onf, backend: str, order: tuple | None = None):
     """The ONF lowered for one backend: "xla", "pallas" or "pallas_interpret"; a tuple of ONFs
     (``schedule.derive_plan``) runs them one after another, their outputs returned in the
-    ``order`` of the output names (default: as the parts give them)."""
+    ``order`` of the output names (default: as the parts give them). A part reads the
+    inputs and what the parts before it wrote (``schedule.staged_parts``: values shared by
+    later kernels), by name; the first part's inputs are the plan's."""
     if isinstance(onf, tuple):
         parts = [lowered(o, backend) for o in onf]
+        inputs = [i.name for i in onf[0].dnf.inputs]
+        read = {i.name for part in onf for i in part.dnf.inputs}
         names = [o.name for part in onf for o in part.dnf.outputs]
-        where = [names.index(n) for n in order] if order else list(range(len(names)))
+        order = order or tuple(n for n in names if n not in read)
 
         def run(*args):
-            outs = []
-            for f in parts:
-                res = f(*args)
-                outs += list(res) if isinstance(res, tuple) else [res]
-            return tuple(outs[i] for i in where)
+            env = dict(zip(inputs, args))
+            for o, f in zip(onf, parts):
+                res = f(*(env[i.name] for i in o.dnf.inputs))
+                env.update(zip([x.name for x in o.dnf.outputs], res if isinstance(res, tuple) else (res,)))
+            return tuple(env[n] for n in order)
 
         return run
     if backend == "xla":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -46,8 +47,9 @@ class Preset:
     split: tuple = ()  # ((axis, parts), ...)
     knobs: tuple = ()  # ((knob, value), ...)
     # what a differentiated call's forward saves for its backward: "auto" (the cost model
-    # decides), "save" (its row statistics and outputs) or "none" (recompute); None: "auto"
-    residuals: str | None = None
+    # decides), "save" (its row statistics and outputs), "none" (recompute), or a tuple of
+    # labels saved besides ("gate",: paper IV's MLP keeps U); None: "auto"
+    residuals: str | tuple | None = None
     # how a multi-output DNF is cut into kernels (``PLANS`` or a partition of its output names;
     # None: derived, ``derive_plan``); ``backward``: the same for this call's adjoint
     plan: object = None
@@ -63,8 +65,13 @@ class Preset:
 
         if target not in (None, "cpu", "gpu"):
             raise ValueError(f"Preset: target must be None, 'cpu' or 'gpu', got {target!r}")
-        if residuals not in (None, "auto", "save", "none"):
-            raise ValueError(f"Preset: residuals must be None, 'auto', 'save' or 'none', got {residuals!r}")
+        if isinstance(residuals, (tuple, list)):  # labels to save (``runtime.check_residuals``)
+            if not residuals or not all(isinstance(r, str) and r for r in residuals):
+                raise ValueError(f"Preset: residuals as labels must be a non-empty tuple of label names, got {residuals!r}")
+            residuals = tuple(dict.fromkeys(residuals))
+        elif residuals not in (None, "auto", "save", "none"):
+            raise ValueError(f"Preset: residuals must be None, 'auto', 'save', 'none' or a tuple of labels, "
+                             f"got {residuals!r}")
         if skip not in (None, True, False):
             raise TypeError(f"Preset: skip must be a bool, got {skip!r}")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
@@ -133,6 +140,18 @@ def _main_walks(onf: ONF) -> list:
     return [v for v in walked if v.extent > GPU_WHOLE_MAX or v.extent == longest or v in around]
 
 
+def _walks(onf: ONF, place: str) -> set:
+    """The variables the stages placed at ``place`` walk (``Program.walked``)."""
+    return {st.walks for st in onf.program.stages if st.place == place} - {None}
+
+
+def _program_outputs(onf: ONF) -> list:
+    """The outputs the final program computes: not those whose stage is in main memory (a
+    saved U the MLP's F reads back is written whole by a kernel of its own, before)."""
+    placed = {st.name for st in onf.program.stages if st.place == "memory"}
+    return [o for o in onf.dnf.outputs if dict(onf.program.outputs)[o.name] not in placed] or list(onf.dnf.outputs)
+
+
 def _structure(onf: ONF, gpu: bool = False):
     """(walked loops, output variables, inner reductions, the row axis: [] or [v]).
 
@@ -142,8 +161,11 @@ def _structure(onf: ONF, gpu: bool = False):
     axis (its loop tiles the cache). On a GPU a variable that some reads do depend on may be
     one too, as long as each such read stays a 2-D block (a [t s] bias or mask: rows × keys),
     so that the program's contraction is one ``tl.dot`` over a rows tile, not one row."""
-    loops = _main_walks(onf)
-    out_vars = list(onf.dnf.output_vars)
+    # the loops of the program that computes the outputs (a memory stage's own walk, the d of
+    # a saved U = Σ_d Z × W_g, is its kernel's: inside the program it is a nested reduction)
+    loops = [v for v in _main_walks(onf) if v in _walks(onf, "local")]
+    out_vars = [v for o in _program_outputs(onf) for v in o.vars]
+    out_vars = list(dict.fromkeys(out_vars))
     inner = set()
     for e in onf.program.exprs():
         for x in D.walk(e):
@@ -360,7 +382,7 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last
     for v in loops:
         if v in out_vars:
             continue
-        t = 1 if v in around else min(bs, next_pow2(v.extent)) if gpu else min(bs, v.extent)
+        t = 1 if v in around else min(bs, next_pow2(v.extent)) if gpu else _cpu_walk_tile(v.extent, bs)
         axes.append(Axis(v.name, v.extent, t, "sequential" if t < v.extent else "whole"))
     for v in inner:
         if any(a.name == v.name for a in axes):
@@ -372,6 +394,15 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last
         else:
             axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
     return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
+
+
+def _cpu_walk_tile(extent: int, bs: int) -> int:
+    """A CPU walk's tile: ``bs``, or where it leaves a ragged last tile, the first tile up to
+    2·bs that divides the extent (d_ff = 1408: 352). XLA masks a padded tile with a select per
+    operand per step; on the 2-core EPYC the MLP's dZ took 67 ms in tiles of 256, 41 in 352."""
+    if extent <= bs or extent % bs == 0:
+        return min(bs, extent)
+    return next((t for t in range(bs, 2 * bs + 1) if extent % t == 0), bs)
 
 
 def _around_walks(onf: ONF, loops: set, inner_tile: int) -> set:
@@ -393,7 +424,27 @@ def _around_walks(onf: ONF, loops: set, inner_tile: int) -> set:
     return out - owned
 
 
+def _contraction_walks(onf: ONF, loops) -> set:
+    """The loops whose every reduction is a contraction of values read from memory (inputs,
+    memory stages): Σ_d Z[n d] × W[d f]. XLA runs one as a single dot; walking it in tiles
+    only adds passes over the output's accumulator."""
+    memory = {st.name for st in onf.program.stages if st.place == "memory"}
+    kinds: dict = {}
+    for e in onf.program.exprs():
+        for x in D.walk(e):
+            if isinstance(x, D.Red) and x.var in loops:
+                factors = D.product_factors(_unlabelled(x.body)) if x.monoid == "add" else []
+                plain = len(factors) == 2 and all(
+                    isinstance(f, D.Read) or (isinstance(f, D.Ref) and f.stage in memory) for f in factors)
+                kinds[x.var] = kinds.get(x.var, True) and plain
+    return {v for v, plain in kinds.items() if plain}
+
+
 def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
+    whole = _contraction_walks(onf, loops)
+    if whole:
+        loops = [v for v in loops if v not in whole]
+        inner = sorted(set(inner) | whole, key=lambda v: v.name)
     rows_ext = rows[0].extent if rows else 1
     other = 1
     for v in out_vars:
@@ -494,6 +545,106 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
     return W.with_knobs(o, cpu_loop=(r.name,)) if bt < r.extent else o
 
 
+def staged_parts(dnf: D.DNF, groups) -> tuple:
+    """The kernels of a plan that cuts ``dnf``'s outputs into ``groups``: one DNF per group —
+    after, where groups would each recompute a reduction they share (named by its label,
+    ``moa.name``, where it has one), a first kernel that computes those values once into
+    memory, which the groups then read as inputs (the MLP backward's U, V and G_H [n f], read
+    by the dZ, dW_g/dW_u and dW_d kernels). Only a value at most ``STAGE_SIZE`` times the
+    largest array of the kernel's interface is so placed — memory stays in proportion to the
+    interface: U [n d_ff] beside Z [n d], never attention's scores [t s] beside Q [t h] once
+    s > 4h — and only where the recomputation it removes is at least
+    ``STAGE_SHARE`` of the plan's reduction work (attention's Δ = +/(dO × O), read by its dQ
+    and dK/dV kernels, is not: a first kernel for it made the A100's dQ kernel spill)."""
+    parts = split_outputs(dnf, groups)
+    if len(parts) < 2:
+        return parts
+    users: dict = {}  # a value (its labels stripped) → the parts that compute it
+    labels: dict = {}
+    for k, part in enumerate(parts):
+        for o in part.outputs:
+            for x in D.walk(o.body):
+                base = _unlabelled(x)
+                if isinstance(base, D.Red) and (isinstance(x, D.Tag) or base is not o.body):
+                    users.setdefault(base, set()).add(k)
+                    if isinstance(x, D.Tag):
+                        labels.setdefault(base, x)
+    budget = STAGE_SIZE * max(math.prod(a.shape) for a in dnf.inputs + dnf.outputs)
+    work = sum(_reduction_points(o.body) for p in parts for o in p.outputs)
+    taken = {i.name for i in dnf.inputs} | {o.name for o in dnf.outputs}
+    shared: dict = {}  # Tag → (its input spec, its index variables)
+    for base, ks in users.items():
+        vs = tuple(sorted(base.free, key=lambda v: (_order(dnf, v), v.name)))
+        size = math.prod(v.extent for v in vs)
+        if len(ks) < 2 or len({v.name for v in vs}) < len(vs) or size > budget:
+            continue
+        if (len(ks) - 1) * _reduction_points(base) < STAGE_SHARE * work:
+            continue  # recomputing it costs next to nothing
+        tag = labels.get(base)
+        name = D.fresh_name(tag.label if tag is not None else f"{base.monoid}_{base.var.name}", taken)
+        taken.add(name)
+        spec = D.InputSpec(name, tuple(v.extent for v in vs), tuple(v.name for v in vs), base.dtype)
+        shared[base] = (spec, vs, tag if tag is not None else base)
+    # a value inside another shared one is computed within it (the first kernel reads neither)
+    inner = {y for base in shared for y in D.walk(base.body) if y in shared}
+    shared = {b: v for b, v in shared.items() if b not in inner or any(k not in _holders(users, shared, b) for k in users[b])}
+    if not shared:
+        return parts
+
+    def read_shared(e: D.Expr) -> D.Expr:
+        memo: dict = {}
+
+        def go(x):  # top-down: a shared value inside another is read within the first kernel only
+            hit = memo.get(id(x))
+            if hit is None:
+                if _unlabelled(x) in shared:
+                    spec, vs, _ = shared[_unlabelled(x)]
+                    hit = D.Read(spec.name, vs, spec.dtype)
+                else:
+                    hit = D.rebuild(x, [go(c) for c in x.children]) if x.children else x
+                memo[id(x)] = (x, hit)
+                return hit
+            return hit[1]
+
+        return go(e)
+
+    first = D.DNF(f"{dnf.name}_shared", dnf.inputs,
+                  tuple(D.Output(spec.name, spec.shape, spec.dims, vs, body) for spec, vs, body in shared.values()))
+    extra = tuple(spec for spec, _, _ in shared.values())
+    rest = tuple(D.DNF(p.name, dnf.inputs + extra, tuple(dataclasses.replace(o, body=read_shared(o.body))
+                                                          for o in p.outputs)) for p in parts)
+    return (first,) + rest
+
+
+# the least share of a plan's reduction work that staging a shared value must save, and the
+# most it may hold, in multiples of the largest input or output (SwiGLU's d_ff ≤ 4d)
+STAGE_SHARE = 0.05
+STAGE_SIZE = 4
+
+
+def _reduction_points(e: D.Expr) -> int:
+    """The work of e's reductions: for each distinct one, the index points its body is
+    evaluated on (its free variables and its own)."""
+    return sum(math.prod(v.extent for v in x.free | {x.var}) for x in D.walk(e) if isinstance(x, D.Red))
+
+
+def _unlabelled(e: D.Expr) -> D.Expr:
+    while isinstance(e, D.Tag):
+        e = e.body
+    return e
+
+
+def _holders(users: dict, shared: dict, inner) -> set:
+    """The parts that compute ``inner`` only inside another shared value."""
+    return set().union(*(users[b] for b in shared if b is not inner and inner in set(D.walk(b.body))))
+
+
+def _order(dnf: D.DNF, v) -> int:
+    """A variable's place among the DNF's output variables (rows before columns), else last."""
+    out = dnf.output_vars
+    return out.index(v) if v in out else len(out)
+
+
 def split_outputs(dnf: D.DNF, groups=None) -> tuple:
     """One DNF per group of output names (default: one per output), same inputs: kernels that
     together compute ``dnf``, each recomputing what its outputs share with the others."""
@@ -550,6 +701,8 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         groups = plan_groups(dnf, plan, machine, preset)
         if len(groups) == 1:
             return derive(dnf, machine, preset)
+        # a plan named by the preset is those kernels, each recomputing what it needs (the
+        # seed's atomics experiment compares exactly them): no shared first kernel
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf, groups))
     try:
         onf = derive(dnf, machine, preset)
@@ -568,10 +721,12 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) == 1:
             return onf
-        try:
-            return tuple(derive(d, machine, preset) for d in split_outputs(dnf, groups))
-        except ONFError:
-            return onf
+        for parts in (staged_parts(dnf, groups), split_outputs(dnf, groups)):
+            try:  # (a shared first kernel that does not fit: each recomputes instead)
+                return tuple(derive(d, machine, preset) for d in parts)
+            except ONFError:
+                continue
+        return onf
     return onf
 
 
@@ -611,10 +766,10 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
             onf = W.fuse_online(onf)
         except ONFError:
             pass  # nothing softmax-shaped: the passes are the program
-    if len({frozenset(o.vars) for o in dnf.outputs}) > 1:
+    if len({frozenset(o.vars) for o in _program_outputs(onf)}) > 1:
         onf = _scatter_schedule(onf, machine)
     else:
-        onf = W.separate_walks(onf, [v.name for v in dnf.outputs[0].vars[:-1]])  # the grid's
+        onf = W.separate_walks(onf, [v.name for v in _program_outputs(onf)[0].vars[:-1]])  # the grid's
         loops, out_vars, inner, rows = _structure(onf, machine.is_gpu)
         if machine.is_gpu:
             onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows)

@@ -6,6 +6,9 @@
           with jax.nn attention inside; T = 4096, D = 512, 8 heads of 64, F = 1408, float32,
           gradients w.r.t. x and every parameter; time (best and median of alternating runs)
           and compiled temp memory. Target: ≥ 1.5× faster with ≤ 1/4 of the temp memory.
+--mlp     the gated MLP's residual policies (recompute U and V; keep U, paper IV's; keep U
+          and V) under jit(grad) w.r.t. x and the weights, beside plain jnp, with the cost
+          model's GEMM units and paper IV's element count per policy.
 --decode  one decode step (``moajax.decode_attention``) over a cache of 2²⁰ keys, d = 64,
           float32, one head, against a same-run elementwise pass over the same cache
           (``kc + 1``): decode's bytes read ÷ its time against the pass's bytes read and
@@ -89,6 +92,67 @@ def _block(args, lines):
     lines.append("")
 
 
+def _mlp(args, lines):
+    """The gated MLP's residual policies (what the forward keeps for the backward), jit(grad)
+    w.r.t. x and the three weights, beside plain jnp; with the cost model's counts."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    from moajax import cost, machines, schedule
+    from moajax.kernels.mlp import swiglu
+    from moajax.timing import alternating
+
+    T, D, F = args.tokens, 512, 1408
+    r = np.random.default_rng(2)
+    x = jnp.asarray(r.standard_normal((T, D)), jnp.float32)
+    ws = [jnp.asarray(r.standard_normal(s) / np.sqrt(s[0]), jnp.float32) for s in [(D, F), (D, F), (F, D)]]
+    g = jnp.asarray(r.standard_normal((T, D)), jnp.float32)
+    policies = {"recompute U, V (none)": "none", "keep U (paper IV)": ("gate",), "keep U, V": ("gate", "up")}
+    fns = {name: (lambda x, a, b, c, res=res: moajax.gated_mlp(x, a, b, c, residuals=res))
+           for name, res in policies.items()}
+    fns["plain jnp"] = lambda x, a, b, c: (jax.nn.silu(x @ a) * (x @ b)) @ c
+    compiled, temps = {}, {}
+    for name, f in fns.items():
+        c = jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * g), argnums=(0, 1, 2, 3))).lower(x, *ws).compile()
+        temps[name] = int(c.memory_analysis().temp_size_in_bytes)
+        compiled[name] = c
+    times = alternating(compiled, (x, *ws), reps=args.reps)
+    want = compiled["plain jnp"](x, *ws)
+    S = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, *ws)]
+    m, unit = machines.local(), 2 * T * D * F
+
+    def units(dnf):
+        plan = schedule.derive_plan(dnf, m)
+        return sum(cost.estimate(o).matmul_flops for o in (plan if isinstance(plan, tuple) else (plan,))) / unit
+
+    lines += [f"## Gated MLP jit(grad) w.r.t. x and the weights: n = {T}, d = {D}, d_ff = {F}, float32", "",
+              "Residual policy = what the forward saves for the backward (an ONF choice: `residuals=` or "
+              "`Preset.of(residuals=...)`). GEMM units: the cost model's contraction flops ÷ 2·n·d·d_ff for the "
+              "forward + backward plans. Paper IV count: `Kernel.interface_ledger`, token-proportional arrays, "
+              "Z and dZ charged to the RMSNorm (n·d and n·d_ff as multiples).", "",
+              "| impl | best s | median s | vs plain (best) | temp MiB | GEMM units fwd + bwd | paper IV count | max rel diff |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base = min(times["plain jnp"])
+    for name in fns:
+        t = min(times[name])
+        err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(compiled[name](x, *ws), want))
+        if name in policies:
+            res = policies[name]
+            labels = res if isinstance(res, tuple) else ()
+            fwd = swiglu.with_row_statistics(labels).dnf(*S)
+            adj, a = swiglu.saved_adjoint(*S, labels=labels) if labels else (swiglu.adjoint(*S), S + [S[0]])
+            gemm = f"{units(fwd):.2f} + {units(adj.dnf(*a)):.2f}"
+            el = cost.ledger_elements(swiglu.interface_ledger(*S, residuals=res), per="n", charged_elsewhere=("z", "d_z"))
+            count = "2·nd" + (f" + {(el - 2 * T * D) // (T * F)}·n·d_ff" if el > 2 * T * D else "")
+        else:
+            gemm, count = "3 + 6 (autodiff)", "—"
+        lines.append(f"| {name} | {t:.4f} | {statistics.median(times[name]):.4f} | {base / t:.2f}× | "
+                     f"{temps[name] / 2**20:.1f} | {gemm} | {count} | {err:.1e} |")
+    lines.append("")
+
+
 def _decode(args, lines):
     import jax
     import jax.numpy as jnp
@@ -125,12 +189,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--block", action="store_true")
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--mlp", action="store_true")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--log2-keys", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "model_cpu.md"))
     args = ap.parse_args()
-    both = not (args.block or args.decode)
+    both = not (args.block or args.decode or args.mlp)
 
     from moajax.timing import machine_line, write_results
 
@@ -140,6 +205,8 @@ def main():
              "allocation.", ""]
     if args.block or both:
         _block(args, lines)
+    if args.mlp or both:
+        _mlp(args, lines)
     if args.decode or both:
         _decode(args, lines)
     write_results(args.out, lines)

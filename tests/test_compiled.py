@@ -283,7 +283,7 @@ def test_the_forward_saves_row_statistics_the_backward_reads():
     rx = jax.grad(lambda x, w: jnp.sum(rmsnorm.reference(x, w) * x), argnums=(0, 1))(x, w)
     assert all(rel_err(a, b) <= F64 for a, b in zip(gx, rx))
     assert relu2_attention.row_statistics(tuple([relu2_attention.expression(q, k, v, _args([(8, 12)], 1)[0])]))[1] == []
-    with pytest.raises(ValueError, match="residuals must be 'auto', 'save' or 'none'"):
+    with pytest.raises(ValueError, match="residuals must be 'auto', 'save', 'none' or a tuple of labels"):
         attention(q, k, v, residuals="lse")
 
 
