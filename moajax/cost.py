@@ -157,6 +157,12 @@ class _Counter:
 
     def reduction(self, monoid, v: Var, body: D.Expr, extra=()):
         factors = D.product_factors(body) if monoid == "add" else [body]
+        terms = D.distributed(body, factors, v) if len(factors) >= 2 else None
+        if terms is not None:  # Σ_v over a sum of contractions is that many contractions (as evaluated)
+            for t in terms[1]:
+                self.reduction(monoid, v, t, extra)
+            self.flops += _points(self.onf, set(body.free) - {v})  # adding them
+            return
         pts = _points(self.onf, set(body.free) | {v})
         if len(factors) >= 2:
             for f in factors:

@@ -301,6 +301,21 @@ def product(factors, dtype) -> Expr:
     return out
 
 
+def distributed(body: Expr, factors, v: Var):
+    """(op, the terms) of Σ_v body distributed over a sum among its factors, where that sum
+    holds every variable of the result: held whole it would be a [rows, v, columns] tile, its
+    terms each split into a contraction's two operands. None: contract body as it is."""
+    out = set(body.free) - {v}
+    if len(out) < 2:
+        return None
+    for f in factors:
+        if (isinstance(f, Call) and f.op in ("add", "sub") and set(f.free) - {v} == out
+                and all(len(product_factors(t)) >= 2 for t in f.children)):
+            rest = [g for g in factors if g is not f]
+            return f.op, [product(rest + [t], body.dtype) for t in f.children]
+    return None
+
+
 def mul_div_factors(e: Expr) -> tuple[list, list]:
     """e = Π num ÷ Π den (through nested × and ÷; labels are looked through)."""
     if isinstance(e, Tag):

@@ -205,7 +205,7 @@ class TileEval(Scope):
 
         if mono.name == "add":
             factors = D.product_factors(body)
-            terms = _distributed(body, factors, v)
+            terms = D.distributed(body, factors, v)
             if terms is not None:
                 # Σ_v c × (a ± b) = Σ_v c × a ± Σ_v c × b: each a contraction, never the
                 # [rows, v, columns] products summed (the MLP's dZ = Σ_f GH × (… × W_u + … × W_g))
@@ -226,16 +226,3 @@ class TileEval(Scope):
         return Named(mono.jnp_reduce(x.data, axis=ax), x.vars[:ax] + x.vars[ax + 1:])
 
 
-def _distributed(body: D.Expr, factors, v: Var):
-    """(op, the terms) of Σ_v body distributed over a sum among its factors, where that sum
-    holds every variable of the result: held whole it would be a [rows, v, columns] tile, its
-    terms each split into a contraction's two operands. None: contract body as it is."""
-    out = set(body.free) - {v}
-    if len(out) < 2:
-        return None
-    for f in factors:
-        if (isinstance(f, D.Call) and f.op in ("add", "sub") and set(f.free) - {v} == out
-                and all(len(D.product_factors(t)) >= 2 for t in f.children)):
-            rest = [g for g in factors if g is not f]
-            return f.op, [D.product(rest + [t], body.dtype) for t in f.children]
-    return None
