@@ -16,17 +16,22 @@ $(VENV)/.installed-base: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-base pyproject.toml
-	$(PIP) install --quiet -e '.[test,gpu]'
+	$(PIP) install --quiet -e '.[test,gpu,plot]'
 	touch $@
 
 venv: $(VENV)/.installed-base
 
-demo: $(VENV)/.installed-base
-	$(VENV)/bin/moajax derive --list
-	$(VENV)/bin/moajax derive all
+$(VENV)/.installed-plot: $(VENV)/.installed-base pyproject.toml
+	$(PIP) install --quiet -e '.[plot]'
+	touch $@
+
+# the main job, quick sizes (≤ 5 minutes on 2 cores): validation/validation.md and its plots
+demo: $(VENV)/.installed-plot
+	$(VENV)/bin/moajax derive attention
+	$(VENV)/bin/moajax validate --out validation
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis validation

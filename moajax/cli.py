@@ -1,5 +1,5 @@
 """The ``moajax`` command line: ``moajax derive [--list | KERNEL [--adjoint | --saved | --tangent]]``, ``moajax gpu-report``,
-``moajax measure [--out PATH]``."""
+``moajax measure [--out PATH]``, ``moajax validate [--out DIR] [--full] [--kernels …] [--machine NAME]``."""
 
 from __future__ import annotations
 
@@ -132,6 +132,59 @@ def cmd_measure(args) -> int:
     return 0
 
 
+def cmd_validate(args) -> int:
+    from pathlib import Path
+
+    from absl import logging
+
+    from moajax import machines, validate
+
+    import os
+
+    try:
+        kernels = validate.check_kernels(args.kernels)
+        if args.machine:
+            machine = machines.load(args.machine)
+    except (ValueError, KeyError) as e:
+        print(f"moajax validate: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    logging.set_verbosity(logging.INFO)
+    logging.use_absl_handler()
+    if not args.machine:
+        cached = machines.cache_dir() / "local.toml"
+        if not os.environ.get("MOAJAX_MACHINE") and not cached.is_file():
+            # α and β are this machine's: measure it once (``moajax measure``), then predict with it
+            import dataclasses
+
+            from moajax import measure
+
+            logging.info("validate: no measured profile of this machine; measuring it (moajax measure) into %s",
+                         cached)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(measure.to_toml(dataclasses.replace(measure.measure(gemm_n=1024, copy_mb=256),
+                                                                  name="local")))
+            machines.local.cache_clear()
+        machine = machines.local()
+
+    def progress(i, total, text):  # absl logging, as JAX's own tools report long runs
+        logging.info("validate [%d/%d] %s", i, total, text)
+
+    try:
+        rows = validate.run(kernels, full=args.full, machine=machine, reps=args.reps, progress=progress)
+    except ValueError as e:
+        print(f"moajax validate: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = validate.report(rows, machine, full=args.full)
+    (out / "validation.md").write_text("\n".join(lines) + "\n")
+    plots = validate.plot(rows, out)
+    print("\n".join(lines))
+    print(f"moajax validate: wrote {out / 'validation.md'}" + "".join(f", {p}" for p in plots)
+          + ("" if plots else " (no plots: install the 'plot' extra for matplotlib)"))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="moajax", description="Mathematics of Arrays kernels for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +212,14 @@ def main(argv=None) -> int:
     m.add_argument("--quick", action="store_true", help="small sizes (512² matmul, 64 MiB scale): a fast sanity run")
     m.add_argument("--name", default="local", help="the profile's name")
     m.set_defaults(func=cmd_measure)
+    v = sub.add_parser("validate", help="the main job: each seed kernel verified in float64, timed, and its time "
+                                        "predicted by the cost model (validation.md and plots)")
+    v.add_argument("--out", default="validation", help="the folder for validation.md and the PNG plots")
+    v.add_argument("--full", action="store_true", help="the seed's sizes (long); default: quick sizes")
+    v.add_argument("--kernels", nargs="*", default=[], help="only these kernels (default: all)")
+    v.add_argument("--machine", default="", help="the machine profile to predict with (default: this machine's)")
+    v.add_argument("--reps", type=int, default=3, help="timed runs per size (median)")
+    v.set_defaults(func=cmd_validate)
     args = parser.parse_args(argv)
     return args.func(args)
 

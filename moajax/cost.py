@@ -397,8 +397,11 @@ def estimate(onf: ONF, machine=None) -> Cost:
     streamed = 0.0
     llc = (machine.l2_cache_bytes if machine is not None and machine.is_gpu else
            (machine.llc_bytes if machine is not None else 0))
+    # the programs that each stream their reads: on a GPU every grid tile; on a CPU, XLA
+    # evaluates the grid vectorised, all tiles at once, except the axes the cpu_loop knob walks
+    cpu = machine is not None and not machine.is_gpu
     for _, stages in kernels:
-        grid = [a for a in onf.axes if a.role == "grid"]
+        grid = [a for a in onf.axes if a.role == "grid" and (not cpu or a.name in onf.knobs.cpu_loop)]
         for r in _reads(onf, stages):
             if isinstance(r, D.Ref) and onf.program.stage_of(r.stage).place != "memory":
                 continue

@@ -39,6 +39,8 @@ class Machine:
     launch_overhead_us: float = 0.0
     device_kinds: tuple = ()
     measured: dict = dataclasses.field(default_factory=dict)
+    # "kernel n" → "threads x processes" with the best throughput (scripts/sweep_threads.py)
+    threads_recommended: dict = dataclasses.field(default_factory=dict)
 
     @property
     def is_gpu(self) -> bool:

@@ -72,6 +72,23 @@ def test_the_cost_model_counts_the_seeds_atomics():
     assert [[o.name for o in p.dnf.outputs] for p in owner] == [["d_query"], ["d_key", "d_value"]]
 
 
+def test_the_seeds_onf_gives_the_seeds_ncu_counts_exactly():
+    # the seed's kernels gave each program one query row (t tiled by 1): the cost model's
+    # atomics for that ONF at B = 2 are ncu's counts, 1,073,741,824 and 536,870,912
+    specs = [jax.ShapeDtypeStruct((2, 2048, 1, 64), np.float64)] * 3
+    with compat.enable_x64_context(True):
+        adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
+        dnf = adj.dnf(*args)
+    counts = [sum(cost.estimate(o).atomics for o in _plan_tiles(dnf, plan, {"t": 1}))
+              for plan in ("fused", (("d_query", "d_key"), ("d_value",)), "owner")]
+    assert counts == [1_073_741_824, 536_870_912, 0]
+
+
+def _plan_tiles(dnf, plan, tiles):
+    p = schedule.derive_plan(dnf, A100, Preset.of(plan=plan, tiles=tiles))
+    return p if isinstance(p, tuple) else (p,)
+
+
 def test_the_gpu_default_backward_is_owner():
     p = schedule.derive_plan(_seed_adjoint_dnf(), A100)
     assert isinstance(p, tuple) and sum(cost.estimate(o).atomics for o in p) == 0
