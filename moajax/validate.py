@@ -9,7 +9,8 @@ predict its time by the papers' model T ≈ α·F + β·M, with F the cost model
 modelled bytes, α = 1/peak and β = 1/bandwidth from the profile (``moajax measure`` times
 this machine's). There are no hardware counters here, so the compiled executable's own cost
 analysis (XLA's flops and bytes accessed) stands beside the model's. Where measured and
-predicted differ by more than 2×, the row says why, from what the run shows.
+predicted differ by more than 2×, the row says why, from what the run shows. With a GPU profile,
+in a process that has the GPU, the Pallas kernels run, predicted with that GPU's ONFs.
 
 Kernels (``KERNELS``): the attention forward; the attention adjoint under each backward ONF
 (owner, split, atomic); forward + backward (``jax.grad``); one decode step; RMSNorm and the
@@ -54,7 +55,7 @@ class Case:
     name: str
     what: str
     sizes: str  # the key of QUICK / FULL
-    build: Callable  # (n) -> Built
+    build: Callable  # (n, machine, implementation) -> Built
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,7 @@ def _loss_grad(f, argnums, g):
     return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * g), argnums=argnums))
 
 
-def _attention_forward(n, machine):
+def _attention_forward(n, machine, impl):
     import jax
     import jax.numpy as jnp
 
@@ -154,8 +155,8 @@ def _attention_forward(n, machine):
 
     q, k, v = _arrays([(2, n, 1, D_HEAD)] * 3, jnp.float64, n)
     kern = _mha()
-    return Built(jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation="xla")), (q, k, v),
-                 (_ref_attention(q, k, v),), _plan(kern.onf(q, k, v)),
+    return Built(jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation=impl)), (q, k, v),
+                 (_ref_attention(q, k, v),), _derived(kern.dnf(q, k, v), machine),
                  jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)), "float64")
 
 
@@ -166,7 +167,7 @@ def _mha():
 
 
 def _attention_backward(plan_name):
-    def build(n, machine):
+    def build(n, machine, impl):
         import jax
         import jax.numpy as jnp
 
@@ -184,13 +185,13 @@ def _attention_backward(plan_name):
         onfs = _plan(schedule.derive_plan(dnf, machine, Preset.of(plan=plan)))
         order = tuple(o.name for o in dnf.outputs)
         _, vjp = jax.vjp(_ref_attention, q, k, v)
-        return Built(jax.jit(runtime.lowered(onfs if len(onfs) > 1 else onfs[0], "xla", order)), args, vjp(g), onfs,
+        return Built(jax.jit(runtime.lowered(onfs if len(onfs) > 1 else onfs[0], impl, order)), args, vjp(g), onfs,
                      jax.jit(lambda q, k, v, g, *_: jax.vjp(jax.nn.dot_product_attention, q, k, v)[1](g)), "float64")
 
     return build
 
 
-def _attention_grad(n, machine):
+def _attention_grad(n, machine, impl):
     import jax
     import jax.numpy as jnp
 
@@ -199,13 +200,13 @@ def _attention_grad(n, machine):
     q, k, v, g = _arrays([(2, n, 1, D_HEAD)] * 4, jnp.float64, n)
     kern = _mha()
     adj, specs = kern.saved_adjoint(q, k, v)
-    onfs = _plan(kern.with_row_statistics().onf(q, k, v)) + _plan(adj.onf(*specs))
-    f = _loss_grad(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation="xla"), (0, 1, 2), g)
+    onfs = _derived(kern.with_row_statistics().dnf(q, k, v), machine) + _derived(adj.dnf(*specs), machine)
+    f = _loss_grad(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation=impl), (0, 1, 2), g)
     _, vjp = jax.vjp(_ref_attention, q, k, v)
     return Built(f, (q, k, v), vjp(g), onfs, _loss_grad(jax.nn.dot_product_attention, (0, 1, 2), g), "float64")
 
 
-def _decode(n, machine):
+def _decode(n, machine, impl):
     import jax
     import jax.numpy as jnp
 
@@ -215,21 +216,28 @@ def _decode(n, machine):
     kern = _mha()
     q4 = q[:, None]
     ref = _ref_attention(*(a.astype(jnp.float64) for a in (q4, kc, vc)))[:, 0]
-    return Built(jax.jit(lambda q, k, v: moajax.decode_attention(q, k, v, implementation="xla")), (q, kc, vc),
-                 (ref,), _plan(kern.onf(q4, kc, vc)),
+    return Built(jax.jit(lambda q, k, v: moajax.decode_attention(q, k, v, implementation=impl)), (q, kc, vc),
+                 (ref,), _derived(kern.dnf(q4, kc, vc), machine),
                  jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0]), "float32")
 
 
-def _kernel_grad_onfs(kern, arrays):
-    """The ONFs jax.grad runs for a DSL kernel: its forward's, then its adjoint's."""
+def _kernel_grad_onfs(kern, arrays, machine):
+    """The ONFs jax.grad runs for a DSL kernel on ``machine``: its forward's, then its adjoint's."""
     import jax
 
     outs = kern._build(arrays, {})[1]
     cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (outs if isinstance(outs, tuple) else (outs,))]
-    return _plan(kern.onf(*arrays)) + _plan(kern.adjoint(*arrays).onf(*arrays, *cts))
+    return _derived(kern.dnf(*arrays), machine) + _derived(kern.adjoint(*arrays).dnf(*arrays, *cts), machine)
 
 
-def _rmsnorm(n, machine):
+def _derived(dnf, machine) -> tuple:
+    """The plan of ``dnf`` for ``machine`` (what a call runs there: ``schedule.derive_plan``)."""
+    from moajax import schedule
+
+    return _plan(schedule.derive_plan(dnf, machine))
+
+
+def _rmsnorm(n, machine, impl):
     import jax
     import jax.numpy as jnp
 
@@ -238,11 +246,11 @@ def _rmsnorm(n, machine):
 
     x, w, g = _arrays([(n, D_MODEL), (D_MODEL,), (n, D_MODEL)], jnp.float64, n)
     _, vjp = jax.vjp(_ref_rmsnorm, x, w)
-    return Built(_loss_grad(lambda x, w: moajax.rms_norm(x, w, implementation="xla"), (0, 1), g), (x, w), vjp(g),
-                 _kernel_grad_onfs(rmsnorm, (x, w)), _loss_grad(_ref_rmsnorm, (0, 1), g), "float64")
+    return Built(_loss_grad(lambda x, w: moajax.rms_norm(x, w, implementation=impl), (0, 1), g), (x, w), vjp(g),
+                 _kernel_grad_onfs(rmsnorm, (x, w), machine), _loss_grad(_ref_rmsnorm, (0, 1), g), "float64")
 
 
-def _mlp(n, machine):
+def _mlp(n, machine, impl):
     import jax
     import jax.numpy as jnp
 
@@ -252,12 +260,12 @@ def _mlp(n, machine):
     x, wg, wu, wd, g = _arrays([(n, D_MODEL), (D_MODEL, D_FF), (D_MODEL, D_FF), (D_FF, D_MODEL), (n, D_MODEL)],
                                jnp.float64, n)
     _, vjp = jax.vjp(_ref_mlp, x, wg, wu, wd)
-    return Built(_loss_grad(lambda *a: moajax.gated_mlp(*a, implementation="xla"), (0, 1, 2, 3), g),
-                 (x, wg, wu, wd), vjp(g), _kernel_grad_onfs(swiglu, (x, wg, wu, wd)),
+    return Built(_loss_grad(lambda *a: moajax.gated_mlp(*a, implementation=impl), (0, 1, 2, 3), g),
+                 (x, wg, wu, wd), vjp(g), _kernel_grad_onfs(swiglu, (x, wg, wu, wd), machine),
                  _loss_grad(_ref_mlp, (0, 1, 2, 3), g), "float64")
 
 
-def _block(n, machine):
+def _block(n, machine, impl):
     import jax
     import jax.numpy as jnp
 
@@ -274,17 +282,18 @@ def _block(n, machine):
     p = {k: (a / math.sqrt(a.shape[0]) + (1.0 if k.endswith("norm") else 0.0)) for k, a in zip(shapes, vals)}
     x, g = vals[-2:]
     _, vjp = jax.vjp(_ref_block, p, x)
-    f = _loss_grad(lambda p, x: moajax.transformer_block(p, x, is_causal=True, implementation="xla"), (0, 1), g)
+    f = _loss_grad(lambda p, x: moajax.transformer_block(p, x, is_causal=True, implementation=impl), (0, 1), g)
     # the block's DSL kernels (its projections are jnp dots, not in the count)
     rows = jnp.zeros((B * T, D_MODEL))
-    onfs = (_kernel_grad_onfs(rmsnorm, (rows, p["attn_norm"])) * 2
-            + _kernel_grad_onfs(swiglu, (rows, p["w_gate"], p["w_up"], p["w_down"])))
+    onfs = (_kernel_grad_onfs(rmsnorm, (rows, p["attn_norm"]), machine) * 2
+            + _kernel_grad_onfs(swiglu, (rows, p["w_gate"], p["w_up"], p["w_down"]), machine))
     from moajax.kernels.attention import mha_kernel
 
     qs = jnp.zeros((B, T, N, H))
     kern = mha_kernel(None, None, False)
     adj, specs = kern.saved_adjoint(qs, qs, qs, is_causal=True)
-    onfs += _plan(kern.with_row_statistics().onf(qs, qs, qs, is_causal=True)) + _plan(adj.onf(*specs, is_causal=True))
+    onfs += (_derived(kern.with_row_statistics().dnf(qs, qs, qs, is_causal=True), machine)
+             + _derived(adj.dnf(*specs, is_causal=True), machine))
     return Built(f, (p, x), vjp(g), onfs, _loss_grad(_ref_block, (0, 1), g), "float64")
 
 
@@ -363,11 +372,15 @@ def _why(row: Row, predicted: cost.Cost, machine) -> str:
     return "; ".join(reasons)
 
 
-def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progress=None, sizes=None) -> list:
+def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progress=None, sizes=None,
+        implementation=None) -> list:
     """Validate ``kernels`` (names in ``KERNELS``; None: all) at the quick or the seed's
     (``full``) sizes, or ``sizes`` ({"attention"|"decode"|"tokens": (n, …)}), on ``machine``
     (a name or profile; None: this machine's), returning one ``Row`` per kernel and size.
-    ``progress(i, total, text)`` is told about each step."""
+    ``progress(i, total, text)`` is told about each step. On a CPU profile the XLA kernels run;
+    on a GPU profile (in a process that has the GPU) the Pallas kernels, predicted with that
+    GPU's ONFs; ``implementation`` overrides ("pallas_interpret": the GPU ONFs' Pallas kernels
+    run on the CPU — their wiring, not their speed)."""
     import jax
 
     from moajax import timing
@@ -377,7 +390,8 @@ def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progre
     machine = machines.local() if machine is None else machine
     if isinstance(machine, str):
         machine = machines.load(machine)
-    if machine.is_gpu and not any(d.platform in ("gpu", "cuda") for d in jax.devices()):
+    impl = implementation or ("pallas" if machine.is_gpu else "xla")
+    if impl == "pallas" and not any(d.platform in ("gpu", "cuda") for d in jax.devices()):
         raise ValueError(f"validate: machine {machine.name!r} is a GPU profile, and this process has no GPU; "
                          "validate a CPU profile here (or run on the GPU)")
     sizes = {**(FULL if full else QUICK), **(sizes or {})}
@@ -387,7 +401,7 @@ def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progre
         for i, (name, n) in enumerate(todo):
             if progress is not None:
                 progress(i, len(todo), f"{name} n={n}")
-            b = KERNELS[name].build(n, machine)
+            b = KERNELS[name].build(n, machine, impl)
             got = b.run(*b.args)  # (the warm-up: compiles)
             err = _rel_error(got, b.reference)
             t = timing.median_seconds(b.run, *b.args, reps=reps)

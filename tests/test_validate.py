@@ -60,3 +60,13 @@ def test_unknown_kernel_or_machine_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(ValueError, match="GPU profile, and this process has no GPU"):
         validate.run(["rmsnorm"], machine="delta-a100", sizes=TINY)
     assert not (tmp_path / "validation.md").exists()
+
+
+def test_a_gpu_profile_runs_and_predicts_its_pallas_kernels():
+    # on a GPU, validate times the Pallas kernels and predicts them with the GPU's ONFs; here the
+    # same kernels run interpreted on the CPU: their wiring and float64 results, not their speed
+    rows = validate.run(["rmsnorm", "attention_bwd_owner"], machine="delta-a100", sizes=TINY, reps=1,
+                        implementation="pallas_interpret")
+    assert [r.kernel for r in rows] == ["rmsnorm", "attention_bwd_owner"]
+    for r in rows:
+        assert r.error <= 1e-12 and r.predicted_s > 0
