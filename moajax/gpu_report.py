@@ -242,6 +242,40 @@ def model_cases(dtypes=("bfloat16", "float32")):
     )
 
 
+def model_training_cases(dtypes=("float32",)):
+    """What ``jax.grad`` of ``rms_norm`` and ``gated_mlp`` runs on a GPU at the seed's block
+    (n = 1024 tokens, d = 64, d_ff = 256): each kernel of the adjoint's plan its own row (the
+    staged first kernel, the weight gradients' split-K parts and their combine)."""
+    import jax
+    import numpy as np
+
+    from moajax import machines, schedule
+    from moajax.kernels.mlp import swiglu
+    from moajax.kernels.norm import rmsnorm
+    from moajax.onf import ONFError
+
+    out = []
+    for dt in dtypes:
+        S = lambda *s: jax.ShapeDtypeStruct(s, np.dtype(dt))  # noqa: E731
+        n, d, f = 1024, 64, 256
+        cases = [("rmsnorm", rmsnorm, [S(n, d), S(d)]), ("swiglu", swiglu, [S(n, d), S(d, f), S(d, f), S(f, d)])]
+        for name, kern, specs in cases:
+            dnf = kern.adjoint(*specs).dnf(*specs, S(n, d))
+            for m in machines.available().values():
+                if not m.is_gpu:
+                    continue
+                label = f"grad {name} adjoint {dt} n={n} d={d}" + (f" f={f}" if name == "swiglu" else "")
+                try:
+                    plan = schedule.derive_plan(dnf, m)
+                except ONFError as e:
+                    out.append((label, m, e))
+                    continue
+                for onf in plan if isinstance(plan, tuple) else (plan,):
+                    part = onf.dnf.name[len(dnf.name) + 1:] if isinstance(plan, tuple) else ""
+                    out.append((f"{label} {part}".rstrip(), m, onf))
+    return out
+
+
 def training_cases(dtypes=("bfloat16", "float32")):
     """What ``jax.grad`` of ``dot_product_attention`` runs on a GPU (jax.nn layout, B=1,
     T=S=1024, N=8, H=64; multi-head K=8, GQA K=2, and causal multi-head, whose loops skip the

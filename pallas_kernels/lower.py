@@ -112,6 +112,7 @@ class PallasBackend(Backend):
     Triton has no indexable on-chip scratch: no stored rows."""
 
     stored_rows = False
+    walks_parts = True
 
     def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict):
         super().__init__(onf, perms)

@@ -139,3 +139,18 @@ def test_decode_with_lengths_compiles_split_without_spills():
     assert onf.skips and any(h.startswith("split_k") for h in onf.history)
     for r in gpu_report.onf_reports(onf, h200.arch):
         assert r.spill_stores == 0 and r.spill_loads == 0, r
+
+
+@needs_compiler
+def test_the_seeds_block_gradients_compile_without_spills():
+    """jax.grad of rms_norm and gated_mlp at the seed's block (n = 1024, d = 64, d_ff = 256) on
+    the A100: the staged first kernel, the weight gradients' split-K parts and the combine that
+    sums them — which held every part's [32 × 256] block at once and spilled 9.9 KB until it
+    walked the parts one at a time (``Backend.walks_parts``)."""
+    a100 = machines.load("delta-a100")
+    cases = [c for c in gpu_report.model_training_cases(("float32",)) if c[1] == a100]
+    assert {c[0].split()[1] for c in cases} == {"rmsnorm", "swiglu"} and len(cases) >= 6
+    for label, m, onf in cases:
+        assert not isinstance(onf, Exception), (label, onf)
+        for r in gpu_report.onf_reports(onf, m.arch):
+            assert r.spill_stores == 0 and r.spill_loads == 0, (label, r)

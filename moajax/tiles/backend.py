@@ -22,6 +22,10 @@ class Backend:
 
     pow2_blocks = False
     stored_rows = True  # can a stage be held as a row over a sequential axis (on-chip scratch)?
+    # a reduction over the tiles of a grid axis the program does not own (a split-K combine, Σ
+    # over the parts): one tile per step (a GPU program holds one part's block, not all of them
+    # at once) or one vectorised step (XLA)
+    walks_parts = False
 
     def __init__(self, onf: ONF, perms: dict):
         from jax import lax

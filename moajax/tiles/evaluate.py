@@ -143,7 +143,8 @@ class TileEval(Scope):
 
         axis = self.onf.axis_of(v)
         mono = _ops.MONOIDS[monoid]
-        if axis.role == "sequential" and axis.ntiles > 1:
+        parts = (axis.role == "grid" and axis.ntiles > 1 and v not in self.ranges and self.backend.walks_parts)
+        if (axis.role == "sequential" or parts) and axis.ntiles > 1:
             out_vars = self.ordered(x for x in result_free if self.range_of(x).size != 1)
             init = jnp.full(tuple(self.range_of(x).size for x in out_vars), mono.identity(body.dtype), body.dtype)
             self.hoist([body], v)
