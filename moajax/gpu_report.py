@@ -249,10 +249,9 @@ def model_training_cases(dtypes=("float32",)):
     import jax
     import numpy as np
 
-    from moajax import machines, schedule
+    from moajax import machines
     from moajax.kernels.mlp import swiglu
     from moajax.kernels.norm import rmsnorm
-    from moajax.onf import ONFError
 
     out = []
     for dt in dtypes:
@@ -262,18 +261,24 @@ def model_training_cases(dtypes=("float32",)):
         for name, kern, specs in cases:
             dnf = kern.adjoint(*specs).dnf(*specs, S(n, d))
             for m in machines.available().values():
-                if not m.is_gpu:
-                    continue
-                label = f"grad {name} adjoint {dt} n={n} d={d}" + (f" f={f}" if name == "swiglu" else "")
-                try:
-                    plan = schedule.derive_plan(dnf, m)
-                except ONFError as e:
-                    out.append((label, m, e))
-                    continue
-                for onf in plan if isinstance(plan, tuple) else (plan,):
-                    part = onf.dnf.name[len(dnf.name) + 1:] if isinstance(plan, tuple) else ""
-                    out.append((f"{label} {part}".rstrip(), m, onf))
+                if m.is_gpu:
+                    out += _plan_rows(f"grad {name} adjoint {dt} n={n} d={d}" + (f" f={f}" if name == "swiglu" else ""),
+                                      dnf, m)
     return out
+
+
+def _plan_rows(label: str, dnf, machine) -> list:
+    """(label, machine, ONF) per kernel of ``dnf``'s default plan for ``machine`` (each named by
+    its outputs), or one row with the ONFError saying why no plan fits."""
+    from moajax import schedule
+    from moajax.onf import ONFError
+
+    try:
+        plan = schedule.derive_plan(dnf, machine)
+    except ONFError as e:
+        return [(label, machine, e)]
+    return [(f"{label} {onf.dnf.name[len(dnf.name) + 1:] if isinstance(plan, tuple) else ''}".rstrip(), machine, onf)
+            for onf in (plan if isinstance(plan, tuple) else (plan,))]
 
 
 def training_cases(dtypes=("bfloat16", "float32")):
@@ -285,9 +290,8 @@ def training_cases(dtypes=("bfloat16", "float32")):
     import jax
     import numpy as np
 
-    from moajax import machines, schedule
+    from moajax import machines
     from moajax.kernels.attention import mha_kernel
-    from moajax.onf import ONFError
 
     out = []
     for kv, causal in ((8, False), (2, False), (8, True)):
@@ -301,15 +305,8 @@ def training_cases(dtypes=("bfloat16", "float32")):
                 if not m.is_gpu:
                     continue
                 for what, dnf in parts:
-                    label = f"grad {'GQA K=2' if kv != 8 else 'MHA'}{' causal' if causal else ''} {what} {dt} H=64"
-                    try:
-                        plan = schedule.derive_plan(dnf, m)
-                    except ONFError as e:
-                        out.append((label, m, e))
-                        continue
-                    for onf in plan if isinstance(plan, tuple) else (plan,):
-                        name = onf.dnf.name[len(dnf.name) + 1:] if isinstance(plan, tuple) else ""
-                        out.append((f"{label} {name}".rstrip(), m, onf))
+                    out += _plan_rows(f"grad {'GQA K=2' if kv != 8 else 'MHA'}{' causal' if causal else ''} {what} "
+                                      f"{dt} H=64", dnf, m)
     return out
 
 
