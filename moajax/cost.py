@@ -11,7 +11,9 @@ For a DNF scheduled by an ONF (the shapes and dtypes are the DNF's) it counts
   the classical attention forward materialises score, num and probs (3n²) and den (n);
 * ``bytes_moved``: modelled main-memory traffic — inputs as the tiling streams them
   (re-read by every program that needs them, unless that working set fits in the last-level
-  cache), outputs written, memory stages written and read back;
+  cache), outputs written, memory stages written and read back; γ: on a GPU a tile read
+  whose innermost physical axis runs shorter than a 32-byte sector costs whole sectors, on
+  XLA an input stored in another axis order costs one transposed copy;
 * ``onchip_bytes`` per program, ``scratch_bytes`` in main memory, ``launches``, and
   ``atomics``: an output accumulated atomically over a grid axis (scatter-add) costs one
   atomic read-modify-write per element per program that owns a tile of that axis;
@@ -367,6 +369,32 @@ def register_bytes(onf: ONF) -> int:
     return int(total + biggest)
 
 
+# a GPU's memory transaction: a 32-byte sector of a 128-byte line
+SECTOR_BYTES = 32
+
+
+def _layouts(onf: ONF, machine) -> dict:
+    """Per input, the physical order of its axes (γ; on XLA, C operands in the program's order:
+    ``tiles.operands.input_perms``); {} without a machine."""
+    if machine is None:
+        return {}
+    from moajax.tiles.operands import input_perms
+
+    return input_perms(onf, canonical=not machine.is_gpu)
+
+
+def _coalesced(onf: ONF, r, perms: dict, machine) -> float:
+    """The share of each memory transaction a GPU tile read uses (γ): a tile whose innermost
+    physical axis runs over fewer than a sector's elements (an F operand read by rows) fetches
+    whole sectors for a part of each; 1 on a CPU, for stage refs and for runs of a sector or more."""
+    if machine is None or not machine.is_gpu or not isinstance(r, D.Read) or r.array not in perms:
+        return 1.0
+    ix = r.index[perms[r.array][-1]]
+    vs = sorted(ix.free_vars(), key=lambda v: v.name)
+    run = _tile(onf, vs[0]) if vs else 1
+    return min(1.0, run * _itemsize(r.dtype) / SECTOR_BYTES)
+
+
 def estimate(onf: ONF, machine=None) -> Cost:
     """Predict the cost of running ``onf`` (on ``machine``, for the roofline time)."""
     dnf = onf.dnf
@@ -395,6 +423,7 @@ def estimate(onf: ONF, machine=None) -> Cost:
     compulsory += 2 * scratch  # written once, read back once
     kernels = _kernel_stages(onf)
     streamed = 0.0
+    perms = _layouts(onf, machine)
     llc = (machine.l2_cache_bytes if machine is not None and machine.is_gpu else
            (machine.llc_bytes if machine is not None else 0))
     # the programs that each stream their reads: on a GPU every grid tile; on a CPU, XLA
@@ -415,8 +444,11 @@ def estimate(onf: ONF, machine=None) -> Cost:
             working = pts * _itemsize(dt) / max(1, math.prod(a.ntiles for a in grid if any(v.name == a.name for v in r.free)))
             if reuse > 1 and llc and working * 2 <= llc:
                 reuse = 1
-            streamed += pts * _itemsize(dt) * reuse
+            streamed += pts * _itemsize(dt) * reuse / _coalesced(onf, r, perms, machine)
     streamed += sum(math.prod(o.shape) * _itemsize(o.dtype) for o in dnf.outputs)
+    if cpu:  # γ on XLA: an input stored in another axis order is one transposed copy up front
+        streamed += sum(2 * math.prod(i.shape) * _itemsize(i.dtype) for i in dnf.inputs
+                        if perms.get(i.name, ()) != tuple(range(len(i.shape))))
     streamed += scratch  # memory stages are written once (their reads are counted above)
     atomics = 0
     for st in onf.program.stages:

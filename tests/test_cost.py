@@ -227,3 +227,26 @@ def test_onchip_bound_holds_on_the_committed_sweep():
         if key not in model:
             model[key] = cost.onchip_bytes(sweep_onf(*key))
         assert model[key] >= int(smem), (key, arch, model[key], smem)
+
+
+def test_gamma_costs_sectors_on_a_gpu_and_a_copy_on_xla():
+    # the same DNF and tiles, every operand row-major (C) or column-major (F). On the A100 an F
+    # operand's innermost physical axis is the batch, one element per tile: every element read
+    # fetches a 32-byte sector for 4 bytes (8×); on XLA an operand stored in another axis order
+    # than the program's is one transposed copy (read + write) before the kernel
+    import jax
+    import numpy as np
+
+    from moajax.kernels.attention import mha_kernel
+
+    specs = [jax.ShapeDtypeStruct((2, 1024, 1, 64), np.float32)] * 3
+    dnf = mha_kernel(None, None, False).dnf(*specs)
+    q_bytes = 2 * 1024 * 64 * 4
+    for m in (machines.load("delta-a100"), machines.load("anvil-epyc-7543")):
+        c, f = (cost.estimate(schedule.derive(dnf, m, Preset.of(gamma={i.name: g for i in dnf.inputs})), m)
+                for g in "CF")
+        assert c.flops == f.flops
+        if m.is_gpu:
+            assert f.bytes_moved > 4 * c.bytes_moved
+        else:  # C operands are already copied into the program's order (b n t h) on XLA: a tie
+            assert f.bytes_moved == c.bytes_moved >= 3 * 2 * q_bytes
