@@ -383,6 +383,12 @@ def _layouts(onf: ONF, machine) -> dict:
     return input_perms(onf, canonical=not machine.is_gpu)
 
 
+def _transposed(spec, perms: dict) -> bool:
+    """Is the input stored in another order of its axes of extent > 1 (a copy, not a reshape)?"""
+    order = [ax for ax in perms.get(spec.name, range(len(spec.shape))) if spec.shape[ax] > 1]
+    return order != sorted(order)
+
+
 def _coalesced(onf: ONF, r, perms: dict, machine) -> float:
     """The share of each memory transaction a GPU tile read uses (γ): a tile whose innermost
     physical axis runs over fewer than a sector's elements (an F operand read by rows) fetches
@@ -447,8 +453,7 @@ def estimate(onf: ONF, machine=None) -> Cost:
             streamed += pts * _itemsize(dt) * reuse / _coalesced(onf, r, perms, machine)
     streamed += sum(math.prod(o.shape) * _itemsize(o.dtype) for o in dnf.outputs)
     if cpu:  # γ on XLA: an input stored in another axis order is one transposed copy up front
-        streamed += sum(2 * math.prod(i.shape) * _itemsize(i.dtype) for i in dnf.inputs
-                        if perms.get(i.name, ()) != tuple(range(len(i.shape))))
+        streamed += sum(2 * math.prod(i.shape) * _itemsize(i.dtype) for i in dnf.inputs if _transposed(i, perms))
     streamed += scratch  # memory stages are written once (their reads are counted above)
     atomics = 0
     for st in onf.program.stages:
