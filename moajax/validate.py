@@ -38,16 +38,18 @@ D_HEAD, D_MODEL, D_FF = 64, 64, 256
 
 @dataclasses.dataclass
 class Built:
-    """One kernel at one size, ready to run: ``run(*args)`` (jitted), the reference's
-    outputs (float64, plain jnp), the ONFs that run (for the cost model), and a plain
-    JAX baseline (jax.nn / jnp) whose temp memory stands beside moajax's."""
+    """One kernel at one size, ready to run: ``run(*args)`` (jitted), the reference (float64,
+    plain jnp, called only where its scores fit ``REFERENCE_BYTES``), the ONFs that run (for
+    the cost model), and a plain JAX baseline (jax.nn / jnp) whose temp memory stands beside
+    moajax's."""
 
     run: Callable
     args: tuple
-    reference: tuple
+    reference: Callable  # () -> the reference's outputs (computed only where it fits REFERENCE_BYTES)
     onfs: tuple
     baseline: Callable | None
     dtype: str
+    reference_bytes: int = 0  # what the reference materialises (its [t s] scores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +124,16 @@ def _ref_block(p, x):
 # ----------------------------------------------------------------------------- cases
 
 
+# the most a reference may materialise (its float64 [t s] scores and their gradient); past it the
+# error column says "—" (the seed's largest sizes: the kernels run, their O(n²) reference would not)
+REFERENCE_BYTES = 3 << 30
+
+
+def _scores_bytes(batch: int, n: int) -> int:
+    """The float64 [b t s] scores, probabilities and their cotangent a plain reference holds."""
+    return 3 * batch * n * n * 8
+
+
 def _rng(n):
     import numpy as np
 
@@ -156,8 +168,8 @@ def _attention_forward(n, machine, impl):
     q, k, v = _arrays([(2, n, 1, D_HEAD)] * 3, jnp.float64, n)
     kern = _mha()
     return Built(jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation=impl)), (q, k, v),
-                 (_ref_attention(q, k, v),), _derived(kern.dnf(q, k, v), machine),
-                 jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)), "float64")
+                 lambda: (_ref_attention(q, k, v),), _derived(kern.dnf(q, k, v), machine),
+                 jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)), "float64", _scores_bytes(2, n))
 
 
 def _mha():
@@ -184,9 +196,10 @@ def _attention_backward(plan_name):
                 "split": (("d_query", "d_key"), ("d_value",))}[plan_name]
         onfs = _plan(schedule.derive_plan(dnf, machine, Preset.of(plan=plan)))
         order = tuple(o.name for o in dnf.outputs)
-        _, vjp = jax.vjp(_ref_attention, q, k, v)
-        return Built(jax.jit(runtime.lowered(onfs if len(onfs) > 1 else onfs[0], impl, order)), args, vjp(g), onfs,
-                     jax.jit(lambda q, k, v, g, *_: jax.vjp(jax.nn.dot_product_attention, q, k, v)[1](g)), "float64")
+        return Built(jax.jit(runtime.lowered(onfs if len(onfs) > 1 else onfs[0], impl, order)), args,
+                     lambda: jax.vjp(_ref_attention, q, k, v)[1](g), onfs,
+                     jax.jit(lambda q, k, v, g, *_: jax.vjp(jax.nn.dot_product_attention, q, k, v)[1](g)), "float64",
+                     _scores_bytes(2, n))
 
     return build
 
@@ -202,8 +215,8 @@ def _attention_grad(n, machine, impl):
     adj, specs = kern.saved_adjoint(q, k, v)
     onfs = _derived(kern.with_row_statistics().dnf(q, k, v), machine) + _derived(adj.dnf(*specs), machine)
     f = _loss_grad(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation=impl), (0, 1, 2), g)
-    _, vjp = jax.vjp(_ref_attention, q, k, v)
-    return Built(f, (q, k, v), vjp(g), onfs, _loss_grad(jax.nn.dot_product_attention, (0, 1, 2), g), "float64")
+    return Built(f, (q, k, v), lambda: jax.vjp(_ref_attention, q, k, v)[1](g), onfs,
+                 _loss_grad(jax.nn.dot_product_attention, (0, 1, 2), g), "float64", _scores_bytes(2, n))
 
 
 def _decode(n, machine, impl):
@@ -215,9 +228,9 @@ def _decode(n, machine, impl):
     q, kc, vc = _arrays([(1, 1, D_HEAD), (1, n, 1, D_HEAD), (1, n, 1, D_HEAD)], jnp.float32, n)
     kern = _mha()
     q4 = q[:, None]
-    ref = _ref_attention(*(a.astype(jnp.float64) for a in (q4, kc, vc)))[:, 0]
+    ref = lambda: (_ref_attention(*(a.astype(jnp.float64) for a in (q4, kc, vc)))[:, 0],)  # noqa: E731
     return Built(jax.jit(lambda q, k, v: moajax.decode_attention(q, k, v, implementation=impl)), (q, kc, vc),
-                 (ref,), _derived(kern.dnf(q4, kc, vc), machine),
+                 ref, _derived(kern.dnf(q4, kc, vc), machine),
                  jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0]), "float32")
 
 
@@ -245,8 +258,8 @@ def _rmsnorm(n, machine, impl):
     from moajax.kernels.norm import rmsnorm
 
     x, w, g = _arrays([(n, D_MODEL), (D_MODEL,), (n, D_MODEL)], jnp.float64, n)
-    _, vjp = jax.vjp(_ref_rmsnorm, x, w)
-    return Built(_loss_grad(lambda x, w: moajax.rms_norm(x, w, implementation=impl), (0, 1), g), (x, w), vjp(g),
+    return Built(_loss_grad(lambda x, w: moajax.rms_norm(x, w, implementation=impl), (0, 1), g), (x, w),
+                 lambda: jax.vjp(_ref_rmsnorm, x, w)[1](g),
                  _kernel_grad_onfs(rmsnorm, (x, w), machine), _loss_grad(_ref_rmsnorm, (0, 1), g), "float64")
 
 
@@ -259,9 +272,9 @@ def _mlp(n, machine, impl):
 
     x, wg, wu, wd, g = _arrays([(n, D_MODEL), (D_MODEL, D_FF), (D_MODEL, D_FF), (D_FF, D_MODEL), (n, D_MODEL)],
                                jnp.float64, n)
-    _, vjp = jax.vjp(_ref_mlp, x, wg, wu, wd)
     return Built(_loss_grad(lambda *a: moajax.gated_mlp(*a, implementation=impl), (0, 1, 2, 3), g),
-                 (x, wg, wu, wd), vjp(g), _kernel_grad_onfs(swiglu, (x, wg, wu, wd), machine),
+                 (x, wg, wu, wd), lambda: jax.vjp(_ref_mlp, x, wg, wu, wd)[1](g),
+                 _kernel_grad_onfs(swiglu, (x, wg, wu, wd), machine),
                  _loss_grad(_ref_mlp, (0, 1, 2, 3), g), "float64")
 
 
@@ -281,7 +294,6 @@ def _block(n, machine, impl):
     vals = _arrays(list(shapes.values()) + [(B, T, D_MODEL), (B, T, D_MODEL)], jnp.float64, n)
     p = {k: (a / math.sqrt(a.shape[0]) + (1.0 if k.endswith("norm") else 0.0)) for k, a in zip(shapes, vals)}
     x, g = vals[-2:]
-    _, vjp = jax.vjp(_ref_block, p, x)
     f = _loss_grad(lambda p, x: moajax.transformer_block(p, x, is_causal=True, implementation=impl), (0, 1), g)
     # the block's DSL kernels (its projections are jnp dots, not in the count)
     rows = jnp.zeros((B * T, D_MODEL))
@@ -294,7 +306,8 @@ def _block(n, machine, impl):
     adj, specs = kern.saved_adjoint(qs, qs, qs, is_causal=True)
     onfs += (_derived(kern.with_row_statistics().dnf(qs, qs, qs, is_causal=True), machine)
              + _derived(adj.dnf(*specs, is_causal=True), machine))
-    return Built(f, (p, x), vjp(g), onfs, _loss_grad(_ref_block, (0, 1), g), "float64")
+    return Built(f, (p, x), lambda: jax.vjp(_ref_block, p, x)[1](g), onfs, _loss_grad(_ref_block, (0, 1), g),
+                 "float64", _scores_bytes(B, T))
 
 
 KERNELS = {c.name: c for c in (
@@ -403,7 +416,7 @@ def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progre
                 progress(i, len(todo), f"{name} n={n}")
             b = KERNELS[name].build(n, machine, impl)
             got = b.run(*b.args)  # (the warm-up: compiles)
-            err = _rel_error(got, b.reference)
+            err = _rel_error(got, b.reference()) if b.reference_bytes <= REFERENCE_BYTES else float("nan")
             t = timing.median_seconds(b.run, *b.args, reps=reps)
             predicted = cost.sequence(cost.estimate(o, machine) for o in b.onfs)
             alpha = 1.0 / machine.peak(b.dtype)
@@ -424,7 +437,7 @@ def table(rows) -> list:
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" if c in ("kernel", "dtype", COLUMNS[-1]) else "---:"
                                                             for c in COLUMNS) + "|"]
     for r in rows:
-        out.append(f"| {r.kernel} | {r.n} | {r.dtype} | {r.error:.1e} | {r.measured_s:.3g} | {r.predicted_s:.3g} | "
+        out.append(f"| {r.kernel} | {r.n} | {r.dtype} | {'—' if r.error != r.error else f'{r.error:.1e}'} | {r.measured_s:.3g} | {r.predicted_s:.3g} | "
                    f"{r.ratio:.2f} | {r.model_flops / 1e9:.3g} | {r.xla_flops / 1e9:.3g} | {r.model_bytes / 1e6:.3g} | "
                    f"{r.xla_bytes / 1e6:.3g} | {r.temp_bytes / 2**20:.3g} | "
                    f"{r.baseline_temp_bytes / 2**20:.3g} | {r.why} |")
@@ -486,7 +499,8 @@ def report(rows, machine, *, full: bool) -> list:
         f"({machine.memory_bandwidth_gb_s:g} GB/s). Sizes: {'the seed' if full else 'quick'}"
         f"{'' if full else ' (--full for the seed’s)'}. Timed: median of repeated runs after a warm-up, all sizes in "
         "one process; float64 except decode (float32), as the seed. Error: max |moajax − reference| / max |reference| "
-        "against plain-jnp float64 references. XLA columns: the compiled executable's cost analysis (no hardware "
+        "against plain-jnp float64 references (— where a reference's O(n²) scores would pass "
+        f"{REFERENCE_BYTES / 2**30:g} GiB). XLA columns: the compiled executable's cost analysis (no hardware "
         "counters here); it counts a loop's body once, not once per trip, so a kernel walking its tiles in a loop "
         "shows fewer XLA flops than it executes. Temp: the compiled executable's temp allocation, moajax against jax.nn / plain jnp.", "",
         *table(rows), "",
