@@ -50,6 +50,8 @@ class Built:
     baseline: Callable | None
     dtype: str
     reference_bytes: int = 0  # what the reference materialises (its [t s] scores)
+    # work outside the DSL kernels (the block's projections: jnp dots), as (flops, bytes)
+    extra: tuple = (0.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +297,7 @@ def _block(n, machine, impl):
     p = {k: (a / math.sqrt(a.shape[0]) + (1.0 if k.endswith("norm") else 0.0)) for k, a in zip(shapes, vals)}
     x, g = vals[-2:]
     f = _loss_grad(lambda p, x: moajax.transformer_block(p, x, is_causal=True, implementation=impl), (0, 1), g)
-    # the block's DSL kernels (its projections are jnp dots, not in the count)
+    # the block's DSL kernels; its projections are jnp dots, counted apart (``extra``)
     rows = jnp.zeros((B * T, D_MODEL))
     onfs = (_kernel_grad_onfs(rmsnorm, (rows, p["attn_norm"]), machine) * 2
             + _kernel_grad_onfs(swiglu, (rows, p["w_gate"], p["w_up"], p["w_down"]), machine))
@@ -306,8 +308,12 @@ def _block(n, machine, impl):
     adj, specs = kern.saved_adjoint(qs, qs, qs, is_causal=True)
     onfs += (_derived(kern.with_row_statistics().dnf(qs, qs, qs, is_causal=True), machine)
              + _derived(adj.dnf(*specs, is_causal=True), machine))
+    # its projections (q, k, v in, o out), jnp dots: forward and the two gradients of each, 2·n·D·N·H
+    # flops apiece, each reading its two operands and writing its result once
+    tokens, nh = B * T, N * H
+    proj = (4 * 3 * 2 * tokens * D_MODEL * nh, 4 * 3 * 8 * (tokens * D_MODEL + D_MODEL * nh + tokens * nh))
     return Built(f, (p, x), lambda: jax.vjp(_ref_block, p, x)[1](g), onfs, _loss_grad(_ref_block, (0, 1), g),
-                 "float64", _scores_bytes(B, T))
+                 "float64", _scores_bytes(B, T), proj)
 
 
 KERNELS = {c.name: c for c in (
@@ -419,6 +425,8 @@ def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progre
             err = _rel_error(got, b.reference()) if b.reference_bytes <= REFERENCE_BYTES else float("nan")
             t = timing.median_seconds(b.run, *b.args, reps=reps)
             predicted = cost.sequence(cost.estimate(o, machine) for o in b.onfs)
+            predicted = dataclasses.replace(predicted, flops=predicted.flops + b.extra[0],
+                                            bytes_moved=predicted.bytes_moved + b.extra[1])
             alpha = 1.0 / machine.peak(b.dtype)
             beta = 1.0 / machine.bandwidth
             t_pred = alpha * predicted.flops + beta * predicted.bytes_moved
