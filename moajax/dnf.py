@@ -392,6 +392,13 @@ def untagged(e: Expr) -> Expr:
     return transform(e, lambda x: x.body if isinstance(x, Tag) else None)
 
 
+def unlabelled(e: Expr) -> Expr:
+    """e without the labels around it (its subexpressions keep theirs): the node it names."""
+    while isinstance(e, Tag):
+        e = e.body
+    return e
+
+
 def match(pattern: Expr, term: Expr, params, env: dict | None = None, bound: dict | None = None) -> dict | None:
     """σ with pattern[σ] ≡ term (labels ignored, bound variables matched up to α-renaming),
     where σ maps the variables ``params`` of the pattern to index expressions; None if there

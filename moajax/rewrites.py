@@ -176,8 +176,7 @@ def hoist(onf: ONF) -> ONF:
             out_stages.append(s)
             continue
         body = go(s.body, (), frozenset(s.vars), s.vars[-1] if s.vars else None)
-        while isinstance(body, D.Tag):  # a label is transparent: a labelled value saved as an output
-            body = body.body
+        body = D.unlabelled(body)  # a label is transparent: a labelled value saved as an output
         pre = body
         if isinstance(body, D.Red):
             body = factor_out_invariants(body)

@@ -18,7 +18,7 @@ import numpy as np
 
 from moajax import machines
 from moajax.onf import ONF, ONFError
-from moajax.schedule import Preset, derive, derive_plan
+from moajax.schedule import Preset, derive, derive_plan, residual_choice
 
 IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_interpret")
 
@@ -38,20 +38,9 @@ def check_onf_argument(onf, who: str) -> None:
         raise TypeError(f"{who}: onf must be a moajax ONF or a Preset, got {type(onf).__name__}")
 
 
-RESIDUALS = ("auto", "save", "none")
-
-
 def check_residuals(residuals, who: str):
-    """The residual policy, checked: "auto", "save", "none", or a tuple of labels (``moa.name``)
-    whose values the forward saves besides what "save" saves (a list is taken as a tuple)."""
-    if isinstance(residuals, (tuple, list)):
-        if not residuals or not all(isinstance(r, str) and r for r in residuals):
-            raise ValueError(f"{who}: residuals as labels must be a non-empty tuple of label names "
-                             f"(moa.name), got {residuals!r}")
-        return tuple(dict.fromkeys(residuals))
-    if residuals not in RESIDUALS:
-        raise ValueError(f"{who}: residuals must be 'auto', 'save', 'none' or a tuple of labels, got {residuals!r}")
-    return residuals
+    """``schedule.residual_choice``: the residual policy, checked (labels as a tuple)."""
+    return residual_choice(residuals, who)
 
 
 def residual_policy(residuals, onf, who: str) -> str:

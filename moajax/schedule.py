@@ -65,13 +65,8 @@ class Preset:
 
         if target not in (None, "cpu", "gpu"):
             raise ValueError(f"Preset: target must be None, 'cpu' or 'gpu', got {target!r}")
-        if isinstance(residuals, (tuple, list)):  # labels to save (``runtime.check_residuals``)
-            if not residuals or not all(isinstance(r, str) and r for r in residuals):
-                raise ValueError(f"Preset: residuals as labels must be a non-empty tuple of label names, got {residuals!r}")
-            residuals = tuple(dict.fromkeys(residuals))
-        elif residuals not in (None, "auto", "save", "none"):
-            raise ValueError(f"Preset: residuals must be None, 'auto', 'save', 'none' or a tuple of labels, "
-                             f"got {residuals!r}")
+        if residuals is not None:
+            residuals = residual_choice(residuals, "Preset")
         if skip not in (None, True, False):
             raise TypeError(f"Preset: skip must be a bool, got {skip!r}")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
@@ -97,6 +92,22 @@ class Preset:
 # kernel's programs own the rows of all its outputs: no atomics, each kernel recomputing what
 # they share; bitwise repeatable), "per_output" (one kernel per output)
 PLANS = ("fused", "owner", "per_output")
+
+
+RESIDUALS = ("auto", "save", "none")
+
+
+def residual_choice(residuals, who: str):
+    """A residual policy, checked: "auto", "save", "none", or a tuple of labels (``moa.name``)
+    whose values the forward saves besides what "save" saves (a list is taken as a tuple)."""
+    if isinstance(residuals, (tuple, list)):
+        if not residuals or not all(isinstance(r, str) and r for r in residuals):
+            raise ValueError(f"{who}: residuals as labels must be a non-empty tuple of label names (moa.name), "
+                             f"got {residuals!r}")
+        return tuple(dict.fromkeys(residuals))
+    if residuals not in RESIDUALS:
+        raise ValueError(f"{who}: residuals must be 'auto', 'save', 'none' or a tuple of labels, got {residuals!r}")
+    return residuals
 
 
 def _check_plan(plan, what: str):
@@ -433,7 +444,7 @@ def _contraction_walks(onf: ONF, loops) -> set:
     for e in onf.program.exprs():
         for x in D.walk(e):
             if isinstance(x, D.Red) and x.var in loops:
-                factors = D.product_factors(_unlabelled(x.body)) if x.monoid == "add" else []
+                factors = D.product_factors(D.unlabelled(x.body)) if x.monoid == "add" else []
                 plain = len(factors) == 2 and all(
                     isinstance(f, D.Read) or (isinstance(f, D.Ref) and f.stage in memory) for f in factors)
                 kinds[x.var] = kinds.get(x.var, True) and plain
@@ -564,7 +575,7 @@ def staged_parts(dnf: D.DNF, groups) -> tuple:
     for k, part in enumerate(parts):
         for o in part.outputs:
             for x in D.walk(o.body):
-                base = _unlabelled(x)
+                base = D.unlabelled(x)
                 if isinstance(base, D.Red) and (isinstance(x, D.Tag) or base is not o.body):
                     users.setdefault(base, set()).add(k)
                     if isinstance(x, D.Tag):
@@ -572,7 +583,7 @@ def staged_parts(dnf: D.DNF, groups) -> tuple:
     budget = STAGE_SIZE * max(math.prod(a.shape) for a in dnf.inputs + dnf.outputs)
     work = sum(_reduction_points(o.body) for p in parts for o in p.outputs)
     taken = {i.name for i in dnf.inputs} | {o.name for o in dnf.outputs}
-    shared: dict = {}  # Tag → (its input spec, its index variables)
+    shared: dict = {}  # the value → (its input spec, its index variables, its body with its label)
     for base, ks in users.items():
         vs = tuple(sorted(base.free, key=lambda v: (_order(dnf, v), v.name)))
         size = math.prod(v.extent for v in vs)
@@ -597,8 +608,8 @@ def staged_parts(dnf: D.DNF, groups) -> tuple:
         def go(x):  # top-down: a shared value inside another is read within the first kernel only
             hit = memo.get(id(x))
             if hit is None:
-                if _unlabelled(x) in shared:
-                    spec, vs, _ = shared[_unlabelled(x)]
+                if D.unlabelled(x) in shared:
+                    spec, vs, _ = shared[D.unlabelled(x)]
                     hit = D.Read(spec.name, vs, spec.dtype)
                 else:
                     hit = D.rebuild(x, [go(c) for c in x.children]) if x.children else x
@@ -626,12 +637,6 @@ def _reduction_points(e: D.Expr) -> int:
     """The work of e's reductions: for each distinct one, the index points its body is
     evaluated on (its free variables and its own)."""
     return sum(math.prod(v.extent for v in x.free | {x.var}) for x in D.walk(e) if isinstance(x, D.Red))
-
-
-def _unlabelled(e: D.Expr) -> D.Expr:
-    while isinstance(e, D.Tag):
-        e = e.body
-    return e
 
 
 def _holders(users: dict, shared: dict, inner) -> set:
