@@ -12,6 +12,7 @@ from moajax.kernel import Kernel, kernel
 from moajax.moa import MoAShapeError, MoATypeError
 from moajax.onf import ONF, ONFError
 from moajax.psi import Derivation, psi_reduce
+from moajax.ring import ring_attention
 from moajax.schedule import Preset
 
 __version__ = "0.1.0"
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 __all__ = [
     "moa", "kernel", "Kernel", "DNF", "Derivation", "psi_reduce", "MoAShapeError", "MoATypeError",
     "ONF", "ONFError", "Preset", "dot_product_attention", "attention_onf", "rms_norm", "gated_mlp",
-    "decode_attention", "kv_append", "transformer_block", "transformer_stack",
+    "decode_attention", "kv_append", "transformer_block", "transformer_stack", "ring_attention",
 ]

@@ -153,3 +153,13 @@ def _linear_call_batched(axis_data, args, dims, *, callee, transpose_thunk, num_
 
     out = call(fun, fun_transpose, fixed, lin)
     return out, [0] * len(out)
+
+
+def shard_map(f, *, mesh, in_specs, out_specs, check: bool = False):
+    """``jax.shard_map`` (JAX ≥ 0.7; ``jax.experimental.shard_map`` before, where the last
+    argument was ``check_rep``)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as old  # pragma: no cover - older JAX
+
+    return old(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)

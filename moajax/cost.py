@@ -96,6 +96,26 @@ class Movement:
     dims: tuple
 
 
+def ring_bytes(ring, query_shape, key_shape, value_shape, itemsize: int, *, backward: bool = False) -> int:
+    """Bytes the busiest device sends in one ring attention call (``moajax.ring``), the
+    shapes being one device's blocks [b, S/P, n, h] (batch and heads already split).
+
+    Forward: the K and V blocks travel P − 1 hops. Backward: K and V again P − 1 hops, dK and
+    dV P hops (home). With the zigzag balance each array's two halves move to their slots
+    (forward: Q, K, V in and Out back; backward: dOut in and dQ, dK, dV back); a half whose
+    slot is on its own device stays."""
+    P = ring.devices
+    kv = (int(np.prod(key_shape)) + int(np.prod(value_shape))) * itemsize
+    sent = (2 * P - 1) * kv if backward else (P - 1) * kv
+    if ring.balance == "zigzag" and P > 1:
+        q = int(np.prod(query_shape)) * itemsize
+        o = int(np.prod(query_shape[:-1])) * value_shape[-1] * itemsize
+        arrays = (o + q + kv) if backward else (q + kv + o)  # each array's halves, once
+        moving = max(sum(t != d for t in ring.reorder_targets(d)) for d in range(P))
+        sent += arrays * moving // 2
+    return sent
+
+
 def interface_ledger(forward: D.DNF, backward: D.DNF) -> list:
     """The per-array accounting of a forward and its backward, "inputs + outputs + stored
     intermediates": each array the forward reads and writes (its saved residuals among the

@@ -27,6 +27,7 @@ from moajax import identities as _identities
 from moajax import moa
 from moajax import psi as _psi
 from moajax import reference as _reference
+from moajax import shard
 
 REGISTRY: dict[str, "Kernel"] = {}
 RESERVED = ("onf", "implementation", "residuals")  # keywords of a call, not kernel options
@@ -82,6 +83,10 @@ class Kernel:
         self._cache: dict = {}
         self._compiled: dict = {}
         self._derived: dict = {}  # kernels derived from this one: adjoints, batched, saving
+        # how an axis that no plain split over devices honours is lifted over a mesh axis all
+        # the same (``moajax.shard.partitioned``; attention's sequence: ``moajax.ring``), kept
+        # by the saving forward and the adjoints; None: none
+        self.mesh_lift = None
 
     # ---- tracing
     def _sign(self, fn, extra: tuple, name: str, doc: str) -> None:
@@ -186,8 +191,10 @@ class Kernel:
         default schedule; ``implementation``: None (XLA on CPU, Pallas on CUDA), "xla",
         "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU); ``residuals``: what
         the forward saves for the backward ("auto" or "none", see ``compiled``)."""
-        return self.compiled(*arrays, onf=onf, implementation=implementation, residuals=residuals,
-                             **options)(*arrays)
+        fn = self.compiled(*arrays, onf=onf, implementation=implementation, residuals=residuals, **options)
+        dnf = self._build(arrays, options)[2]
+        shard.check(dnf, arrays, self.name, self.mesh_lift.for_dnf(dnf, options) if self.mesh_lift else None)
+        return fn(*arrays)
 
     def onf(self, *arrays, onf=None, implementation=None, **options):
         """The ONF a call with these arguments runs (on this process's default platform)."""
@@ -228,8 +235,7 @@ class Kernel:
         if hit is not None:
             return hit
         dnf = self._build(specs, options)[2]
-        names = tuple(o.name for o in dnf.outputs)
-        run = self._batchable(runtime.dispatch(*runtime.schedules(dnf, onf), implementation, names), len(dnf.outputs),
+        run = self._batchable(self._partitioned(dnf, onf, implementation, options), len(dnf.outputs),
                               options, onf, implementation)
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
@@ -271,6 +277,29 @@ class Kernel:
                                     [_adjoint.differentiable(dt) for _, dt in out_specs], name=self.name)
         self._compiled[key] = fn
         return fn
+
+    def _partitioned(self, dnf, onf, implementation, options):
+        """The DNF's compiled function, split over a device mesh when its inputs are: each
+        device runs the kernel derived for its own block (``moajax.shard``)."""
+        from moajax import runtime
+
+        names = tuple(o.name for o in dnf.outputs)
+        lift = self.mesh_lift.for_dnf(dnf, options) if self.mesh_lift is not None else None
+        return shard.partitioned(runtime.dispatch(*runtime.schedules(dnf, onf), implementation, names), dnf,
+                                 functools.partial(self._local_run, options=options, onf=onf,
+                                                   implementation=implementation, names=names), self.name, lift)
+
+    def _local_run(self, specs, *, options, onf, implementation, names):
+        """The kernel's compiled function for one device's block of the arrays (``specs``): its
+        DNF and schedule derived for those shapes (a ``Preset`` applies as it does globally)."""
+        from moajax import runtime
+        from moajax.onf import ONF
+
+        dnf = self._build(specs, options)[2]
+        if isinstance(onf, ONF) and tuple(i.shape for i in onf.dnf.inputs) != tuple(i.shape for i in dnf.inputs):
+            raise ValueError(f"{self.name}: the onf argument is an ONF derived for the whole arrays; split over "
+                             "devices, each block has other shapes: pass a moajax.schedule.Preset instead")
+        return runtime.dispatch(*runtime.schedules(dnf, onf), implementation, names)
 
     # ---- residuals
     @staticmethod
@@ -332,6 +361,7 @@ class Kernel:
         forward.__signature__ = inspect.signature(self.fn)
         forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels)
         hit = self._derived[("with_row_statistics", labels)] = _SavingKernel(forward, primal)
+        hit.mesh_lift = self.mesh_lift
         return hit
 
     def _saving_pays(self, shape_key, options) -> bool:
@@ -520,9 +550,11 @@ class Kernel:
             grads = _adjoint.vjp(outputs, cts, [by_name[w] for w in wrt])
             grads = tuple(_adjoint.zeros_like(by_name[w]) if d is None else d for w, d in zip(wrt, grads))
             if saved_names:  # read the saved values where the backward uses the statistics' values
-                # (one saved in its rows' layout is viewed in its own: reshapes and a transpose)
+                # (one saved in its rows' layout is viewed in its own: reshapes and a transpose;
+                # the layout of these shapes — a device's block has other shapes than the whole)
                 held = arrays[n + len(ct_names):n + len(ct_names) + len(stats)]
-                values = {x: a if lay is None else _in_own_layout(a, lay, x) for x, a, lay in zip(stats, held, layouts)}
+                lays = primal.with_row_statistics(labels).layouts(*arrays[:n], **opts)
+                values = {x: a if lay is None else _in_own_layout(a, lay, x) for x, a, lay in zip(stats, held, lays)}
                 grads = tuple(moa.substitute(d, values) for d in grads)
             # a cotangent has its input's dims (the output variables of the adjoint's DNF)
             return tuple(d if d.dims == by_name[w].dims else moa.reshape(d, d.shape, dims=by_name[w].dims)
@@ -544,9 +576,11 @@ class Kernel:
         example = dict(self.example)
         for o in outs:
             example.update({d: s for d, s in zip(o.dims, o.shape) if d not in example})
-        return Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else "")
-                      + "".join(f"_{lb}" for lb in labels),
-                      outputs=tuple(f"d_{w}" for w in wrt), dims=dims, identities=identities if saved else None)
+        adj = Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else "")
+                     + "".join(f"_{lb}" for lb in labels),
+                     outputs=tuple(f"d_{w}" for w in wrt), dims=dims, identities=identities if saved else None)
+        adj.mesh_lift = self.mesh_lift
+        return adj
 
     def _tangent_for(self, shape_key, options) -> "Kernel":
         """The tangent kernel (cached per shapes and options) that ``compiled`` runs forward."""
@@ -664,11 +698,9 @@ class _SavingKernel(Kernel):
     def compiled(self, *specs, onf=None, implementation=None, residuals="none", **options):
         """The forward with its row statistics: saved first, then the primal outputs — returned
         primal outputs first (what ``runtime.differentiable`` expects)."""
-        from moajax import runtime
-
         dnf = self._build(specs, options)[2]
         n_saved = len(dnf.outputs) - len(self._primal_names(specs, options))
-        run = runtime.dispatch(*runtime.schedules(dnf, onf), implementation, tuple(o.name for o in dnf.outputs))
+        run = self._partitioned(dnf, onf, implementation, options)
 
         def both(*args):
             res = run(*args)

@@ -1,5 +1,5 @@
-"""Test configuration: float64 available everywhere (float64 references), hypothesis profiles,
-and a hermetic machine profile: an empty cache directory and no $MOAJAX_MACHINE, so a
+"""Test configuration: float64 available everywhere (float64 references), eight host CPU
+devices (a mesh to split over), hypothesis profiles, and a hermetic machine profile: an empty cache directory and no $MOAJAX_MACHINE, so a
 developer's measured profile (``moajax measure``) never changes what the tests see and
 ``machines.local()`` is the generic CPU profile."""
 
@@ -9,6 +9,9 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# eight host devices, for the mesh tests (tests/test_sharding.py); one-device code runs on the first
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["MOAJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="moajax-test-cache-")
 atexit.register(shutil.rmtree, os.environ["MOAJAX_CACHE_DIR"], ignore_errors=True)
 os.environ.pop("MOAJAX_MACHINE", None)

@@ -1,0 +1,447 @@
+"""Sequence parallelism: attention's key axis lifted over a mesh axis (ring attention).
+
+MoA: over P devices the key index is lifted, s = ⟨r c⟩ (r < P the ring step, c < S/P), and
+
+    Out = softmax(Q +.× ⍉K) +.× V = ⊕_r (O_r, m_r, l_r),   (O_r, m_r, l_r) = the attention of
+    the local queries against the key block that visits at step r, with its row max and sum,
+
+⊕ the softmax monoid (m = m₁ ⌈ m₂, l = l₁ e^{m₁−m} + l₂ e^{m₂−m}, O = (O₁ l₁ e^{m₁−m} + O₂ l₂
+e^{m₂−m}) / l). Q stays; K and V travel around the ring by ``ppermute``; each block is the
+moajax attention kernel's saving forward (``Kernel.with_row_statistics``). The backward runs
+the ring again: each block's (dQ, dK, dV) is the kernel's derived adjoint reading the
+*global* row max and sum and Out (``Kernel.adjoint(saved=True)``: P and Δ of the whole row,
+restricted to the block), dQ accumulates in place, dK and dV travel with their block and
+arrive home after P steps. Memory per device is O(S/P): no [S, S] and no whole K or V.
+
+Causal load balance ("zigzag"): with 2P chunks, device i holds chunks i and 2P−1−i, so every
+ring step has the same work; a block is skipped where it is masked entirely (key chunk after
+query chunk), computed with the causal mask on the diagonal, without a mask below it. The
+reorder from the inputs' contiguous split is four ``ppermute``s per array (no all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+BALANCES = ("zigzag", "contiguous")
+_FULL, _DIAG, _SKIP = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """The mesh lifting of the key axis: ``axis_name`` of ``devices`` devices, the sequence in
+    ``balance`` order ("zigzag": 2P chunks, device i holds i and 2P−1−i; "contiguous": P)."""
+
+    axis_name: str
+    devices: int
+    balance: str = "zigzag"
+
+    def __post_init__(self):
+        if self.balance not in BALANCES:
+            raise ValueError(f"Ring: balance must be one of {BALANCES}, got {self.balance!r}")
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise ValueError(f"Ring: devices must be a positive int, got {self.devices!r}")
+
+    @property
+    def chunks(self) -> int:
+        return 2 * self.devices if self.balance == "zigzag" else self.devices
+
+    def owned(self, i) -> tuple:
+        """The global chunk ids device ``i`` holds (``i`` may be traced)."""
+        P = self.devices
+        return (i, 2 * P - 1 - i) if self.balance == "zigzag" else (i,)
+
+    def reorder_targets(self, d: int) -> tuple:
+        """Where device d's two contiguous halves go in the zigzag reorder (``to_zigzag``)."""
+        return tuple(next(t for pairs in _zigzag_pairs(self.devices, h) for s, t in pairs if s == d) for h in range(2))
+
+    def __str__(self):
+        return f"ring({self.axis_name} × {self.devices}, {self.balance})"
+
+
+def _kind(qc, kc, is_causal: bool):
+    """full, diagonal (causal mask) or skipped, for query chunk qc against key chunk kc."""
+    import jax.numpy as jnp
+
+    if not is_causal:
+        return jnp.int32(_FULL)
+    return jnp.where(qc > kc, _FULL, jnp.where(qc == kc, _DIAG, _SKIP)).astype(jnp.int32)
+
+
+def _split(x, n: int):
+    C = x.shape[1] // n
+    return [x[:, j * C:(j + 1) * C] for j in range(n)]
+
+
+def _ring_step(ring: Ring):
+    """Device i's neighbour: the block at device i moves to i + 1."""
+    P = ring.devices
+    return [(d, (d + 1) % P) for d in range(P)]
+
+
+@functools.lru_cache(maxsize=64)
+def _kernels(kern, shapes, dtype, scale: float, implementation):
+    """(forward(causal), adjoint(causal)) of the attention kernel ``kern`` (jax.nn's layout)
+    for one chunk pair: its saving forward (Out, row max, row sum; the statistics in the rows'
+    layout [b t n]) and its adjoint reading the saved statistics and Out."""
+    import jax
+
+    qs = shapes[0]
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    rows = qs[:3]  # [b t n]: the statistics' rows in the jax.nn layout
+
+    def stats_shape(opts):
+        """The saved statistics' shape: their rows' layout [b t n], axes of extent 1 dropped."""
+        outs = kern.with_row_statistics(()).dnf(*specs, **opts).outputs
+        dims = tuple(d for d, n in zip(("b", "t", "n"), rows) if n > 1)
+        if any(tuple(o.dims) != dims and o.shape != rows for o in outs[:2]):
+            raise NotImplementedError(f"ring attention: the saved statistics' layout {outs[0].dims} is not the "
+                                      "rows' [b t n]")
+        return outs[0].shape
+
+    def forward(causal: bool):
+        opts = dict(scale=scale, is_causal=causal)
+        run = kern.with_row_statistics(()).compiled(*specs, implementation=implementation, **opts)
+
+        def f(*a):
+            out, m, l = run(*a)
+            return out, m.reshape(rows), l.reshape(rows)
+        return f
+
+    def adjoint(causal: bool):
+        opts = dict(scale=scale, is_causal=causal)
+        adj = kern._adjoint_for(kern._key(specs, opts), opts, True)
+        shape = stats_shape(opts)
+
+        def f(q, k, v, g, m, l, out):
+            return adj(q, k, v, g, m.reshape(shape), l.reshape(shape), out, implementation=implementation,
+                       residuals="none", **opts)
+        return f
+
+    return forward, adjoint
+
+
+def _merge(state, part):
+    """(m, l, acc) ⊕ (O, m', l'): the softmax monoid, acc = Σ O_r l_r e^{m_r − m}."""
+    import jax.numpy as jnp
+
+    m0, l0, a0 = state
+    o, m1, l1 = part
+    m = jnp.maximum(m0, m1)
+    w0, w1 = jnp.exp(m0 - m), jnp.exp(m1 - m)
+    return m, l0 * w0 + l1 * w1, a0 * w0[..., None] + o.astype(a0.dtype) * (l1 * w1)[..., None]
+
+
+def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, implementation=None):
+    """One device's share of the ring forward (inside a mesh context: ``shard_map`` or a
+    partitioned kernel), its blocks in ``ring`` order: (Out, row max, row sum) of its queries."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    P, n = ring.devices, ring.chunks // ring.devices
+    i = lax.axis_index(ring.axis_name)
+    qc, kc, vc = _split(q, n), _split(k, n), _split(v, n)
+    fwd, _ = _kernels(kern, (qc[0].shape, kc[0].shape, vc[0].shape), q.dtype, scale, implementation)
+    full, diag = fwd(False), fwd(True)
+    acc_dt = jnp.promote_types(q.dtype, jnp.float32)
+    B, C, N = qc[0].shape[:3]
+    E = v.shape[-1]
+    states = [(jnp.full((B, C, N), -jnp.inf, acc_dt), jnp.zeros((B, C, N), acc_dt),
+               jnp.zeros((B, C, N, E), acc_dt)) for _ in range(n)]
+    mine = ring.owned(i)
+
+    def visit(r, states, kc, vc):
+        """Merge the block that visits at step r (from device i − r) into every query chunk."""
+        theirs = ring.owned((i - r) % P)
+        new = []
+        for a in range(n):
+            st = states[a]
+            for b in range(n):
+                branches = [lambda s, q_, k_, v_: _merge(s, full(q_, k_, v_)),
+                            lambda s, q_, k_, v_: _merge(s, diag(q_, k_, v_)),
+                            lambda s, q_, k_, v_: s]
+                st = lax.switch(_kind(mine[a], theirs[b], is_causal), branches, st, qc[a], kc[b], vc[b])
+            new.append(st)
+        return new
+
+    perm = _ring_step(ring)
+    send = lambda xs: [lax.ppermute(x, ring.axis_name, perm) for x in xs]  # noqa: E731
+
+    def step(r, carry):
+        states, kc, vc = carry
+        return visit(r, states, kc, vc), send(kc), send(vc)
+
+    # P − 1 sends: the last block to visit is not passed on
+    states, kc, vc = lax.fori_loop(0, P - 1, step, (states, kc, vc))
+    states = visit(P - 1, states, kc, vc)
+    out = jnp.concatenate([(a / l[..., None]).astype(q.dtype) for _, l, a in states], axis=1)
+    m = jnp.concatenate([s[0] for s in states], axis=1)
+    l = jnp.concatenate([s[1] for s in states], axis=1)
+    return out, m, l
+
+
+def backward_local(kern, ring: Ring, q, k, v, out, m, l, d_out, *, is_causal: bool, scale: float,
+                   implementation=None):
+    """One device's share of the ring backward, its blocks in ``ring`` order: (dQ, dK, dV) of
+    its blocks, from the global row max ``m``, sum ``l`` and ``out`` of its queries."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    P, n = ring.devices, ring.chunks // ring.devices
+    i = lax.axis_index(ring.axis_name)
+    qc, kc, vc = _split(q, n), _split(k, n), _split(v, n)
+    oc, gc, mc, lc = _split(out, n), _split(d_out, n), _split(m, n), _split(l, n)
+    _, adj = _kernels(kern, (qc[0].shape, kc[0].shape, vc[0].shape), q.dtype, scale, implementation)
+    full, diag = adj(False), adj(True)
+    mine = ring.owned(i)
+    dq = [jnp.zeros_like(x) for x in qc]
+    dk = [jnp.zeros_like(x) for x in kc]
+    dv = [jnp.zeros_like(x) for x in vc]
+    zero = lambda *x: (jnp.zeros_like(x[0]), jnp.zeros_like(x[1]), jnp.zeros_like(x[2]))  # noqa: E731
+    as_tuple = lambda f: (lambda *x: tuple(f(*x)))  # noqa: E731
+
+    def visit(r, dq, kc, vc, dk, dv):
+        theirs = ring.owned((i - r) % P)
+        dq, dk, dv = list(dq), list(dk), list(dv)
+        for a in range(n):
+            for b in range(n):
+                g = lax.switch(_kind(mine[a], theirs[b], is_causal), [as_tuple(full), as_tuple(diag), zero],
+                               qc[a], kc[b], vc[b], gc[a], mc[a], lc[a], oc[a])
+                dq[a], dk[b], dv[b] = dq[a] + g[0], dk[b] + g[1], dv[b] + g[2]
+        return dq, dk, dv
+
+    perm = _ring_step(ring)
+    send = lambda xs: [lax.ppermute(x, ring.axis_name, perm) for x in xs]  # noqa: E731
+
+    def step(r, carry):
+        dq, kc, vc, dk, dv = carry
+        dq, dk, dv = visit(r, dq, kc, vc, dk, dv)
+        return dq, send(kc), send(vc), send(dk), send(dv)
+
+    dq, kc, vc, dk, dv = lax.fori_loop(0, P - 1, step, (dq, kc, vc, dk, dv))
+    dq, dk, dv = visit(P - 1, dq, kc, vc, dk, dv)
+    dk, dv = send(dk), send(dv)  # the P-th send brings each block's dK, dV home
+    cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
+    return cat(dq), cat(dk), cat(dv)
+
+
+def _in_order(ring: Ring, f, *xs):
+    """f on the arrays in ring order (zigzag: reordered there and the results back)."""
+    if ring.balance != "zigzag":
+        return f(*xs)
+    res = f(*(to_zigzag(x, ring) for x in xs))
+    return tuple(from_zigzag(r, ring) for r in res) if isinstance(res, tuple) else from_zigzag(res, ring)
+
+
+def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementation):
+    """The per-device ring attention (inside ``shard_map``), with its ring backward."""
+    import jax
+
+    kw = dict(is_causal=is_causal, scale=scale, implementation=implementation)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return forward_local(kern, ring, q, k, v, **kw)[0]
+
+    def attend_fwd(q, k, v):
+        out, m, l = forward_local(kern, ring, q, k, v, **kw)
+        return out, (q, k, v, out, m, l)
+
+    def attend_bwd(res, d_out):
+        return backward_local(kern, ring, *res, d_out, **kw)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
+class SequenceLift:
+    """The plain attention kernel's sequence split over a mesh axis, under ``jax.jit`` with
+    sharded inputs: its forward, saving forward and adjoints each run their ring
+    (``moajax.shard.partitioned`` calls ``for_dnf`` for each kernel's DNF)."""
+
+    def __init__(self, kern):
+        self.kern = kern
+
+    def for_dnf(self, dnf, options):
+        ins = tuple(i.name for i in dnf.inputs)
+        outs = tuple(o.name for o in dnf.outputs)
+        if ins[:3] != ("query", "key", "value"):
+            return None
+        if ins == ins[:3] and outs == ("out",):
+            role = "forward"
+        elif ins == ins[:3] and len(outs) == 3 and outs[2] == "out":
+            role = "saving"  # (row max, row sum, Out)
+        elif ins[3:] == ("d_out",) and outs == ("d_query", "d_key", "d_value"):
+            role = "adjoint"
+        elif ins[3:] == ("d_out", "saved0", "saved1", "out") and outs == ("d_query", "d_key", "d_value"):
+            role = "adjoint_saved"
+        else:
+            return None
+        return _Lifted(self.kern, role, dict(options))
+
+
+class _Lifted:
+    def __init__(self, kern, role: str, options: dict):
+        self.kern, self.role, self.options = kern, role, options
+
+    def classes(self, rule) -> frozenset:
+        """The classes of the queries' and the keys' sequence axes (axis 1 of query and key)."""
+        return frozenset(rule.inputs[i][2][1].cls for i in (0, 1)) - {None}
+
+    def per_device(self, axis_name: str, devices: int, local_in, local_out):
+        causal = bool(self.options.get("is_causal", False))
+        ring = Ring(axis_name, devices, "zigzag" if causal else "contiguous")
+        T = local_in[0][1]
+        if T % (ring.chunks // devices):
+            raise ValueError(f"dot_product_attention: each device's {T} queries do not split into the "
+                             f"{ring.chunks // devices} chunks of {ring}")
+        scale = self.options.get("scale")
+        scale = 1.0 / math.sqrt(local_in[0][-1]) if scale is None else float(scale)
+        kw = dict(is_causal=causal, scale=scale)
+        kern, rows = self.kern, tuple(local_in[0][:3])
+        fwd = lambda q, k, v: forward_local(kern, ring, q, k, v, **kw)  # noqa: E731
+
+        if self.role == "forward":
+            return lambda q, k, v: _in_order(ring, lambda *x: fwd(*x)[0], q, k, v)
+        if self.role == "saving":
+            def saving(q, k, v):
+                out, m, l = _in_order(ring, fwd, q, k, v)
+                return m.reshape(local_out[0]), l.reshape(local_out[1]), out
+            return saving
+        if self.role == "adjoint_saved":
+            def adjoint_saved(q, k, v, g, m, l, out):
+                body = lambda q, k, v, g, m, l, o: backward_local(kern, ring, q, k, v, o, m, l, g, **kw)  # noqa: E731
+                return _in_order(ring, body, q, k, v, g, m.reshape(rows), l.reshape(rows), out)
+            return adjoint_saved
+
+        def adjoint(q, k, v, g):
+            def body(q, k, v, g):
+                out, m, l = fwd(q, k, v)
+                return backward_local(kern, ring, q, k, v, out, m, l, g, **kw)
+            return _in_order(ring, body, q, k, v, g)
+        return adjoint
+
+
+def sequence_lift(kern):
+    """``kern`` (a plain attention kernel: no bias, mask, lengths or score_mod) with its
+    sequence lifted by the ring where it is split over devices."""
+    if kern.mesh_lift is None:
+        kern.mesh_lift = SequenceLift(kern)
+    return kern
+
+
+def _zigzag_pairs(P: int, h: int):
+    """(source, target) device pairs moving half h of the contiguous split into the zigzag
+    slots: slot 0 of device i is chunk i, slot 1 chunk 2P−1−i (chunk c lives at device c//2)."""
+    slot0 = [(d, 2 * d + h) for d in range(P) if 2 * d + h < P]
+    slot1 = [(d, 2 * P - 1 - 2 * d - h) for d in range(P) if 2 * d + h >= P]
+    return slot0, slot1
+
+
+def _permute(x, axis_name, pairs):
+    import jax.numpy as jnp
+    from jax import lax
+
+    return lax.ppermute(x, axis_name, pairs) if pairs else jnp.zeros_like(x)
+
+
+def to_zigzag(x, ring: Ring):
+    """A device's contiguous block (chunks 2i, 2i+1) → its zigzag block (chunks i, 2P−1−i)."""
+    import jax.numpy as jnp
+
+    halves = _split(x, 2)
+    slots = [0, 0]
+    for h in range(2):
+        for s, pairs in enumerate(_zigzag_pairs(ring.devices, h)):
+            part = _permute(halves[h], ring.axis_name, pairs)
+            slots[s] = part if isinstance(slots[s], int) else slots[s] + part
+    return jnp.concatenate(slots, axis=1)
+
+
+def from_zigzag(x, ring: Ring):
+    """The inverse of ``to_zigzag``."""
+    import jax.numpy as jnp
+
+    slots = _split(x, 2)
+    halves = [0, 0]
+    for h in range(2):
+        for s, pairs in enumerate(_zigzag_pairs(ring.devices, h)):
+            part = _permute(slots[s], ring.axis_name, [(b, a) for a, b in pairs])
+            halves[h] = part if isinstance(halves[h], int) else halves[h] + part
+    return jnp.concatenate(halves, axis=1)
+
+
+def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool = False, scale=None,
+                   balance: str | None = None, batch_axis=None, head_axis=None, implementation=None):
+    """softmax(scale · Q +.× ⍉K [causal]) +.× V with the sequence split over ``axis_name`` of
+    ``mesh`` — jax.nn.dot_product_attention's layout ([B, T, N, H], key and value [B, S, K, H],
+    GQA when K < N), T = S.
+
+    Each device holds S/P of the queries, keys and values (the inputs' sequence axis split
+    contiguously, as ``NamedSharding(mesh, P(batch_axis, axis_name, head_axis))`` splits it);
+    K and V blocks travel the ring (``Ring``), the partial (max, sum, Out) of each block are
+    combined by the softmax monoid, and the gradient runs the ring backward with the derived
+    adjoint kernels. ``balance``: "zigzag" (the default when causal: every step the same
+    work) or "contiguous"; ``batch_axis`` and ``head_axis``: mesh axes that also split the
+    batch and the heads (each device then holds its heads' blocks). Differentiable by
+    ``jax.grad``; jit-compatible; the compiled program moves K/V by collective-permute only.
+    """
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from moajax import compat
+
+    who = "ring_attention"
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{who}: {name} must be an array, got {type(x).__name__}")
+    if not (query.dtype == key.dtype == value.dtype) or not jax.numpy.issubdtype(query.dtype, jax.numpy.floating):
+        raise TypeError(f"{who}: query, key and value must share one floating dtype; got {query.dtype}, "
+                        f"{key.dtype}, {value.dtype}")
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise ValueError(f"{who}: query, key and value must have rank 4 [B, T, N, H]; got "
+                         f"{query.shape}, {key.shape}, {value.shape}")
+    B, T, N, H = query.shape
+    S, K = key.shape[1], key.shape[2]
+    if key.shape[0] != B or value.shape[:3] != key.shape[:3] or key.shape[3] != H:
+        raise ValueError(f"{who}: key {key.shape} and value {value.shape} do not match query {query.shape}")
+    if S != T:
+        raise ValueError(f"{who}: the ring splits one sequence: query length {T} must equal key length {S}")
+    if N % K:
+        raise ValueError(f"{who}: query has {N} heads, not a multiple of the {K} key/value heads")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"{who}: is_causal must be a static bool, got {type(is_causal).__name__}")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"{who}: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+    for name, ax in (("batch_axis", batch_axis), ("head_axis", head_axis)):
+        if ax is not None and (ax not in mesh.shape or ax == axis_name):
+            raise ValueError(f"{who}: {name} {ax!r} must be another axis of the mesh {dict(mesh.shape)}")
+    if batch_axis is not None and B % mesh.shape[batch_axis]:
+        raise ValueError(f"{who}: batch {B} is not divisible by mesh axis {batch_axis!r} ({mesh.shape[batch_axis]})")
+    if head_axis is not None and K % mesh.shape[head_axis]:
+        raise ValueError(f"{who}: the {K} key/value heads are not divisible by mesh axis {head_axis!r} "
+                         f"({mesh.shape[head_axis]})")
+    balance = balance or ("zigzag" if is_causal else "contiguous")
+    ring = Ring(axis_name, int(mesh.shape[axis_name]), balance)
+    if S % ring.chunks:
+        raise ValueError(f"{who}: sequence length {S} is not divisible into the {ring.chunks} chunks of {ring}")
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    from moajax.kernels.attention import mha_kernel
+
+    attend = _local_attention(mha_kernel(None, None, K != N, False, False, None), ring, bool(is_causal), scale,
+                              implementation)
+
+    def per_device(q, k, v):
+        # the differentiable reorder outside the custom_vjp: its transpose reorders the gradients
+        return _in_order(ring, attend, q, k, v)
+
+    spec = P(batch_axis, axis_name, head_axis, None)
+    return compat.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(query, key, value)
+
+
+__all__ = ["Ring", "ring_attention", "sequence_lift", "forward_local", "backward_local", "to_zigzag", "from_zigzag",
+           "BALANCES"]

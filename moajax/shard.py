@@ -1,0 +1,466 @@
+"""A device mesh as one more level of dimension lifting: which axes of a kernel may be split
+over devices, and the kernel run per device under ``jax.sharding``.
+
+MoA: lifting an index i of extent n over p devices is i = ⟨d l⟩ with d < p, l < n/p; the
+DNF is unchanged, only its arrays are partitioned. An axis class may be lifted over a mesh
+axis with no communication inside the kernel when
+
+- it is a *map* class: every output has one axis in the class and its index only ψ-selects
+  (⟨… i …⟩ψ A, or the major digit of a mixed-radix index: ⌊i/G⌋, g + G·i — grouped-query
+  heads), never enters arithmetic (ι i, causal masks, windows) and binds no reduction; or
+- it is a *monoid* class: the outputs without it are op_i e at their top (op = +, ⌈, ⌊), so
+  every device reduces its own block and one collective (psum, pmax, pmin) finishes —
+  data-parallel weight gradients.
+
+Anything else (a contracted head dim, a softmax's key axis, a causal query axis) is not
+honoured by a plain split: the key axis of attention is lifted by a ring instead
+(``moajax.ring``). ``rule`` derives the classes from a DNF; ``partitioned`` wraps a kernel's
+compiled function in ``jax.experimental.custom_partitioning`` so that under ``jax.jit`` with
+sharded inputs each device runs the kernel on its own block (no all-gather of a map axis),
+and an input split along an axis the kernel cannot honour raises a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moajax import dnf as D
+from moajax.ix import FloorDiv, Ix, Var
+
+_COLLECTIVE = {"add": "psum", "max": "pmax", "min": "pmin"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """One axis of an array in the kernel's interface: the class of its major digit (None: an
+    axis no split can honour) and how many of its elements one index of the class spans."""
+
+    cls: int | None
+    minor: int = 1
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The mesh-lifting rule of a kernel: per interface array (inputs, then outputs) its axes;
+    per class its name, extent (the major digit's), kind ("map", "monoid" or the reason it is
+    neither) and, for a monoid class, the monoid of each output that reduces over it."""
+
+    kernel: str
+    inputs: tuple  # ((name, dims, (Axis, ...)), ...)
+    outputs: tuple
+    names: tuple  # per class: the dim name users see
+    extents: tuple
+    kinds: tuple
+    monoids: tuple  # per class: ((output index, monoid), ...)
+    unread: frozenset = frozenset()  # inputs the DNF never reads (any split of them is kept)
+
+    def shardable(self, c: int) -> bool:
+        return self.kinds[c] in ("map", "monoid")
+
+    def __str__(self):
+        lines = [f"mesh rule of {self.kernel}:"]
+        for c, (n, e, k) in enumerate(zip(self.names, self.extents, self.kinds)):
+            lines.append(f"  {n} ({e}): {k}")
+        return "\n".join(lines)
+
+
+class _Classes:
+    """Union-find over index variables (by name and extent: the same Var in every output)."""
+
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, v):
+        self.parent.setdefault(v, v)
+        while self.parent[v] != v:
+            self.parent[v] = self.parent[self.parent[v]]
+            v = self.parent[v]
+        return v
+
+    def union(self, a, b):
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            # keep the larger extent's name as the representative (n over n_kv)
+            if (ra.extent, ra.name) < (rb.extent, rb.name):
+                ra, rb = rb, ra
+            self.parent[rb] = ra
+
+
+def _major(ix: Ix):
+    """The index's major digit and the variables below it: v (v), ⌊v/G⌋ (v), g + G·v with
+    every other term below G (v; g minor) — else None."""
+    if ix.const != 0 or not ix.terms:
+        return None
+    if len(ix.terms) == 1:
+        atom, c = ix.terms[0]
+        if c != 1:
+            return None
+        if isinstance(atom, Var):
+            return atom, ()
+        if isinstance(atom, FloorDiv) and atom.arg.as_var() is not None:
+            return atom.arg.as_var(), ()
+        return None
+    atom, c = max(ix.terms, key=lambda t: t[1])
+    if not isinstance(atom, Var):
+        return None
+    rest = Ix(0, tuple(t for t in ix.terms if t[0] is not atom))
+    lo, hi = rest.bounds()
+    if lo < 0 or hi >= c or any(not isinstance(a, Var) for a, _ in rest.terms):
+        return None
+    return atom, tuple(a for a, _ in rest.terms)
+
+
+def _top_reduction(body: D.Expr):
+    """op_v e at the top of an output's body (through labels and conversions): (op, v) or None."""
+    while isinstance(body, (D.Tag, D.Convert)):
+        body = body.children[0]
+    return (body.monoid, body.var) if isinstance(body, D.Red) else None
+
+
+def rule(dnf) -> Rule:
+    """The mesh-lifting rule of a DNF (see the module docstring)."""
+    uf = _Classes()
+    banned: dict = {}  # var → why no split can honour it
+    for o in dnf.outputs:
+        for v in o.vars:
+            uf.find(v)
+    positions: dict = {}  # (input, axis) → set of major vars, or None
+    for r in dnf.reads():
+        for j, ix in enumerate(r.index):
+            m = _major(ix)
+            key = (r.array, j)
+            if m is None:
+                for v in ix.free_vars():
+                    banned.setdefault(v, f"indexed by {ix} in {r.array}")
+                positions[key] = None
+                continue
+            v, minors = m
+            for g in minors:
+                banned.setdefault(g, f"a minor digit of {ix} in {r.array}")
+            if positions.get(key, ()) is not None:
+                positions.setdefault(key, set()).add(v)
+    tops = {}
+    for i, o in enumerate(dnf.outputs):
+        top = _top_reduction(o.body)
+        tops[i] = top
+        for e in D.walk(o.body):
+            if isinstance(e, D.IndexValue):
+                for v in e.ix.free_vars():
+                    banned.setdefault(v, "in index arithmetic (ι, a mask or a window)")
+            elif isinstance(e, D.Red):
+                uf.find(e.var)
+                if top is None or e is not _strip(o.body) or e.var != top[1]:
+                    banned.setdefault(e.var, "reduced inside the kernel")
+    for key, vs in positions.items():
+        if vs:
+            vs = list(vs)
+            for v in vs[1:]:
+                uf.union(vs[0], v)
+    # classes
+    reps: list = []
+    index: dict = {}
+
+    def cls(v):
+        r = uf.find(v)
+        if r not in index:
+            index[r] = len(reps)
+            reps.append(r)
+        return index[r]
+
+    def axes_of(name, shape, dims, per_axis):
+        out = []
+        for j, (n, d) in enumerate(zip(shape, dims)):
+            v = per_axis(j)
+            if v is None:
+                out.append(Axis(None, 1, f"{d} is read by an index no split can honour"))
+                continue
+            c = cls(v)
+            out.append(Axis(c, n))  # minor fixed below, once every extent is known
+        return (name, tuple(dims), tuple(out))
+
+    inputs = []
+    for spec in dnf.inputs:
+        def major(j, spec=spec):
+            vs = positions.get((spec.name, j))
+            return next(iter(vs)) if vs else None
+        inputs.append(axes_of(spec.name, spec.shape, spec.dims, major))
+    outputs = [axes_of(o.name, o.shape, o.dims, lambda j, o=o: o.vars[j]) for o in dnf.outputs]
+    # each class's extent: the smallest of its axes (the major digit); an axis spans the rest
+    extents = [min([ax.minor for _, _, axs in inputs + outputs for ax in axs if ax.cls == c] or [r.extent])
+               for c, r in enumerate(reps)]
+    kinds, monoids = [], []
+    members: dict = {}
+    for v in list(uf.parent):
+        members.setdefault(cls(v), []).append(v)
+    for c, r in enumerate(reps):
+        why = next((banned[v] for v in members.get(c, []) if v in banned), None)
+        reducers = []
+        for i, o in enumerate(dnf.outputs):
+            has = any(ax.cls == c for ax in outputs[i][2])
+            if has:
+                continue
+            top = tops[i]
+            if top is None or cls(top[1]) != c or top[0] not in _COLLECTIVE:
+                why = why or f"output {o.name} neither has it nor ends in a monoid reduction over it"
+            else:
+                reducers.append((i, top[0]))
+        kinds.append(why if why else ("monoid" if reducers else "map"))
+        monoids.append(tuple(reducers))
+    fix = lambda arrs: tuple((n, d, tuple(Axis(ax.cls, 1 if ax.cls is None else ax.minor // extents[ax.cls], ax.why)
+                                          for ax in axs)) for n, d, axs in arrs)
+    names = []
+    for c, r in enumerate(reps):
+        dim = next((d[j] for _, d, axs in outputs + inputs for j, ax in enumerate(axs)
+                    if ax.cls == c and ax.minor == extents[c]), r.name)
+        names.append(dim)
+    unread = frozenset(i.name for i in dnf.inputs) - dnf.arrays_read()
+    return Rule(dnf.name, fix(inputs), fix(outputs), tuple(names), tuple(extents), tuple(kinds), tuple(monoids),
+                unread)
+
+
+def _strip(body):
+    while isinstance(body, (D.Tag, D.Convert)):
+        body = body.children[0]
+    return body
+
+
+# ----------------------------------------------------------------------------- partitioning
+
+
+def _mesh_size(mesh, axes) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def _spec_axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def assignment(r: Rule, mesh, arg_specs, who: str) -> dict:
+    """class → mesh axes, read off the inputs' partition specs; an input split along an axis
+    the kernel cannot honour, or by a mesh size its extent does not divide, raises a
+    ValueError naming both."""
+    out: dict = {}
+    for (name, dims, axs), spec in zip(r.inputs, arg_specs):
+        if name in r.unread:
+            continue
+        for j, (ax, entry) in enumerate(zip(axs, tuple(spec) + (None,) * (len(axs) - len(tuple(spec))))):
+            m = _spec_axes(entry)
+            if not m:
+                continue
+            if ax.cls is None or not r.shardable(ax.cls):
+                why = ax.why if ax.cls is None else f"{r.names[ax.cls]} is {r.kinds[ax.cls]}"
+                raise ValueError(
+                    f"{who}: {name} is split along axis {j} ({dims[j]}) over mesh axis {'×'.join(m)}, which this "
+                    f"kernel cannot honour: {why}. Split only its axes {_shardable_dims(r)}"
+                    + (" (the key/sequence axis of attention: moajax.ring_attention)" if dims[j] in ("s", "t") else ""))
+            size = _mesh_size(mesh, m)
+            if r.extents[ax.cls] % size:
+                raise ValueError(
+                    f"{who}: {name} axis {j} ({dims[j]}) is split over {'×'.join(m)} of size {size}, which does not "
+                    f"divide its class's extent {r.extents[ax.cls]} ({r.names[ax.cls]})")
+            if out.get(ax.cls, m) != m:
+                raise ValueError(f"{who}: {r.names[ax.cls]} is split over {out[ax.cls]} in one input and {m} in {name}")
+            out[ax.cls] = m
+    used = [a for m in out.values() for a in m]
+    if len(used) != len(set(used)):
+        raise ValueError(f"{who}: one mesh axis splits two different axes of the kernel: {out}")
+    return out
+
+
+def visible(arrays) -> tuple | None:
+    """(mesh, partition specs) of the arrays where their split is known while tracing (a
+    concrete jax.Array, or an explicit-axes mesh); None when none is split."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    mesh, specs = None, []
+    for x in arrays:
+        try:
+            sh = x.sharding if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else \
+                jax.typeof(x).sharding
+        except (AttributeError, TypeError):
+            sh = None
+        spec = tuple(getattr(sh, "spec", ()) or ())
+        if isinstance(sh, NamedSharding) and any(spec):
+            mesh = sh.mesh
+        specs.append(spec)
+    return None if mesh is None else (mesh, specs)
+
+
+def check(dnf, arrays, who: str, lift=None) -> None:
+    """Raise the ValueError of ``assignment`` now (while tracing) where the inputs' split is
+    visible; under ``jax.jit`` with automatic axes the split is known only when XLA
+    partitions, which raises the same message from ``partitioned``. ``lift``: as there."""
+    seen = visible(arrays)
+    if seen is not None:
+        r = rule(dnf)
+        specs = seen[1]
+        if lift is not None:
+            specs = _sequence_axis(r, specs, lift.classes(r), who)[0]
+        assignment(r, seen[0], specs, who)
+
+
+def _shardable_dims(r: Rule) -> list:
+    return sorted({r.names[c] for c in range(len(r.names)) if r.shardable(c)})
+
+
+def _pspec(axs, assign):
+    from jax.sharding import PartitionSpec as P
+
+    parts = []
+    for ax in axs:
+        m = assign.get(ax.cls) if ax.cls is not None else None
+        parts.append(None if not m else (m[0] if len(m) == 1 else tuple(m)))
+    return P(*parts)
+
+
+def sdy_rule(r: Rule, in_shapes, out_shapes):
+    """The Shardy sharding rule: one factor per class (its major digit), a minor factor per
+    axis that spans more, the classes no split honours marked need-replication."""
+    sizes: dict = {}
+    repl: list = []
+    k = [0]
+
+    def fresh(size):
+        k[0] += 1
+        n = f"m{k[0]}"
+        sizes[n] = int(size)
+        repl.append(n)
+        return n
+
+    def dim(ax, extent):
+        if ax.cls is None:
+            return fresh(extent)
+        f = f"c{ax.cls}"
+        if not r.shardable(ax.cls) and f not in repl:
+            repl.append(f)
+        if ax.minor == 1:
+            return f
+        sizes[f] = int(r.extents[ax.cls])  # Shardy takes sizes only of a compound dim's factors
+        return f"({f} {fresh(ax.minor)})"
+
+    def arr(shape, axs):
+        return " ".join(dim(ax, n) for ax, n in zip(axs, shape)) if axs else ""
+
+    text = ", ".join(arr(s, axs) for s, (_, _, axs) in zip(in_shapes, r.inputs)) + " -> " + ", ".join(
+        arr(s, axs) for s, (_, _, axs) in zip(out_shapes, r.outputs))
+    import re
+
+    whole = set(re.sub(r"\([^)]*\)", " ", text).replace(",", " ").split()) - {"->"}
+    sizes = {f: n for f, n in sizes.items() if f not in whole}  # Shardy infers a whole dim's size
+    # Shardy's reduction factors appear in no result; a class that some outputs keep and others
+    # reduce is a plain factor (``partition`` finishes the reducing outputs)
+    kept = {ax.cls for _, _, axs in r.outputs for ax in axs}
+    red = tuple(f"c{c}" for c in range(len(r.names)) if r.kinds[c] == "monoid" and c not in kept)
+    return text, sizes, tuple(repl), red
+
+
+def _sequence_axis(r: Rule, specs, seq, who: str):
+    """The mesh axis splitting the ``seq`` classes (the lifted axis), and the specs without it."""
+    found, rest = set(), []
+    for (name, dims, axs), spec in zip(r.inputs, specs):
+        spec = list(tuple(spec) + (None,) * (len(axs) - len(tuple(spec))))
+        for j, ax in enumerate(axs):
+            if ax.cls in seq and spec[j] is not None and name not in r.unread:
+                found.add(_spec_axes(spec[j]))
+                spec[j] = None
+        rest.append(tuple(spec))
+    if not found:
+        return specs, None
+    if len(found) > 1 or len(next(iter(found))) != 1:
+        raise ValueError(f"{who}: the sequence is split over {sorted(found)}; the ring takes one mesh axis, the same "
+                         "for queries, keys and values")
+    return rest, next(iter(found))[0]
+
+
+def partitioned(run, dnf, relower, who: str, lift=None):
+    """``run`` (the kernel's compiled function of its inputs) partitioned over a device mesh:
+    under ``jax.jit`` with sharded inputs, each device runs ``relower(local input specs)`` on
+    its block, and an output missing a monoid class that is split is finished by its
+    collective. ``lift`` (or None): a kernel's own lifting of classes no plain split honours
+    (``classes(rule)``, ``per_device(mesh axis, devices, local input shapes, local output
+    shapes)``: attention's sequence, the ring). On one device (or inside ``shard_map``) it
+    is ``run`` itself."""
+    import jax
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    r = rule(dnf)
+    in_shapes = [i.shape for i in dnf.inputs]
+    out_shapes = [o.shape for o in dnf.outputs]
+    n_out = len(dnf.outputs)
+
+    seq = lift.classes(r) if lift is not None else frozenset()
+
+    def plan(mesh, arg_shapes):
+        specs = [getattr(getattr(a, "sharding", None), "spec", ()) or () for a in arg_shapes]
+        lifted = None
+        if seq:
+            specs, lifted = _sequence_axis(r, specs, seq, who)
+        assign = assignment(r, mesh, specs, who)
+        if lifted is not None:
+            assign.update({c: (lifted,) for c in seq})
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        # an input the kernel never reads keeps its split (nothing moves for it)
+        args = tuple(NamedSharding(mesh, P(*spec) if name in r.unread else _pspec(axs, assign))
+                     for (name, _, axs), spec in zip(r.inputs, specs))
+        outs = tuple(NamedSharding(mesh, _pspec(axs, assign)) for _, _, axs in r.outputs)
+        return assign, args, outs, lifted
+
+    def infer(mesh, arg_shapes, result_shape):
+        outs = plan(mesh, arg_shapes)[2]
+        return outs if n_out > 1 else outs[0]
+
+    def partition(mesh, arg_shapes, result_shape):
+        assign, args, outs, lifted = plan(mesh, arg_shapes)
+        local = [jax.ShapeDtypeStruct(sh.shard_shape(s), a.dtype) for s, sh, a in zip(in_shapes, args, arg_shapes)]
+        local_out = [sh.shard_shape(s) for s, sh in zip(out_shapes, outs)]
+        if lifted is not None:
+            inner = lift.per_device(lifted, int(mesh.shape[lifted]), [x.shape for x in local], local_out)
+        else:
+            inner = relower(tuple(local))
+        finish = []  # (output index, collective, mesh axes)
+        for c, m in assign.items():
+            for i, monoid in (r.monoids[c] if c not in seq else ()):
+                finish.append((i, _COLLECTIVE[monoid], m))
+
+        def lower_fn(*xs):
+            res = inner(*xs)
+            res = list(res) if n_out > 1 else [res]
+            # a block's kernel drops axes of extent 1 from a statistic's layout: the same elements
+            res = [x.reshape(shape) if x.shape != shape else x for x, shape in zip(res, local_out)]
+            for i, coll, m in finish:
+                res[i] = getattr(jax.lax, coll)(res[i], m if len(m) > 1 else m[0])
+            return tuple(res) if n_out > 1 else res[0]
+
+        return mesh, lower_fn, (outs if n_out > 1 else outs[0]), args
+
+    text, sizes, repl, red = sdy_rule(r, in_shapes, out_shapes)
+    def call(*args):  # positional only: custom_partitioning binds the signature
+        return run(*args)
+
+    f = custom_partitioning(call)
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                    sharding_rule=text, need_replication_factors=tuple(repl), reduction_factors=red, **sizes)
+    # custom_partitioning has no batching rule: under jax.vmap the kernel's own code is batched
+    # (a kernel's compiled function catches vmap earlier, ``Kernel._batchable``; this is for
+    # the rest, e.g. a saving forward)
+    from jax import custom_batching
+
+    g = custom_batching.custom_vmap(f)
+
+    @g.def_vmap
+    def batched(axis_size, in_batched, *args):
+        out = jax.vmap(call, in_axes=tuple(0 if b else None for b in in_batched), axis_size=axis_size)(*args)
+        return out, (True,) * n_out if n_out > 1 else True
+
+    return g
+
+
+__all__ = ["Rule", "rule", "partitioned", "assignment", "check", "visible"]

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Beyond one device, measured on host CPU devices: time and per-device memory against the
+device count, for attention split by batch × heads, the block split by batch, and ring
+attention (the sequence split) up to S = 32768.
+
+The devices are XLA's host "devices" (``--xla_force_host_platform_device_count``): they share
+this machine's cores, so time shows what splitting costs (collectives, smaller blocks), not a
+speed-up; per-device temp memory (the compiled program's own ``memory_analysis``) is what a
+device of a real mesh would hold. Every contender runs in one process, alternated.
+
+    python scripts/bench_sharding.py          # writes bench/results/sharding_cpu.md
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "sharding_cpu.md"), "the results file")
+DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "device counts")
+REPS = flags.DEFINE_integer("reps", 3, "timed runs per contender")
+RING_TIME_S = flags.DEFINE_integer("ring_time_s", 4096, "sequence length of the timed ring rows")
+RING_MEMORY_S = flags.DEFINE_list("ring_memory_s", ["8192", "32768"], "sequence lengths of the ring memory rows")
+CPU = flags.DEFINE_bool("cpu", True, "eight host CPU devices; --nocpu: this node's GPUs (scripts/delta/node.sbatch)")
+
+
+def _mesh(n: int, names, shape):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def _put(x, mesh, *spec):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+def _compiled(fn, *args):
+    c = fn.lower(*args).compile()
+    text = c.as_text()
+    return c.memory_analysis().temp_size_in_bytes, text.count("all-gather("), text.count("collective-permute(")
+
+
+def main(argv):
+    del argv
+    if CPU.value:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    from moajax import cost
+    from moajax.ring import Ring
+    from moajax.timing import alternating, machine_line, write_results
+
+    counts = [int(d) for d in DEVICES.value if int(d) <= (8 if CPU.value else jax.device_count())]
+    if jax.device_count() < max(counts):
+        raise SystemExit(f"needs {max(counts)} devices, have {jax.device_count()}")
+    r = np.random.default_rng(0)
+    a = lambda *s: jnp.asarray(r.standard_normal(s).astype(np.float32))  # noqa: E731
+    where = (f"{jax.device_count()} XLA host devices sharing this machine's {os.cpu_count()} cores: time shows the "
+             "cost of splitting, not a speed-up" if CPU.value else f"{jax.device_count()} × {jax.devices()[0].device_kind}")
+    lines = [f"# Beyond one device ({machine_line()})", "",
+             f"`python scripts/bench_sharding.py` — {where}. Temp: the compiled program's temp memory per device. "
+             "Median of the alternated runs; float32.", ""]
+
+    # ---- attention split by batch × heads
+    B, T, N, H = 8, 1024, 8, 64
+    q, k, v = a(B, T, N, H), a(B, T, N, H), a(B, T, N, H)
+    loss = lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=True) ** 2)  # noqa: E731
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    layouts = {1: None, 2: ((2, 1), ("data", "model")), 4: ((2, 2), ("data", "model")), 8: ((2, 4), ("data", "model"))}
+    fns, info = {}, {}
+    for n in counts:
+        mesh = None if layouts[n] is None else _mesh(n, layouts[n][1], layouts[n][0])
+        args = [_put(x, mesh, "data", None, "model") for x in (q, k, v)]
+        info[n] = _compiled(grad, *args)
+        fns[n] = (lambda args=args: grad(*args))
+    times = alternating(fns, (), reps=REPS.value)
+    base = np.median(times[counts[0]])
+    lines += [f"## Attention jit(grad), split by batch × heads (B = {B}, T = {T}, N = {N}, H = {H}, causal)", "",
+              "| devices | mesh (data × model) | median | vs 1 device | temp per device | all-gathers |",
+              "|---:|---|---:|---:|---:|---:|"]
+    for n in counts:
+        mesh = "—" if layouts[n] is None else " × ".join(map(str, layouts[n][0]))
+        t = np.median(times[n])
+        lines.append(f"| {n} | {mesh} | {t * 1e3:.1f} ms | {base / t:.2f}× | {info[n][0] / 2**20:.1f} MiB | {info[n][1]} |")
+    lines.append("")
+
+    # ---- the block split by batch
+    B, T, D, N, H, F = 8, 512, 512, 8, 64, 1408
+    p = dict(attn_norm=jnp.ones(D), wq=a(D, N, H) / D ** 0.5, wk=a(D, N, H) / D ** 0.5, wv=a(D, N, H) / D ** 0.5,
+             wo=a(N, H, D) / D ** 0.5, mlp_norm=jnp.ones(D), w_gate=a(D, F) / D ** 0.5, w_up=a(D, F) / D ** 0.5,
+             w_down=a(F, D) / F ** 0.5)
+    x = a(B, T, D)
+    bgrad = jax.jit(jax.grad(lambda p, x: jnp.mean(moajax.transformer_block(p, x, is_causal=True) ** 2)))
+    fns, info = {}, {}
+    for n in counts:
+        mesh = None if n == 1 else _mesh(n, ("data",), (n,))
+        args = (p if mesh is None else {k_: _put(w, mesh) for k_, w in p.items()}, _put(x, mesh, "data"))
+        info[n] = _compiled(bgrad, *args)
+        fns[n] = (lambda args=args: bgrad(*args))
+    times = alternating(fns, (), reps=REPS.value)
+    base = np.median(times[counts[0]])
+    lines += [f"## Block jit(grad), split by batch (B = {B}, T = {T}, D = {D}, {N} × {H} heads, F = {F})", "",
+              "| devices | median | vs 1 device | temp per device | all-gathers |", "|---:|---:|---:|---:|---:|"]
+    for n in counts:
+        t = np.median(times[n])
+        lines.append(f"| {n} | {t * 1e3:.1f} ms | {base / t:.2f}× | {info[n][0] / 2**20:.1f} MiB | {info[n][1]} |")
+    lines.append("")
+
+    # ---- ring attention: the sequence split
+    N, H = 8, 64
+
+    def ring_case(S, n):
+        q, k, v = a(1, S, N, H), a(1, S, N, H), a(1, S, N, H)
+        mesh = None if n == 1 else _mesh(n, ("seq",), (n,))
+        return [_put(x, mesh, None, "seq") for x in (q, k, v)]
+
+    rgrad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    S = RING_TIME_S.value
+    fns, info = {}, {}
+    for n in counts:
+        args = ring_case(S, n)
+        info[n] = _compiled(rgrad, *args)
+        fns[n] = (lambda args=args: rgrad(*args))
+    times = alternating(fns, (), reps=REPS.value)
+    base = np.median(times[counts[0]])
+    lines += [f"## Ring attention jit(grad), the sequence split (B = 1, N = {N}, H = {H}, causal, zigzag)", "",
+              "Sent: `cost.ring_bytes` (forward + backward) of the busiest device. 1 device ÷ this: the one-device "
+              "temp over this temp (the ideal is the device count). S/P alone: one device's temp for S/P tokens "
+              "(no ring), the floor a ring's device cannot go below.", "",
+              "| S | devices | median | vs 1 device | temp per device | 1 device ÷ this | S/P alone | sent per device | "
+              "collective-permutes | all-gathers |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def sent(S, n):
+        if n == 1:
+            return 0
+        ring, blk = Ring("seq", n, "zigzag"), (1, S // n, N, H)
+        return cost.ring_bytes(ring, blk, blk, blk, 4) + cost.ring_bytes(ring, blk, blk, blk, 4, backward=True)
+
+    def alone(S, n):  # one device, S/n tokens
+        return _compiled(rgrad, *ring_case(S // n, 1))[0]
+
+    for n in counts:
+        t = np.median(times[n])
+        lines.append(f"| {S} | {n} | {t * 1e3:.0f} ms | {base / t:.2f}× | {info[n][0] / 2**20:.1f} MiB | "
+                     f"{info[counts[0]][0] / max(info[n][0], 1):.2f} | {alone(S, n) / 2**20:.1f} MiB | "
+                     f"{sent(S, n) / 2**20:.1f} MiB | {info[n][2]} | {info[n][1]} |")
+    for S in map(int, RING_MEMORY_S.value):
+        mem = {n: _compiled(rgrad, *ring_case(S, n)) for n in counts}
+        for n in counts:
+            lines.append(f"| {S} | {n} | (compiled only) | | {mem[n][0] / 2**20:.1f} MiB | "
+                         f"{mem[counts[0]][0] / max(mem[n][0], 1):.2f} | {alone(S, n) / 2**20:.1f} MiB | "
+                         f"{sent(S, n) / 2**20:.1f} MiB | {mem[n][2]} | {mem[n][1]} |")
+    lines.append("")
+    write_results(OUT.value, lines)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    app.run(main)
