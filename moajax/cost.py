@@ -175,6 +175,11 @@ class _Counter:
         elif isinstance(e, (D.Convert, D.Tag)):
             self.expr(e.children[0], extra)
         elif isinstance(e, D.Red):
+            sel = D.selection(e)
+            if sel is not None:  # a table read at a computed index: one gather and a bounds test
+                self.expr(sel[2], extra)
+                self.flops += pts
+                return
             self.reduction(e.monoid, e.var, e.body, extra)
 
     def reduction(self, monoid, v: Var, body: D.Expr, extra=()):

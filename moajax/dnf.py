@@ -337,6 +337,41 @@ def quotient(num: list, den: list, dtype) -> Expr:
     return n if not den else Call("div", (n, product(den, dtype)))
 
 
+def selection(e: Expr):
+    """Σ_j ((j = i) ? ⟨… j …⟩ψA : 0) = ⟨… i …⟩ψA where 0 ≤ i < n (else 0): the one-hot read a
+    traced table lookup (``moajax.trace``: table[i] at a computed i) ψ-reduces to — a gather.
+    (the read of A, the position of j in it, i) where A's other indices are constants; else
+    None. The DNF keeps the one-hot form (its meaning); backends and the cost model read it
+    as the gather it is."""
+    if not (isinstance(e, Red) and e.monoid == "add"):
+        return None
+    b = e.body
+    if not (isinstance(b, Call) and b.op == "where"):
+        return None
+    cond, val, zero = b.children
+    if not (isinstance(zero, Lit) and zero.value == 0):
+        return None
+    while isinstance(val, Convert):
+        val = val.children[0]
+    if not (isinstance(val, Read) and isinstance(cond, Call) and cond.op == "eq"):
+        return None
+    j = e.var
+
+    def is_j(x):
+        return isinstance(x, IndexValue) and x.ix.as_var() == j
+
+    a, c = cond.children
+    i = c if is_j(a) else a if is_j(c) else None
+    if i is None or j in i.free:
+        return None
+    pos = [p for p, ix in enumerate(val.index) if j in ix.free_vars()]
+    if len(pos) != 1 or val.index[pos[0]].as_var() != j:
+        return None
+    if any(not ix.is_const for p, ix in enumerate(val.index) if p != pos[0]):
+        return None
+    return val, pos[0], i
+
+
 def reads(e: Expr) -> list[Read]:
     """The distinct input reads of e."""
     return [x for x in walk(e) if isinstance(x, Read)]

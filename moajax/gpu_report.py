@@ -310,6 +310,40 @@ def training_cases(dtypes=("bfloat16", "float32")):
     return out
 
 
+def score_mod_cases(dtypes=("float32",)):
+    """``dot_product_attention`` with a ``score_mod`` (jax.nn layout, B=1, T=S=1024, N=8, H=64,
+    causal), its forward and the derived adjoint's plan: tanh soft-capping (arithmetic on the
+    score), ALiBi (a per-head slope: a table read at the head index) and relative position
+    (a small table read at a computed index, clip(q_idx − kv_idx) — a gather in the kernel)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moajax import machines
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    slopes = jnp.asarray(2.0 ** -np.arange(1, 9), jnp.float32)
+    table = jnp.asarray(np.linspace(-1.0, 1.0, 33), jnp.float32)
+    mods = {"softcap": lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0),
+            "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi).astype(s.dtype),
+            "relpos": lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -16, 16) + 16]}
+    out = []
+    for dt in dtypes:
+        S = [jax.ShapeDtypeStruct((1, 1024, 8, 64), np.dtype(dt))] * 3
+        for name, fn in mods.items():
+            mod = _check_score_mod(fn, np.dtype(dt))
+            kern = mha_kernel(None, None, False, False, False, mod)
+            consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
+            adj, args = kern.saved_adjoint(*S, *consts, is_causal=True)
+            parts = [("forward", kern.dnf(*S, *consts, is_causal=True)), ("adjoint", adj.dnf(*args, is_causal=True))]
+            for m in machines.available().values():
+                if m.is_gpu:
+                    for what, dnf in parts:
+                        out += _plan_rows(f"score_mod {name} causal {what} {dt} H=64", dnf, m)
+    return out
+
+
 def sweep_onf(kernel: str, dtype: str, h: int, rows: int, keys: int, warps: int, stages: int):
     """One row of the shared-memory calibration sweep (scripts/sweep_smem.py): the attention
     ``"forward"`` (jax.nn layout, B=1, T=S=1024, N=8) or the fused ``"fwd+bwd"`` (one head,

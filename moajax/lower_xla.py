@@ -41,6 +41,9 @@ class XlaBackend(Backend):
     def window(self, ev, full) -> Named:
         return S.window_array(ev, full)
 
+    def gather(self, array: str, at: tuple):
+        return self.arrays[array][at]
+
     def read(self, ev: TileEval, e: D.Read) -> Named:
         import jax.numpy as jnp
         from jax import lax

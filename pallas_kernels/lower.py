@@ -149,6 +149,9 @@ class PallasBackend(Backend):
                     vars_.append(v)
         return tuple(idx), vars_
 
+    def gather(self, array: str, at: tuple):
+        return self.refs[array][at]  # a Triton gather load (the table stays in global memory / L1)
+
     def read(self, ev: TileEval, e: D.Read) -> Named:
         ref = self.refs[e.array]
         shape = self.shapes[e.array]

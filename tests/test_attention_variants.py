@@ -297,3 +297,33 @@ def test_bad_score_mods_are_named():
         attn(q, k, v, score_mod=lambda s, b, h, qi, ki: jnp.sin(s))
     with pytest.raises(TypeError, match="score_mod must be callable"):
         attn(q, k, v, score_mod=3.0)
+
+
+def test_a_table_read_is_a_gather_not_a_one_hot_sum():
+    """table[clip(q_idx − kv_idx)] ψ-reduces to Σ_j ((j = i) ? table[j] : 0) (its meaning);
+    ``dnf.selection`` reads it as the gather it is: the XLA lowering gathers from the table
+    (no [t, s, 7] one-hot), and the cost model counts one select per score, not 2 · 7."""
+    from moajax import cost, dnf as D, machines, schedule
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    mod = _check_score_mod(_relpos, np.dtype(np.float64))
+    kern = mha_kernel(None, None, False, False, False, mod)
+    specs = [jax.ShapeDtypeStruct((1, T, 1, 8), np.float64)] * 3 + [jax.ShapeDtypeStruct((7,), np.float64)]
+    dnf = kern.dnf(*specs, is_causal=True)
+    sels = [e for o in dnf.outputs for e in D.walk(o.body) if D.selection(e) is not None]
+    assert sels and all(D.selection(e)[0].array == "score_mod_const0" for e in sels)
+    q, k, v, _ = _qkv(2, 13)
+    args = (q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], jnp.asarray(TABLE))
+    text = str(jax.make_jaxpr(lambda *a: kern(*a, is_causal=True, implementation="xla"))(*args))
+    assert "gather" in text and f"{T},{S},7]" not in text.replace(" ", "")
+    onf = schedule.derive(dnf, machines.load("delta-a100"))
+    one_hot = D.Red("add", sels[0].var, sels[0].body)  # the same Σ, counted as a reduction
+    c = cost._Counter(onf)
+    c.reduction(one_hot.monoid, one_hot.var, one_hot.body)
+    g = cost._Counter(onf)
+    g.expr(sels[0])
+    i = cost._Counter(onf)
+    i.expr(D.selection(sels[0])[2])  # the index arithmetic, counted by both
+    pts = cost._points(onf, set(sels[0].free))
+    assert g.flops - i.flops == pts and c.flops - i.flops >= 2 * 7 * pts

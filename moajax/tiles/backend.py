@@ -39,6 +39,23 @@ class Backend:
     def read(self, ev, read: D.Read) -> Named:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def select(self, ev, read: D.Read, pos: int, index: Named, dtype) -> Named:
+        """⟨… i …⟩ψA for every i of ``index`` (``dnf.selection``: a table read at a computed
+        index), 0 where i is outside A's axis ``pos``; the other indices are constants."""
+        import jax.numpy as jnp
+
+        n = read.index[pos].as_var().extent
+        i = index.data.astype(jnp.int32)
+        at = []  # A's physical axes (γ: ``perms``), the computed one clipped into bounds
+        for p in self.perms[read.array]:
+            at.append(jnp.clip(i, 0, n - 1) if p == pos else int(read.index[p].const))
+        val = self.gather(read.array, tuple(at)).astype(dtype)
+        return Named(jnp.where((i >= 0) & (i < n), val, jnp.zeros((), dtype)), index.vars)
+
+    def gather(self, array: str, at: tuple):  # pragma: no cover - interface
+        """A[at]: the input array indexed by ints and one int array (the same shape out)."""
+        raise NotImplementedError
+
     def contract(self, a: Named, b: Named, var: Var, out_dtype) -> Named:  # pragma: no cover - interface
         raise NotImplementedError
 

@@ -108,6 +108,10 @@ class TileEval(Scope):
         if isinstance(e, D.Ref):
             return self.ref(e)
         if isinstance(e, D.Red):
+            sel = D.selection(e)
+            if sel is not None:  # a table read at a computed index: a gather, not a one-hot Σ
+                read, pos, index = sel
+                return self.backend.select(self, read, pos, self.eval(index), e.dtype)
             return self.reduce(e.monoid, e.var, e.body, e.free, skipping.skip_for(self.onf, e))
         raise TypeError(f"cannot evaluate {type(e).__name__} in a tile")
 
