@@ -101,6 +101,7 @@ def cmd_gpu_report(args) -> int:
                 f"{r.spill_stores}/{r.spill_loads} | {r.atomics} | {'yes' if ok else 'NO'} |"
             )
             print(lines[-1], flush=True)
+    paths = _two_paths(args, gpu_report)
     if args.out:
         import datetime
         from pathlib import Path
@@ -113,9 +114,48 @@ def cmd_gpu_report(args) -> int:
             f"`ptxas -v` (ptxas {gpu_report.ptxas_version()}). smem (model) is the cost model's estimate used to reject ONFs.",
             "",
         ]
-        Path(args.out).write_text("\n".join(head + lines) + "\n")
+        Path(args.out).write_text("\n".join(head + lines + paths) + "\n")
     print(f"{len(lines) - 2} kernels, {bad} with spills, shared-memory overflow or failures")
     return 1 if bad else 0
+
+
+def _two_paths(args, gpu_report) -> list:
+    """The attention ONFs through both GPU paths, side by side: the Pallas kernel (jaxlib's
+    Triton) and the ONF's generated Triton source (Triton's own compiler, jax-triton's path).
+    Empty without Triton installed (the ``test`` extra brings it)."""
+    try:
+        from pallas_kernels import triton_source
+
+        if triton_source.ptxas() is None:
+            raise ImportError("no ptxas in the triton wheel")
+    except ImportError as e:
+        print(f"moajax gpu-report: the jax-triton path is not compared: {e}", file=sys.stderr)
+        return []
+    import triton
+
+    cases = [c for c in gpu_report.default_cases((64,), ("float32",))]
+    cases += [c for c in gpu_report.training_cases(("float32",)) if "GQA" not in c[0]]
+    cases += gpu_report.backward_cases((64,), ("float32",))
+    lines = ["", "## The two GPU paths for the same ONF", "",
+             f"Pallas (jaxlib's Triton, ptxas {gpu_report.ptxas_version()}) against the ONF's generated Triton source "
+             f"(`pallas_kernels.triton_source`, Triton {triton.__version__} and its ptxas; launched by jax-triton). "
+             "Per kernel: shared memory B, registers, spill stores/loads B, atomics.", "",
+             "| machine | arch | kernel | Pallas smem | Pallas regs | Pallas spills | Pallas atomics | Triton smem | "
+             "Triton regs | Triton spills | Triton atomics |", "|" + "---|" * 11]
+    for label, m, onf in cases:
+        if (args.arch and m.arch not in args.arch) or isinstance(onf, Exception):
+            continue
+        try:
+            pairs = zip(gpu_report.onf_reports(onf, m.arch), gpu_report.triton_source_reports(onf, m.arch))
+            for a, b in pairs:
+                lines.append(f"| {m.name} | {m.arch} | {label} {a.kernel.removeprefix('moajax_')} | {a.smem_bytes} | "
+                             f"{a.registers} | {a.spill_stores}/{a.spill_loads} | {a.atomics} | {b.smem_bytes} | "
+                             f"{b.registers} | {b.spill_stores}/{b.spill_loads} | {b.atomics} |")
+                print(lines[-1], flush=True)
+        except Exception as e:  # a failure is a finding
+            lines.append(f"| {m.name} | {m.arch} | {label} | FAILED: {str(e)[:120]} |" + " |" * 7)
+            print(lines[-1], flush=True)
+    return lines
 
 
 def cmd_measure(args) -> int:

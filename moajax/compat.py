@@ -163,3 +163,100 @@ def shard_map(f, *, mesh, in_specs, out_specs, check: bool = False):
     from jax.experimental.shard_map import shard_map as old  # pragma: no cover - older JAX
 
     return old(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+class _HostArray:
+    """A NumPy array as a pointer argument of Triton's interpreter, which expects torch tensors
+    (``data_ptr``, ``dtype``, storages to copy to and from a device): host memory already."""
+
+    def __init__(self, array):
+        self.array = array
+        self.dtype = array.dtype
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_accepts_numpy() -> None:
+    """Let Triton's interpreter launch on ``_HostArray`` arguments: its host-copy steps (written
+    for torch tensors on a device) pass them through."""
+    from triton.runtime import interpreter
+
+    init, restore = interpreter.GridExecutor._init_args_hst, interpreter.GridExecutor._restore_args_dev
+
+    def init_args(self, args, kwargs):
+        if any(isinstance(a, _HostArray) for a in args):
+            return list(args), dict(kwargs)
+        return init(self, args, kwargs)
+
+    def restore_args(self, args_dev, args_hst, kwargs, kwargs_hst):
+        if any(isinstance(a, _HostArray) for a in args_dev):
+            return None
+        return restore(self, args_dev, args_hst, kwargs, kwargs_hst)
+
+    interpreter.GridExecutor._init_args_hst = init_args
+    interpreter.GridExecutor._restore_args_dev = restore_args
+
+
+def triton_interpret_call(kernel):
+    """A generated Triton kernel (``pallas_kernels.triton_source.TritonKernel``) as a JAX
+    function run by Triton's interpreter on the host (``jax.pure_callback``): NumPy semantics,
+    float64 included. ``TRITON_INTERPRET=1`` must be set before triton is first imported."""
+    import os
+
+    import numpy as np
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"
+    _interpreter_accepts_numpy()
+    fn = kernel.function()
+    aliased = dict((o, i) for i, o in kernel.aliases)
+
+    def host(*inputs):
+        ins = [np.ascontiguousarray(np.asarray(x)) for x in inputs]
+        outs = [np.array(ins[aliased[k]], copy=True) if k in aliased else np.zeros(a.shape, a.dtype)
+                for k, a in enumerate(kernel.out_avals)]
+        fn[kernel.grid](*[_HostArray(x) for x in ins + outs])
+        return tuple(outs)
+
+    def call(*inputs):
+        shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel.out_avals)
+        return list(jax.pure_callback(host, shapes, *inputs))
+
+    return call
+
+
+def jax_triton_call(kernel, compute_capability: int | None = None):
+    """A generated Triton kernel launched through ``jax_triton.triton_call`` (CUDA).
+
+    jax-triton compiles when it lowers and asks device 0 for its compute capability; given
+    ``compute_capability`` (from the machine profile: ``Machine.arch``), it asks nothing, so a
+    machine with no GPU lowers for CUDA too."""
+    import jax_triton
+
+    fn = kernel.jit_function()
+
+    def call(*inputs):
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel.out_avals]
+        outs = jax_triton.triton_call(*inputs, kernel=fn, out_shape=shapes, grid=kernel.grid,
+                                      num_warps=kernel.num_warps, num_stages=kernel.num_stages,
+                                      input_output_aliases=dict(kernel.aliases),
+                                      compute_capability=compute_capability)
+        return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+    return call
+
+
+def bind_params(eqn) -> dict:
+    """The parameters to ``bind`` a jaxpr equation's primitive with (JAX ≥ 0.7 returns a dict;
+    before, a (subfuns, params) pair — no primitive moajax re-binds this way has subfuns)."""
+    res = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(res, tuple):  # pragma: no cover - older JAX
+        subfuns, res = res
+        if subfuns:
+            raise NotImplementedError(f"re-binding {eqn.primitive.name} with sub-functions")
+    return res

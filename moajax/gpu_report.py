@@ -135,9 +135,9 @@ def compile_ptx(kernel: TritonKernel, arch: str) -> tuple[str, int]:
     return asm, int(res.smem_bytes)
 
 
-def ptxas_info(ptx: str, arch: str) -> dict:
-    """registers, spill stores/loads and stack frame bytes from ``ptxas -v``."""
-    exe = ptxas_path()
+def ptxas_info(ptx: str, arch: str, exe: str | None = None) -> dict:
+    """registers, spill stores/loads and stack frame bytes from ``ptxas -v`` (``exe``: which)."""
+    exe = exe or ptxas_path()
     if exe is None:
         raise ToolMissing("ptxas not found: install the `gpu` extra (nvidia-cuda-nvcc-cu12) or the CUDA toolkit")
     with tempfile.TemporaryDirectory() as tmp:
@@ -382,6 +382,26 @@ def onf_reports(onf, arch: str) -> list[PtxReport]:
     if not ks:
         raise RuntimeError(f"{onf.dnf.name}: the CUDA lowering emitted no Triton kernel")
     return [report(k, arch) for k in ks]
+
+
+def triton_source_reports(onf, arch: str) -> list[PtxReport]:
+    """The same ONF through the other GPU path: its generated Triton source
+    (``pallas_kernels.triton_source``, launched by jax-triton) compiled by Triton for ``arch``,
+    read by Triton's own ptxas."""
+    from pallas_kernels import triton_source
+
+    out = []
+    for k in triton_source.kernels(onf):
+        ptx, smem = triton_source.compile_ptx(k, arch)
+        try:
+            info = ptxas_info(ptx, arch, triton_source.ptxas())
+        except RuntimeError as e:  # a PTX newer than the older ptxas the wheel carries
+            if "Unsupported .version" not in str(e):
+                raise
+            info = ptxas_info(ptx, arch, triton_source.ptxas(newest=True))
+        out.append(PtxReport(k.name, arch, smem, info["registers"], info["spill_stores"], info["spill_loads"],
+                             info["stack_bytes"], count_atomics(ptx)))
+    return out
 
 
 def onf_report(onf, arch: str) -> PtxReport:

@@ -203,7 +203,7 @@ class Kernel:
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
         cpu, gpu = runtime.schedules(self._build(arrays, options)[2], onf)
-        if implementation in ("pallas", "pallas_interpret") or (implementation is None and runtime.has_gpu()):
+        if implementation in runtime.GPU_BACKENDS or (implementation is None and runtime.has_gpu()):
             if isinstance(gpu, Exception):  # no GPU ONF fits (``runtime.schedules``)
                 raise gpu
             return gpu

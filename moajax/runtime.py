@@ -20,7 +20,10 @@ from moajax import machines
 from moajax.onf import ONF, ONFError
 from moajax.schedule import Preset, derive, derive_plan, residual_choice
 
-IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_interpret")
+IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_interpret", "triton", "triton_interpret")
+# the GPU ONF's backends: Pallas (its Triton backend), or the ONF's Triton source launched by
+# jax-triton (``pallas_kernels.triton_source``); "_interpret": run on the CPU by an interpreter
+GPU_BACKENDS = ("pallas", "pallas_interpret", "triton", "triton_interpret")
 
 
 def gpu_machine():
@@ -57,8 +60,8 @@ def residual_policy(residuals, onf, who: str) -> str:
 
 def check_implementation(implementation, who: str) -> None:
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{who}: implementation must be None, 'xla', 'pallas' or 'pallas_interpret', "
-                         f"got {implementation!r}")
+        raise ValueError(f"{who}: implementation must be None, 'xla', 'pallas', 'pallas_interpret', 'triton' "
+                         f"or 'triton_interpret', got {implementation!r}")
 
 
 @functools.lru_cache(maxsize=512)
@@ -89,6 +92,18 @@ def schedules(dnf, onf_key=None) -> tuple:
             raise
         gpu = err  # no GPU here: the CUDA branch is only ever lowered offline (see ``dispatch``)
     return cpu, gpu
+
+
+def compute_capability(onf) -> int:
+    """The compute capability of the ONF's target GPU profile (``sm_80`` → 80): what jax-triton
+    compiles for where no GPU can be asked (a CUDA lowering made on a CPU-only machine)."""
+    from moajax import machines
+
+    arch = machines.load(onf.target).arch
+    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
+    if not arch.startswith("sm_") or not digits:
+        raise ValueError(f"{onf.dnf.name}: the target {onf.target!r} is not a CUDA profile (arch {arch!r})")
+    return int(digits)
 
 
 def has_gpu() -> bool:
@@ -124,6 +139,12 @@ def lowered(onf, backend: str, order: tuple | None = None):
         from moajax import lower_xla
 
         return lower_xla.lower(onf)
+    if backend in ("triton", "triton_interpret"):
+        from pallas_kernels import triton_source
+
+        return triton_source.lower(onf, interpret=backend == "triton_interpret",
+                                   compute_capability=None if backend == "triton_interpret" or has_gpu()
+                                   else compute_capability(onf))
     import pallas_kernels
 
     return pallas_kernels.lower(onf, interpret=backend == "pallas_interpret")
@@ -138,9 +159,9 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None, order: tuple | Non
 
     if implementation == "xla":
         return lowered(cpu_onf, "xla", order)
-    if isinstance(gpu_onf, ONFError) and implementation in ("pallas", "pallas_interpret"):
+    if isinstance(gpu_onf, ONFError) and implementation in GPU_BACKENDS:
         raise gpu_onf
-    if implementation in ("pallas", "pallas_interpret"):
+    if implementation in GPU_BACKENDS:
         return lowered(gpu_onf, implementation, order)
     xla = lowered(cpu_onf, "xla", order)
     if isinstance(gpu_onf, ONFError):

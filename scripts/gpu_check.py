@@ -127,6 +127,9 @@ def main():
         # the masked tiles walked and masked (Preset skip=False): what skipping them buys
         "moajax no skip": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c,
                                                                           onf=Preset.of(skip=False)),
+        # the same ONF through the second GPU path: its Triton source launched by jax-triton
+        "moajax triton": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c,
+                                                                         implementation="triton"),
         "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla"),
         "jax.nn cudnn": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn"),
     }
@@ -139,6 +142,9 @@ def main():
               "|---|---|---|---|---:|---:|---:|"]
     grads = {f"moajax {b}": (lambda b: lambda q, k, v, c: moajax.dot_product_attention(
         q, k, v, is_causal=c, onf=Preset.of(backward=b)))(b) for b in ("owner", "split", "atomic")}
+    grads.update({f"moajax {b} triton": (lambda b: lambda q, k, v, c: moajax.dot_product_attention(
+        q, k, v, is_causal=c, onf=Preset.of(backward=b), implementation="triton"))(b)
+        for b in ("owner", "split", "atomic")})
     grads.update({f"jax.nn {i}": (lambda i: lambda q, k, v, c: jax.nn.dot_product_attention(
         q, k, v, is_causal=c, implementation=i))(i) for i in ("xla", "cudnn")})
     table(grads, ((1, 4096, 8, 64),), 14, 10, lambda f, c: jax.jit(jax.grad(
