@@ -115,8 +115,7 @@ def _major(ix: Ix):
 
 def _top_reduction(body: D.Expr):
     """op_v e at the top of an output's body (through labels and conversions): (op, v) or None."""
-    while isinstance(body, (D.Tag, D.Convert)):
-        body = body.children[0]
+    body = _strip(body)
     return (body.monoid, body.var) if isinstance(body, D.Red) else None
 
 
@@ -222,6 +221,7 @@ def rule(dnf) -> Rule:
 
 
 def _strip(body):
+    """An output's body without the labels and conversions around it."""
     while isinstance(body, (D.Tag, D.Convert)):
         body = body.children[0]
     return body

@@ -390,7 +390,8 @@ class _Emitter:
         for v in eqn.outvars:
             self.names[v] = "0"
 
-    def _carry_loop(self, consts, inits, indent):
+    def _carry_loop(self, inits, indent):
+        """Loop-carried values: each in a variable of its own, assigned before the loop."""
         names = []
         for x in inits:
             n = self.fresh("k")
@@ -405,7 +406,7 @@ class _Emitter:
         if len(eqn.invars) != nc + nk or len(eqn.outvars) != nk or prm.get("reverse"):
             raise TritonSourceError("Triton source: a scan with scanned inputs or outputs (only fori loops)")
         consts = [self.read(a, indent) for a in eqn.invars[:nc]]
-        carry = self._carry_loop(consts, [self.read(a, indent) for a in eqn.invars[nc:]], indent)
+        carry = self._carry_loop([self.read(a, indent) for a in eqn.invars[nc:]], indent)
         it = self.fresh("i")
         self.line(indent, f"for {it} in range(0, {prm['length']}):")
         res = self.body(body, consts + carry, indent + 1)
@@ -443,7 +444,7 @@ class _Emitter:
         cn, bn = prm["cond_nconsts"], prm["body_nconsts"]
         cconsts = [self.read(a, indent) for a in eqn.invars[:cn]]
         bconsts = [self.read(a, indent) for a in eqn.invars[cn:cn + bn]]
-        carry = self._carry_loop([], [self.read(a, indent) for a in eqn.invars[cn + bn:]], indent)
+        carry = self._carry_loop([self.read(a, indent) for a in eqn.invars[cn + bn:]], indent)
         counted = self._counted(cj, bj, cn, bn)
         if counted is not None:
             i, n = counted
