@@ -23,6 +23,7 @@ For a DNF scheduled by an ONF (the shapes and dtypes are the DNF's) it counts
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -96,14 +97,20 @@ class Movement:
     dims: tuple
 
 
-def ring_bytes(ring, query_shape, key_shape, value_shape, itemsize: int, *, backward: bool = False) -> int:
+def ring_bytes(ring, query_shape, key_shape, value_shape, itemsize: int, *, backward: bool = False,
+               residuals_in_ring_order: bool = True) -> int:
     """Bytes the busiest device sends in one ring attention call (``moajax.ring``), the
     shapes being one device's blocks [b, S/P, n, h] (batch and heads already split).
 
     Forward: the K and V blocks travel P − 1 hops. Backward: K and V again P − 1 hops, dK and
     dV P hops (home). With the zigzag balance each array's two halves move to their slots
     (forward: Q, K, V in and Out back; backward: dOut in and dQ, dK, dV back); a half whose
-    slot is on its own device stays."""
+    slot is on its own device stays. ``residuals_in_ring_order``: the backward reads the
+    forward's Q, K, V, Out and row statistics in ring order (``ring_attention``: one
+    custom_vjp around both rings); False where they cross the contiguous split between the
+    two (the sequence split under jit: the saving forward and the adjoint are two partitioned
+    kernels) — the forward sends its row max and sum back, the backward reorders them and Q,
+    K, V and Out again."""
     P = ring.devices
     kv = (int(np.prod(key_shape)) + int(np.prod(value_shape))) * itemsize
     sent = (2 * P - 1) * kv if backward else (P - 1) * kv
@@ -111,6 +118,9 @@ def ring_bytes(ring, query_shape, key_shape, value_shape, itemsize: int, *, back
         q = int(np.prod(query_shape)) * itemsize
         o = int(np.prod(query_shape[:-1])) * value_shape[-1] * itemsize
         arrays = (o + q + kv) if backward else (q + kv + o)  # each array's halves, once
+        if not residuals_in_ring_order:  # the row max and sum (float32 or wider) back, and in
+            stats = 2 * int(np.prod(query_shape[:-1])) * max(itemsize, 4)
+            arrays += stats + (q + kv + o if backward else 0)
         moving = max(sum(t != d for t in ring.reorder_targets(d)) for d in range(P))
         sent += arrays * moving // 2
     return sent
@@ -145,6 +155,18 @@ def _points(onf: ONF, vars_) -> int:
 
 def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def _scatters(target: str) -> bool:
+    """Does the backend that runs an ONF for ``target`` scatter-add a table's gradient
+    (``dnf.one_hot_write``): XLA, which runs the CPU ONFs, does; Triton keeps the one-hot Σ."""
+    from moajax import machines
+
+    try:
+        return not machines.load(target).is_gpu
+    except ValueError:  # an ONF built for no profile ("generic") runs on XLA
+        return True
 
 
 class _Counter:
@@ -183,6 +205,13 @@ class _Counter:
             self.reduction(e.monoid, e.var, e.body, extra)
 
     def reduction(self, monoid, v: Var, body: D.Expr, extra=()):
+        hot = D.one_hot_write(v, body) if monoid == "add" and _scatters(self.onf.target) else None
+        if hot is not None:  # a table's gradient, scatter-added: X once, one add per element
+            c, i, x = hot
+            self.expr(x, extra)
+            self.expr(i, extra)
+            self.flops += _points(self.onf, (set(x.free) | set(i.free) | {v}) - {c})
+            return
         factors = D.product_factors(body) if monoid == "add" else [body]
         terms = D.distributed(body, factors, v) if len(factors) >= 2 else None
         if terms is not None:  # Σ_v over a sum of contractions is that many contractions (as evaluated)

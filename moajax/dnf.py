@@ -372,6 +372,25 @@ def selection(e: Expr):
     return val, pos[0], i
 
 
+def one_hot_write(v: Var, body: Expr):
+    """Σ_v ((c = i) ? X : 0), c a variable that neither i nor X uses (nor v): the transpose of
+    a table read at a computed index (``selection``'s adjoint, d table[c] = Σ dY where i = c)
+    — X added into the bins i of the axis c indexes, a scatter-add (a histogram), not a Σ
+    over [c, v, …] of a one-hot. (c, i, X), else None. The DNF keeps the one-hot form (its
+    meaning); the XLA backend and the cost model read it as the scatter it is."""
+    if not (isinstance(body, Call) and body.op == "where"):
+        return None
+    cond, val, zero = body.children
+    if not (isinstance(zero, Lit) and zero.value == 0 and isinstance(cond, Call) and cond.op == "eq"):
+        return None
+    a, b = cond.children
+    for x, i in ((a, b), (b, a)):
+        c = x.ix.as_var() if isinstance(x, IndexValue) else None
+        if c is not None and c != v and c not in i.free and c not in val.free:
+            return c, i, val
+    return None
+
+
 def reads(e: Expr) -> list[Read]:
     """The distinct input reads of e."""
     return [x for x in walk(e) if isinstance(x, Read)]

@@ -84,9 +84,21 @@ class Kernel:
         self._compiled: dict = {}
         self._derived: dict = {}  # kernels derived from this one: adjoints, batched, saving
         # how an axis that no plain split over devices honours is lifted over a mesh axis all
-        # the same (``moajax.shard.partitioned``; attention's sequence: ``moajax.ring``), kept
-        # by the saving forward and the adjoints; None: none
-        self.mesh_lift = None
+        # the same (``moajax.shard.partitioned``; attention's sequence: ``moajax.ring``); None:
+        # none. A derived kernel (the saving forward, an adjoint) reads its primal's
+        self._mesh_lift = None
+        self._lift_from = None
+
+    @property
+    def mesh_lift(self):
+        """The mesh lifting of this kernel: its own, or — for a kernel derived from another —
+        the primal's at the time of the call (set on the primal after the derived kernel was
+        cached, it still reaches it)."""
+        return self._mesh_lift if self._lift_from is None else self._lift_from.mesh_lift
+
+    @mesh_lift.setter
+    def mesh_lift(self, lift):
+        self._mesh_lift = lift
 
     # ---- tracing
     def _sign(self, fn, extra: tuple, name: str, doc: str) -> None:
@@ -361,7 +373,7 @@ class Kernel:
         forward.__signature__ = inspect.signature(self.fn)
         forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels)
         hit = self._derived[("with_row_statistics", labels)] = _SavingKernel(forward, primal)
-        hit.mesh_lift = self.mesh_lift
+        hit._lift_from = self
         return hit
 
     def _saving_pays(self, shape_key, options) -> bool:
@@ -579,7 +591,7 @@ class Kernel:
         adj = Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else "")
                      + "".join(f"_{lb}" for lb in labels),
                      outputs=tuple(f"d_{w}" for w in wrt), dims=dims, identities=identities if saved else None)
-        adj.mesh_lift = self.mesh_lift
+        adj._lift_from = self
         return adj
 
     def _tangent_for(self, shape_key, options) -> "Kernel":

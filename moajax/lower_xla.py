@@ -44,6 +44,11 @@ class XlaBackend(Backend):
     def gather(self, array: str, at: tuple):
         return self.arrays[array][at]
 
+    scatters = True
+
+    def scatter_add(self, zeros, at: tuple, values):
+        return zeros.at[at].add(values, mode="drop")
+
     def read(self, ev: TileEval, e: D.Read) -> Named:
         import jax.numpy as jnp
         from jax import lax

@@ -336,43 +336,46 @@ def sequence_lift(kern):
 
 def _zigzag_pairs(P: int, h: int):
     """(source, target) device pairs moving half h of the contiguous split into the zigzag
-    slots: slot 0 of device i is chunk i, slot 1 chunk 2P−1−i (chunk c lives at device c//2)."""
+    slots: slot 0 of device i is chunk i, slot 1 chunk 2P−1−i (chunk c lives at device c//2).
+    Returned as (into slot 0, into slot 1)."""
     slot0 = [(d, 2 * d + h) for d in range(P) if 2 * d + h < P]
     slot1 = [(d, 2 * P - 1 - 2 * d - h) for d in range(P) if 2 * d + h >= P]
     return slot0, slot1
 
 
-def _permute(x, axis_name, pairs):
-    import jax.numpy as jnp
-    from jax import lax
-
-    return lax.ppermute(x, axis_name, pairs) if pairs else jnp.zeros_like(x)
+def _half_permutation(P: int, h: int):
+    """Half h of every device's contiguous block, each to the device whose zigzag slot holds
+    it: a permutation of the devices (chunks 2d + h share h's parity, and chunk c and 2P−1−c,
+    the two chunks of one device, have opposite parities), so one ``ppermute`` moves it."""
+    return [pair for pairs in _zigzag_pairs(P, h) for pair in pairs]
 
 
 def to_zigzag(x, ring: Ring):
-    """A device's contiguous block (chunks 2i, 2i+1) → its zigzag block (chunks i, 2P−1−i)."""
+    """A device's contiguous block (chunks 2i, 2i+1) → its zigzag block (chunks i, 2P−1−i).
+
+    Device i receives one chunk of each parity: chunk i (slot 0) has i's parity, so slot 0
+    comes from half i mod 2 and slot 1 from the other; two ``ppermute``s, each buffer the
+    size of half a block, and a select."""
     import jax.numpy as jnp
+    from jax import lax
 
     halves = _split(x, 2)
-    slots = [0, 0]
-    for h in range(2):
-        for s, pairs in enumerate(_zigzag_pairs(ring.devices, h)):
-            part = _permute(halves[h], ring.axis_name, pairs)
-            slots[s] = part if isinstance(slots[s], int) else slots[s] + part
-    return jnp.concatenate(slots, axis=1)
+    got = [lax.ppermute(halves[h], ring.axis_name, _half_permutation(ring.devices, h)) for h in range(2)]
+    even = lax.axis_index(ring.axis_name) % 2 == 0
+    return jnp.concatenate([lax.select(even, got[0], got[1]), lax.select(even, got[1], got[0])], axis=1)
 
 
 def from_zigzag(x, ring: Ring):
-    """The inverse of ``to_zigzag``."""
+    """The inverse of ``to_zigzag``: the slot of parity h goes home as half h."""
     import jax.numpy as jnp
+    from jax import lax
 
     slots = _split(x, 2)
-    halves = [0, 0]
-    for h in range(2):
-        for s, pairs in enumerate(_zigzag_pairs(ring.devices, h)):
-            part = _permute(slots[s], ring.axis_name, [(b, a) for a, b in pairs])
-            halves[h] = part if isinstance(halves[h], int) else halves[h] + part
-    return jnp.concatenate(halves, axis=1)
+    even = lax.axis_index(ring.axis_name) % 2 == 0
+    parity = [lax.select(even, slots[0], slots[1]), lax.select(even, slots[1], slots[0])]
+    return jnp.concatenate([lax.ppermute(parity[h], ring.axis_name, [(t, s) for s, t in
+                                                                      _half_permutation(ring.devices, h)])
+                            for h in range(2)], axis=1)
 
 
 def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool = False, scale=None,

@@ -154,12 +154,14 @@ def _op(name, prim, eqn, xs):
 
 
 def _one_hot_read(table: moa.Array, index: moa.Array) -> moa.Array:
-    """table[index] for every element of ``index`` (any shape): Σ_j (ι n = index) × table[j],
-    with a trailing axis of 1 (dynamic_slice's), removed by the squeeze that follows."""
+    """table[index] for every element of ``index`` (any shape): Σ_j (ι n = i) × table[j],
+    i = 0 ⌈ index ⌊ n − 1 (dynamic_slice clamps its start: jnp's table[i] wraps a negative i
+    once, then clamps, so a read past either end is the end entry, never 0), with a trailing
+    axis of 1 (dynamic_slice's), removed by the squeeze that follows."""
     n = table.shape[0]
 
     def one(ix, tab):
-        hit = moa.eq(moa.iota(n, table.dims[0]), ix)
+        hit = moa.eq(moa.iota(n, table.dims[0]), moa.minimum(moa.maximum(ix, 0), n - 1))
         return moa.reshape(moa.sum(moa.where(hit, tab, 0.0), 0), (1,), dims=("one",))
 
     return moa.omega(one, (0, 1))(index, table)

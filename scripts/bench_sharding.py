@@ -49,6 +49,24 @@ def _compiled(fn, *args):
     return c.memory_analysis().temp_size_in_bytes, text.count("all-gather("), text.count("collective-permute(")
 
 
+MEMORY_FIRST = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+RING_TEMP = flags.DEFINE_string("ring_temp", None, "internal: S,devices — print the ring jit(grad)'s temp bytes")
+
+
+def _temp_memory_first(S: int, n: int) -> int:
+    """The ring jit(grad)'s temp memory under XLA CPU's memory-minimising schedule, compiled
+    in a child process (the schedule is a process-wide XLA flag; a per-compile option does not
+    reach it). Its default schedule, for concurrency, starts whatever only the inputs
+    determine at once — the backward's reorder of Q, K and V among it — and holds those
+    buffers through the forward."""
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + MEMORY_FIRST).strip())
+    out = subprocess.run([sys.executable, __file__, f"--ring_temp={S},{n}"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.strip().splitlines()[-1])
+
+
 def main(argv):
     del argv
     if CPU.value:
@@ -74,10 +92,22 @@ def main(argv):
              f"`python scripts/bench_sharding.py` — {where}. Temp: the compiled program's temp memory per device. "
              "Median of the alternated runs; float32.", ""]
 
+    loss = lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=True) ** 2)  # noqa: E731
+
+    def ring_case(S, n):  # the ring's inputs: B = 1, 8 heads of 64, the sequence split n ways
+        q, k, v = a(1, S, 8, 64), a(1, S, 8, 64), a(1, S, 8, 64)
+        mesh = None if n == 1 else _mesh(n, ("seq",), (n,))
+        return [_put(x, mesh, None, "seq") for x in (q, k, v)]
+
+    rgrad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    if RING_TEMP.value:  # the child of _temp_memory_first
+        S, n = map(int, RING_TEMP.value.split(","))
+        print(_compiled(rgrad, *ring_case(S, n))[0])
+        return
+
     # ---- attention split by batch × heads
     B, T, N, H = 8, 1024, 8, 64
     q, k, v = a(B, T, N, H), a(B, T, N, H), a(B, T, N, H)
-    loss = lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=True) ** 2)  # noqa: E731
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     layouts = {1: None, 2: ((2, 1), ("data", "model")), 4: ((2, 2), ("data", "model")), 8: ((2, 4), ("data", "model"))}
     fns, info = {}, {}
@@ -121,13 +151,6 @@ def main(argv):
 
     # ---- ring attention: the sequence split
     N, H = 8, 64
-
-    def ring_case(S, n):
-        q, k, v = a(1, S, N, H), a(1, S, N, H), a(1, S, N, H)
-        mesh = None if n == 1 else _mesh(n, ("seq",), (n,))
-        return [_put(x, mesh, None, "seq") for x in (q, k, v)]
-
-    rgrad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     S = RING_TIME_S.value
     fns, info = {}, {}
     for n in counts:
@@ -136,33 +159,48 @@ def main(argv):
         fns[n] = (lambda args=args: rgrad(*args))
     times = alternating(fns, (), reps=REPS.value)
     base = np.median(times[counts[0]])
+    block = N * H * 4  # bytes of one token's K (or V, dK, dV) row
     lines += [f"## Ring attention jit(grad), the sequence split (B = 1, N = {N}, H = {H}, causal, zigzag)", "",
-              "Sent: `cost.ring_bytes` (forward + backward) of the busiest device. 1 device ÷ this: the one-device "
-              "temp over this temp (the ideal is the device count). S/P alone: one device's temp for S/P tokens "
-              "(no ring), the floor a ring's device cannot go below.", "",
-              "| S | devices | median | vs 1 device | temp per device | 1 device ÷ this | S/P alone | sent per device | "
-              "collective-permutes | all-gathers |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "Sent: `cost.ring_bytes` (forward + backward, `residuals_in_ring_order=False`: under jit the saving "
+              "forward and the adjoint are two partitioned kernels, so the backward reorders Q, K, V and Out again) "
+              "of the busiest device. 1 device ÷ this: the one-device temp over this temp (the ideal is the device "
+              "count). Memory-first: the same program under XLA CPU's memory-minimising schedule (its default "
+              "schedule, for concurrency, starts the backward's reorder of Q, K, V at the program's start). S/P "
+              "alone: one device's temp for S/P tokens, no ring. + ring blocks: that plus the 8 blocks of S/P "
+              "tokens a ring device adds in this design (K, V, dK and dV travelling, and each one's incoming "
+              "copy) — an estimate, not a bound: the memory-first schedule reuses some of the S/P-alone buffers "
+              "and comes in under it.", "",
+              "| S | devices | median | vs 1 device | temp per device | 1 device ÷ this | memory-first | "
+              "1 device ÷ this | S/P alone | + ring blocks | sent per device | collective-permutes | all-gathers |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def sent(S, n):
         if n == 1:
             return 0
         ring, blk = Ring("seq", n, "zigzag"), (1, S // n, N, H)
-        return cost.ring_bytes(ring, blk, blk, blk, 4) + cost.ring_bytes(ring, blk, blk, blk, 4, backward=True)
+        return (cost.ring_bytes(ring, blk, blk, blk, 4, residuals_in_ring_order=False)
+                + cost.ring_bytes(ring, blk, blk, blk, 4, backward=True, residuals_in_ring_order=False))
 
     def alone(S, n):  # one device, S/n tokens
         return _compiled(rgrad, *ring_case(S // n, 1))[0]
 
+    def row(S, n, t, mem, first, base_mem, base_first):
+        a = alone(S, n)
+        ring_floor = a + (8 * (S // n) * block if n > 1 else 0)
+        return (f"| {S} | {n} | {t} | {mem[0] / 2**20:.1f} MiB | {base_mem / max(mem[0], 1):.2f} | "
+                f"{first / 2**20:.1f} MiB | {base_first / max(first, 1):.2f} | {a / 2**20:.1f} MiB | "
+                f"{ring_floor / 2**20:.1f} MiB | {sent(S, n) / 2**20:.1f} MiB | {mem[2]} | {mem[1]} |")
+
+    first = {n: _temp_memory_first(S, n) for n in counts}
     for n in counts:
         t = np.median(times[n])
-        lines.append(f"| {S} | {n} | {t * 1e3:.0f} ms | {base / t:.2f}× | {info[n][0] / 2**20:.1f} MiB | "
-                     f"{info[counts[0]][0] / max(info[n][0], 1):.2f} | {alone(S, n) / 2**20:.1f} MiB | "
-                     f"{sent(S, n) / 2**20:.1f} MiB | {info[n][2]} | {info[n][1]} |")
+        lines.append(row(S, n, f"{t * 1e3:.0f} ms | {base / t:.2f}×", info[n], first[n], info[counts[0]][0],
+                         first[counts[0]]))
     for S in map(int, RING_MEMORY_S.value):
         mem = {n: _compiled(rgrad, *ring_case(S, n)) for n in counts}
+        first = {n: _temp_memory_first(S, n) for n in counts}
         for n in counts:
-            lines.append(f"| {S} | {n} | (compiled only) | | {mem[n][0] / 2**20:.1f} MiB | "
-                         f"{mem[counts[0]][0] / max(mem[n][0], 1):.2f} | {alone(S, n) / 2**20:.1f} MiB | "
-                         f"{sent(S, n) / 2**20:.1f} MiB | {mem[n][2]} | {mem[n][1]} |")
+            lines.append(row(S, n, "(compiled only) |", mem[n], first[n], mem[counts[0]][0], first[counts[0]]))
     lines.append("")
     write_results(OUT.value, lines)
 

@@ -254,6 +254,83 @@ def test_a_closed_over_table_gets_its_gradient():
     assert rel_err(got, want) <= F64
 
 
+def _table_grad_reference(q, k, v, g, table, offset, is_causal):
+    """d table of Σ Out × g, Out with score + table[q_idx − kv_idx + offset], float64. The
+    index as jnp reads it: a negative one wraps once (+ len), then it is clamped into the
+    table (lax.dynamic_slice). The reference's bias gradient [B,N,T,S] is added into its bins
+    (np.add.at)."""
+    Tq, Sk, Rn = q.shape[1], k.shape[1], len(table)
+    bins = np.arange(Tq)[:, None] - np.arange(Sk)[None, :] + offset
+    bins = np.clip(np.where(bins < 0, bins + Rn, bins), 0, Rn - 1)
+    bias = np.asarray(table)[bins]
+    dbias = R.mha_variants(q, k, v, bias=np.broadcast_to(bias, (q.shape[0], q.shape[2], Tq, Sk)), is_causal=is_causal,
+                           dout=g)[3].sum(axis=(0, 1))
+    want = np.zeros(Rn)
+    np.add.at(want, bins, dbias)
+    return want
+
+
+def _table_loss(q, k, v, g, offset, impl, **kw):
+    def loss(table):
+        mod = lambda s, b, h, qi, ki: s + table[qi - ki + offset]  # noqa: E731 — read as jnp reads it
+        return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, **kw) * g)
+    return loss
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_table_gradient_is_scatter_added(impl):
+    """The table's gradient is the transpose of its gather: every score's dS added into its
+    bin (``dnf.one_hot_write``; XLA scatter-adds, Triton keeps the one-hot Σ). Indices past
+    either end of the table read as jnp reads them (wrapped once, then clamped); causal and
+    GQA."""
+    q, k, v, g = _qkv(2, 14)
+    table = np.random.default_rng(15).standard_normal(6)
+    for offset, causal in ((2, True), (-3, False)):
+        got = jax.jit(jax.grad(_table_loss(q, k, v, g, offset, impl, is_causal=causal)))(jnp.asarray(table))
+        assert _close(got, _table_grad_reference(q, k, v, g, table, offset, causal), F64)
+
+
+@settings(max_examples=8, deadline=None)
+@given(T_=st.integers(1, 12), S_=st.integers(1, 12), K=st.sampled_from([1, 2, 4]), size=st.integers(1, 24),
+       offset=st.integers(-12, 12), causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_table_gradient_property(T_, S_, K, size, offset, causal, seed):
+    q, k, v, g = _qkv(K, seed, T=T_, S=S_)
+    table = np.random.default_rng(seed + 1).standard_normal(size)
+    got = jax.grad(_table_loss(q, k, v, g, offset, "xla", is_causal=causal))(jnp.asarray(table))
+    # a one-entry table's gradient is exactly 0 (softmax is shift-invariant): relative to the
+    # O(1) scale of the summands there (``_close``)
+    assert _close(got, _table_grad_reference(q, k, v, g, table, offset, causal), F64)
+
+
+def test_the_table_gradient_costs_one_add_per_score_whatever_the_table_size():
+    """The XLA lowering scatter-adds (a scatter in the jaxpr, no [c, t, s] one-hot), and the
+    cost model counts one add per score for the table's gradient, whatever the table's size
+    (the one-hot Σ costs 2 × entries per score)."""
+    from moajax import cost, schedule, machines
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    q, k, v, g = _qkv(2, 16, T=32, S=32)
+    text = str(jax.make_jaxpr(jax.grad(_table_loss(q, k, v, g, 3, "xla")))(jnp.zeros(64)))
+    assert "scatter-add" in text and "32,32,64]" not in text.replace(" ", "")
+    flops = {}
+    for size in (4, 64):
+        table = jnp.asarray(np.linspace(0.0, 1.0, size))
+        mod = _check_score_mod(lambda s, b, h, qi, ki: s + table[qi - ki], np.dtype(np.float64))
+        kern = mha_kernel(None, None, True, False, False, mod)
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)] + [jax.ShapeDtypeStruct((size,), np.float64)]
+        adj = kern.adjoint(*specs)
+        dnf = adj.dnf(*specs, jax.ShapeDtypeStruct(g.shape, g.dtype))
+        table_out = next(o for o in dnf.outputs if o.name.startswith("d_score_mod_const"))
+        onf = schedule.derive(dnf, machines.load("delta-epyc-7763"))
+        c = cost._Counter(onf)
+        c.expr(table_out.body)
+        flops[size] = c.flops
+    # what grows with the table is the sums over s of the [entries, s, heads] partials: far
+    # under one pass over the 32 × 32 scores per added entry (the one-hot Σ: ≥ 2 per score)
+    assert flops[64] - flops[4] < (64 - 4) * 32 * 32
+
+
 def _ref_softcap(q, k, v, cap):
     """tanh soft-capping, causal, in numpy float64: cap · tanh(scale · q kᵀ / cap)."""
     Bq, Tq, Nq, Hq = q.shape

@@ -277,6 +277,56 @@ def test_ring_bytes_is_what_the_program_sends(balance):
     assert sent_both == cost.ring_bytes(ring, *shapes, 4) + cost.ring_bytes(ring, *shapes, 4, backward=True)
 
 
+def test_ring_bytes_of_the_sequence_split_under_jit():
+    """Under jit the sequence split's saving forward and adjoint are two partitioned kernels
+    (``ring.SequenceLift``) whose interface is the inputs' contiguous split, so the backward
+    reorders Q, K, V and Out again: cost.ring_bytes(residuals_in_ring_order=False) against the
+    ppermutes of the per-device programs."""
+    from jax.sharding import PartitionSpec as P
+
+    from moajax import compat
+    from moajax.kernels.attention import mha_kernel
+    from moajax.ring import _Lifted
+
+    devices, T, N, H = 4, 64, 4, 8
+    mesh = _mesh((devices,), ("seq",))
+    kern = mha_kernel(None, None, False, False, False, None)
+    blk, stats = (1, T // devices, N, H), (T // devices, N)
+    opts = dict(is_causal=True)
+    saving = _Lifted(kern, "saving", opts).per_device("seq", devices, [blk] * 3, [stats, stats, blk])
+    adjoint = _Lifted(kern, "adjoint_saved", opts).per_device("seq", devices, [blk] * 4 + [stats, stats, blk],
+                                                              [blk] * 3)
+    x, s = P(None, "seq"), P("seq")
+    fwd = compat.shard_map(saving, mesh=mesh, in_specs=(x,) * 3, out_specs=(s, s, x))
+    bwd = compat.shard_map(adjoint, mesh=mesh, in_specs=(x,) * 4 + (s, s, x), out_specs=(x,) * 3)
+    a = jax.ShapeDtypeStruct((1, T, N, H), np.float32)
+    st = jax.ShapeDtypeStruct((T, N), np.float32)
+    sent_fwd = max(_ppermute_bytes(jax.make_jaxpr(fwd)(a, a, a).jaxpr, d) for d in range(devices))
+    sent_bwd = max(_ppermute_bytes(jax.make_jaxpr(bwd)(a, a, a, a, st, st, a).jaxpr, d) for d in range(devices))
+    ring = Ring("seq", devices, "zigzag")
+    assert sent_fwd == cost.ring_bytes(ring, blk, blk, blk, 4, residuals_in_ring_order=False)
+    assert sent_bwd == cost.ring_bytes(ring, blk, blk, blk, 4, backward=True, residuals_in_ring_order=False)
+    assert sent_bwd > cost.ring_bytes(ring, blk, blk, blk, 4, backward=True)
+
+
+def test_the_sequence_lift_reaches_kernels_derived_before_it():
+    """A kernel's saving forward and adjoints are cached on it; the ring's lift, set on the
+    primal when a sequence split first meets it, must reach those derived before (the suite
+    once evicted mha's cached kernel, rebuilt it, derived its saving forward outside a mesh,
+    and the sequence split then raised 'cannot honour')."""
+    from moajax import ring
+    from moajax.kernel import Kernel
+    from moajax.kernels.attention import mha
+
+    fresh = Kernel(mha.fn, example=mha.example, name="mha_fresh")
+    specs = [jax.ShapeDtypeStruct((1, 8, 2, 4), np.float32)] * 3
+    saving, adjoint = fresh.with_row_statistics(()), fresh.adjoint(*specs)
+    assert saving.mesh_lift is None and adjoint.mesh_lift is None
+    ring.sequence_lift(fresh)
+    assert fresh.mesh_lift is not None
+    assert saving.mesh_lift is fresh.mesh_lift and adjoint.mesh_lift is fresh.mesh_lift
+
+
 # ----------------------------------------------------------------------------- errors
 
 

@@ -52,6 +52,14 @@ class Backend:
         val = self.gather(read.array, tuple(at)).astype(dtype)
         return Named(jnp.where((i >= 0) & (i < n), val, jnp.zeros((), dtype)), index.vars)
 
+    # can a tile be scatter-added into (a table's gradient, ``TileEval.scatter_sum``)? Triton
+    # has no scatter into a block: there the one-hot Σ stands
+    scatters = False
+
+    def scatter_add(self, zeros, at: tuple, values):  # pragma: no cover - interface
+        """zeros with ``values`` added at the int arrays ``at`` (out-of-bounds rows dropped)."""
+        raise NotImplementedError
+
     def gather(self, array: str, at: tuple):  # pragma: no cover - interface
         """A[at]: the input array indexed by ints and one int array (the same shape out)."""
         raise NotImplementedError

@@ -209,6 +209,9 @@ class TileEval(Scope):
         import jax.numpy as jnp
 
         if mono.name == "add":
+            hot = D.one_hot_write(v, body) if self.backend.scatters else None
+            if hot is not None:
+                return self.scatter_sum(v, *hot)
             factors = D.product_factors(body)
             terms = D.distributed(body, factors, v)
             if terms is not None:
@@ -230,4 +233,32 @@ class TileEval(Scope):
         ax = x.vars.index(v)
         return Named(mono.jnp_reduce(x.data, axis=ax), x.vars[:ax] + x.vars[ax + 1:])
 
+    def scatter_sum(self, v: Var, c: Var, index: D.Expr, value: D.Expr) -> Named:
+        """Σ_v ((c = i) ? X : 0) over this scope (``dnf.one_hot_write``): X, over v's range
+        and the other variables, added into the bins i − start(c) of the c range — one add
+        per element of X, where the one-hot Σ costs |c| of them and materialises [c, v, …].
+        The variables i does not use (the heads of a table shared by them) ride along as a
+        window: one index per point of i's variables, not per element. Bins outside the c
+        range (and X past the end of v) add nothing."""
+        import jax.numpy as jnp
 
+        x, i = self.eval(value), self.eval(index)
+        big = lambda vars_: tuple(w for w in self.ordered(vars_) if self.range_of(w).size != 1)  # noqa: E731
+        rows = big(set(i.vars) | {v})  # indexed: v and i's variables
+        window = big(set(x.vars) - set(rows))  # carried whole at each index
+        xd = broadcast_to_vars(x, rows + window, self.ranges)
+        mask = valid(self, v)
+        if mask is not None and v in rows:
+            past = broadcast_to_vars(mask, rows, self.ranges).reshape(xd.shape[:len(rows)] + (1,) * len(window))
+            xd = jnp.where(past, xd, jnp.zeros((), xd.dtype))
+        rc = self.range_of(c)
+        bins = broadcast_to_vars(i, rows, self.ranges).astype(jnp.int32) - jnp.asarray(rc.start, jnp.int32)
+        bins = jnp.where((bins >= 0) & (bins < rc.size), bins, rc.size)  # outside: dropped, never wrapped
+        kept = tuple(w for w in rows if w != v)
+        at = (bins,) + tuple(jnp.broadcast_to(jnp.reshape(jnp.arange(self.range_of(w).size), [
+            self.range_of(w).size if u == w else 1 for u in rows]), bins.shape) for w in kept)
+        shape = (rc.size,) + tuple(self.range_of(w).size for w in kept + window)
+        out = self.backend.scatter_add(jnp.zeros(shape, xd.dtype), at, xd)
+        if rc.size == 1:  # a value has no axis for a variable of one point
+            return self.canon(Named(out[0], kept + window))
+        return self.canon(Named(out, (c,) + kept + window))
