@@ -32,7 +32,9 @@ def _lit_key(value):
 class Expr:
     """A scalar expression over index variables (immutable, hash-consed)."""
 
-    __slots__ = ("dtype", "free", "children", "__weakref__")
+    # _canon: (α-normal form, its highest bound name) once ``canonical`` has computed it;
+    # _bound: the variables reductions bind inside it, once ``bound_vars`` has
+    __slots__ = ("dtype", "free", "children", "_canon", "_bound", "__weakref__")
 
     @classmethod
     def _get(cls, key, init: Callable[["Expr"], None]) -> "Expr":
@@ -400,35 +402,65 @@ def reductions(e: Expr) -> list[Red]:
     return [x for x in walk(e) if isinstance(x, Red)]
 
 
+def _kept(e: Expr, slot: str, make: Callable[[Expr], object]):
+    """The attribute ``slot`` of e, made by ``make(x)`` for e and every node below it that has
+    none yet, children before parents — iteratively (DNF bodies nest deeper than Python's
+    stack allows) and never below a node that has it: a property of a node computed once,
+    from its children's."""
+    stack = [(e, False)]
+    while stack:
+        x, ready = stack.pop()
+        if getattr(x, slot, None) is not None:
+            continue
+        if not ready:
+            stack.append((x, True))
+            stack.extend((c, False) for c in x.children if getattr(c, slot, None) is None)
+            continue
+        setattr(x, slot, make(x))
+    return getattr(e, slot)
+
+
+def _bound_of(x: Expr) -> frozenset:
+    got = frozenset().union(*(c._bound for c in x.children))
+    return got | {x.var} if isinstance(x, Red) else got
+
+
 def bound_vars(e: Expr) -> set[Var]:
-    return {x.var for x in walk(e) if isinstance(x, Red)}
+    """The variables reductions inside e bind (kept on each node: bodies are shared DAGs)."""
+    return set(_kept(e, "_bound", _bound_of))
+
+
+def mentioned_vars(e: Expr) -> frozenset:
+    """Every index variable e mentions: free in it or bound inside it."""
+    return e.free | _kept(e, "_bound", _bound_of)
+
+
+def _canon_of(x: Expr) -> tuple:
+    """(x's α-normal form, the highest β it binds), from its children's."""
+    if isinstance(x, Red):
+        body, top = x.body._canon
+        j = top + 1
+        while Var(f"β{j}", x.var.extent) in body.free - {x.var}:
+            j += 1
+        v = Var(f"β{j}", x.var.extent)
+        return Red(x.monoid, v, substitute(body, {x.var: Ix.of(v)}) if v != x.var else body), j
+    if x.children:
+        kids = [c._canon for c in x.children]
+        return rebuild(x, [k[0] for k in kids]), max(k[1] for k in kids)
+    return x, -1
 
 
 def canonical(e: Expr) -> Expr:
-    """e with its bound variables renamed by nesting depth (α-normal form).
+    """e with its bound variables renamed by binder height (α-normal form).
 
-    Two expressions that differ only in the names of their bound variables have the same
-    canonical form; ONF rewrites use it to recognise repeated work.
+    op_{v<n} b ↦ op_{βⱼ<n} b′[v := βⱼ], b′ the normal form of b and j one more than the
+    highest β that b′ binds (higher while βⱼ is free in b′, so nothing is captured). Two
+    expressions that differ only in the names of their bound variables have the same
+    canonical form (where no free variable is named β…); ONF rewrites use it to recognise
+    repeated work. The name of a binder depends on what it encloses, not on what encloses
+    it, so the form is compositional: it is computed once per node and kept on the node.
     """
-    memo: dict = {}  # id → (node, result): the node is kept alive so its id is never reused
-
-    def go(x, depth):
-        key = (id(x), depth)
-        r = memo.get(key)
-        if r is not None and r[0] is x:
-            return r[1]
-        if isinstance(x, Red):
-            v = Var(f"β{depth}", x.var.extent)
-            body = substitute(x.body, {x.var: Ix.of(v)}) if v != x.var else x.body
-            out = Red(x.monoid, v, go(body, depth + 1))
-        elif x.children:
-            out = rebuild(x, [go(c, depth) for c in x.children])
-        else:
-            out = x
-        memo[key] = (x, out)
-        return out
-
-    return go(e, 0)
+    return _kept(e, "_canon", _canon_of)[0]
 
 
 def fresh_name(base: str, taken: set) -> str:
@@ -678,6 +710,9 @@ def _binder_names(e: Expr) -> frozenset:
     return hit
 
 
+_SHOWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # node → show(node)
+
+
 class ShowContext:
     """Shared state while printing several expressions: one definition per tagged subterm."""
 
@@ -693,7 +728,11 @@ class ShowContext:
 def show(e: Expr, ctx: ShowContext | None = None) -> str:
     """MoA-style text of e. Tagged subexpressions print as ``label(vars)``; their definitions
     (one per α-equivalence class) are collected in ``ctx.defs``."""
-    ctx = ctx or ShowContext()
+    if ctx is None:  # a pure function of e alone: printed once per node
+        hit = _SHOWN.get(e)
+        if hit is None:
+            hit = _SHOWN[e] = show(e, ShowContext())
+        return hit
     memo: dict = {}  # (id, scope) → (node, text); the node is kept alive so its id stays unique
 
     def tag_name(x: Tag) -> tuple[str, list[Var]]:

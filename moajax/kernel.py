@@ -162,12 +162,17 @@ class Kernel:
                 if not isinstance(o, moa.Array):
                     raise TypeError(f"{self.name}: the definition must return moa arrays, got {type(o).__name__}")
             names = self._names_for(outs)
-            dnf, der = _psi.reduce_to_dnf(self.name, inputs, outs, names)
+            dnf, _ = _psi.reduce_to_dnf(self.name, inputs, outs, names, record=False)
+            applied = ()
             if self._identities is not None:
                 dnf, applied = self._identities(dnf, specs, options)
-                der = _psi.Derivation(der.name, der.steps + tuple(
+
+            def derivation(inputs=inputs, outs=outs, names=names, applied=applied):
+                # recorded only when asked for: the rules' printed terms cost more than the reduction
+                der = _psi.reduce_to_dnf(self.name, inputs, outs, names)[1]
+                return _psi.Derivation(der.name, der.steps + tuple(
                     _psi.Step(a.rule, a.before, a.after, 0) for a in applied))
-            hit = (inputs, expr, dnf, der, _reference.to_jax(dnf))
+            hit = (inputs, expr, dnf, derivation, _reference.to_jax(dnf))
             self._cache[key] = hit
         return hit
 
@@ -181,7 +186,7 @@ class Kernel:
 
     def derivation(self, *specs, **options):
         """The ψ-reduction, rule by rule."""
-        return self._build(specs or self.example_specs(), options)[3]
+        return self._build(specs or self.example_specs(), options)[3]()
 
     def reference(self, *arrays, **options):
         """Run the DNF → JAX reference (the test oracle: correct rather than fast)."""
@@ -694,12 +699,13 @@ class _SavingKernel(Kernel):
             primal_names = self._primal_names(specs, options)
             n_saved = len(expr) - len(primal_names)
             names = tuple(f"saved{i}" for i in range(n_saved)) + primal_names
-            dnf, der = _psi.reduce_to_dnf(self.name, inputs, expr, names)
+            dnf, _ = _psi.reduce_to_dnf(self.name, inputs, expr, names, record=False)
             # each statistic in the layout of the output rows that compute it: one program
             # computes both (attention: the one online-softmax pass gives Out, its max and sum)
             layouts = _identities.statistic_layouts(dnf, names[:n_saved])
             dnf = _identities.relayout_forward(dnf, layouts)
-            hit = (inputs, expr, dnf, der, _reference.to_jax(dnf), layouts)
+            derivation = functools.partial(lambda *a: _psi.reduce_to_dnf(*a)[1], self.name, inputs, expr, names)
+            hit = (inputs, expr, dnf, derivation, _reference.to_jax(dnf), layouts)
             self._cache[key] = hit
         return hit
 

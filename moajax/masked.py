@@ -252,10 +252,13 @@ def _combined_over(onf: ONF, st) -> set:
     """The variables later stages reduce over while reading a result of ``st``."""
     out = set()
     names = set(st.defines)
+    reads: dict = {}  # id → does the node read a result of st (children first: one pass)
     for other in onf.program.stages:
         for e in other.exprs():
             for x in D.walk(e) if e is not None else ():
-                if isinstance(x, D.Red) and any(isinstance(y, D.Ref) and y.stage in names for y in D.walk(x.body)):
+                r = reads[id(x)] = ((isinstance(x, D.Ref) and x.stage in names)
+                                    or any(reads[id(c)] for c in x.children))
+                if r and isinstance(x, D.Red):
                     out.add(x.var)
     return out
 

@@ -103,12 +103,8 @@ class StageBase:
         if self.walks is not None:
             out.add(self.walks)
         for e in self.exprs():
-            if e is None:
-                continue
-            for x in D.walk(e):
-                out |= set(x.free)
-                if isinstance(x, D.Red):
-                    out.add(x.var)
+            if e is not None:
+                out |= D.mentioned_vars(e)  # every node's free variables are e's or bound in it
         return out
 
 

@@ -170,9 +170,11 @@ class Reducer:
         """The Ω cells a subterm refers to (only those bindings can change its reduction)."""
         return moa.free_cells(node, self._cells)
 
-    def log(self, rule: str, p, node, after: str):
+    def log(self, rule: str, p, node, after):
+        """Record a rule application; ``after`` is a thunk: the printed term is made only when
+        the reduction is recorded."""
         if self.record:
-            self.steps.append(Step(rule, _psi_str(p, node), after, self.depth))
+            self.steps.append(Step(rule, _psi_str(p, node), after(), self.depth))
 
     def fresh(self, base: str, extent: int, p, env) -> Var:
         """A bound variable named after its dimension, distinct from every name in scope."""
@@ -188,50 +190,50 @@ class Reducer:
 
     # ---- rules
     def r_input(self, p, node, env):
-        self.log("ψ-input", p, node, f"{_ix_str(p)}ψ{node.name}")
+        self.log("ψ-input", p, node, lambda: f"{_ix_str(p)}ψ{node.name}")
         return D.Read(node.name, p, node.dtype)
 
     def r_literal(self, p, node, env):
         return D.Lit(node.value, node.dtype)
 
     def r_iota(self, p, node, env):
-        self.log("ψ-iota", p, node, str(p[0]))
+        self.log("ψ-iota", p, node, lambda: str(p[0]))
         return D.IndexValue(p[0], node.dtype)
 
     def r_cell(self, p, node, env):
         arg, pre = env[node]
         q = pre + p
-        self.log("ψ-cell", p, node, _psi_str(q, arg))
+        self.log("ψ-cell", p, node, lambda: _psi_str(q, arg))
         return self.psi(q, arg, env)
 
     def r_psi(self, p, node, env):
         q = tuple(Ix.of(c) for c in node.index) + p
-        self.log("ψ-psi", p, node, _psi_str(q, node.arg))
+        self.log("ψ-psi", p, node, lambda: _psi_str(q, node.arg))
         return self.psi(q, node.arg, env)
 
     def r_take(self, p, node, env):
         k, s0 = node.count, node.arg.shape[0]
         q = p if k >= 0 else (p[0] + (s0 - abs(k)),) + p[1:]
-        self.log("ψ-take", p, node, _psi_str(q, node.arg))
+        self.log("ψ-take", p, node, lambda: _psi_str(q, node.arg))
         return self.psi(q, node.arg, env)
 
     def r_drop(self, p, node, env):
         k = node.count
         q = ((p[0] + k,) + p[1:]) if k >= 0 else p
-        self.log("ψ-drop", p, node, _psi_str(q, node.arg))
+        self.log("ψ-drop", p, node, lambda: _psi_str(q, node.arg))
         return self.psi(q, node.arg, env)
 
     def r_reverse(self, p, node, env):
         s0 = node.arg.shape[0]
         q = ((s0 - 1) - p[0],) + p[1:]
-        self.log("ψ-reverse", p, node, _psi_str(q, node.arg))
+        self.log("ψ-reverse", p, node, lambda: _psi_str(q, node.arg))
         return self.psi(q, node.arg, env)
 
     def r_rotate(self, p, node, env):
         s0 = node.arg.shape[0]
         k = node.shift % s0 if s0 else 0
         q = ((p[0] + k).mod(s0),) + p[1:]
-        self.log("ψ-rotate", p, node, _psi_str(q, node.arg))
+        self.log("ψ-rotate", p, node, lambda: _psi_str(q, node.arg))
         return self.psi(q, node.arg, env)
 
     def r_transpose(self, p, node, env):
@@ -239,21 +241,21 @@ class Reducer:
         for j, s in enumerate(node.perm):
             q[s] = p[j]
         q = tuple(q)
-        self.log("ψ-transpose", p, node, _psi_str(q, node.arg))
+        self.log("ψ-transpose", p, node, lambda: _psi_str(q, node.arg))
         return self.psi(q, node.arg, env)
 
     def r_reshape(self, p, node, env):
         off = gamma_offset(p, node.shape, node.gamma)
         q = gamma_index(off, node.arg.shape, node.gamma)
-        self.log("ψ-reshape", p, node, _psi_str(q, node.arg))
+        self.log("ψ-reshape", p, node, lambda: _psi_str(q, node.arg))
         return self.psi(q, node.arg, env)
 
     def r_cast(self, p, node, env):
-        self.log("ψ-cast", p, node, f"{node.dtype.name}({_psi_str(p, node.arg)})")
+        self.log("ψ-cast", p, node, lambda: f"{node.dtype.name}({_psi_str(p, node.arg)})")
         return D.Convert(self.psi(p, node.arg, env), node.dtype)
 
     def r_name(self, p, node, env):
-        self.log("ψ-name", p, node, f"{node.label}: {_psi_str(p, node.arg)}")
+        self.log("ψ-name", p, node, lambda: f"{node.label}: {_psi_str(p, node.arg)}")
         return D.Tag(node.label, self.psi(p, node.arg, env))
 
     def r_stop(self, p, node, env):
@@ -264,11 +266,11 @@ class Reducer:
         n = node.arg.shape[0]
         v = self.fresh(node.arg.dims[0], n, p, env)
         sym = node.monoid.symbol
-        self.log("ψ-reduce", p, node, f"{sym}_{{{v.name}<{n}}} {_psi_str((Ix.of(v),) + p, node.arg)}")
+        self.log("ψ-reduce", p, node, lambda: f"{sym}_{{{v.name}<{n}}} {_psi_str((Ix.of(v),) + p, node.arg)}")
         if n == 0:
             return D.Lit(node.monoid.identity(node.dtype).item(), node.dtype)
         if n == 1:  # op/ of one item is that item
-            self.log("ψ-reduce-one", p, node, _psi_str((Ix.of(0),) + p, node.arg))
+            self.log("ψ-reduce-one", p, node, lambda: _psi_str((Ix.of(0),) + p, node.arg))
             return self.psi((Ix.of(0),) + p, node.arg, env)
         body = self.psi((Ix.of(v),) + p, node.arg, env)
         return D.Red(node.monoid.name, v, body)
@@ -281,13 +283,15 @@ class Reducer:
         pb = (Ix.of(v),) + p[ra - 1:]
         self.log(
             "ψ-inner", p, node,
-            f"{node.monoid.symbol}_{{{v.name}<{n}}} ({_psi_str(pa, node.a)}) {node.op.symbol} ({_psi_str(pb, node.b)})",
+            lambda: (f"{node.monoid.symbol}_{{{v.name}<{n}}} ({_psi_str(pa, node.a)}) {node.op.symbol} "
+                     f"({_psi_str(pb, node.b)})"),
         )
         if n == 0:
             return D.Lit(node.monoid.identity(node.dtype).item(), node.dtype)
         if n == 1:  # a sum of one product is that product
             pa, pb = p[: ra - 1] + (Ix.of(0),), (Ix.of(0),) + p[ra - 1:]
-            self.log("ψ-reduce-one", p, node, f"({_psi_str(pa, node.a)}) {node.op.symbol} ({_psi_str(pb, node.b)})")
+            self.log("ψ-reduce-one", p, node,
+                     lambda: f"({_psi_str(pa, node.a)}) {node.op.symbol} ({_psi_str(pb, node.b)})")
             return D.Call(node.op.name, (self.psi(pa, node.a, env), self.psi(pb, node.b, env)))
         body = D.Call(node.op.name, (self.psi(pa, node.a, env), self.psi(pb, node.b, env)))
         return D.Red(node.monoid.name, v, body)
@@ -296,7 +300,7 @@ class Reducer:
         na = node.a.shape[0]
         qb = (p[0] - na,) + p[1:]
         lo, hi = p[0].bounds()
-        self.log("ψ-catenate", p, node, f"{p[0]} < {na} ? {_psi_str(p, node.a)} : {_psi_str(qb, node.b)}")
+        self.log("ψ-catenate", p, node, lambda: f"{p[0]} < {na} ? {_psi_str(p, node.a)} : {_psi_str(qb, node.b)}")
         if hi < na:
             return self.psi(p, node.a, env)
         if lo >= na:
@@ -306,19 +310,19 @@ class Reducer:
 
     def r_map(self, p, node, env):
         parts = [_psi_str(p if a.rank else (), a) for a in node.args]
-        self.log("ψ-map", p, node, f"{node.op.symbol}({', '.join(parts)})")
+        self.log("ψ-map", p, node, lambda: f"{node.op.symbol}({', '.join(parts)})")
         args = tuple(self.psi(p if a.rank else (), a, env) for a in node.args)
         if node.op.name == "add":
             fused = fuse_sums(*args)
             if fused is not None:
-                self.log("ψ-fuse-sums", p, node, "+/(A + B) for (+/A) + (+/B)")
+                self.log("ψ-fuse-sums", p, node, lambda: "+/(A + B) for (+/A) + (+/B)")
                 return fused
         return D.Call(node.op.name, args)
 
     def r_outer(self, p, node, env):
         ra = node.a.rank
         pa, pb = p[:ra], p[ra:]
-        self.log("ψ-outer", p, node, f"({_psi_str(pa, node.a)}) {node.op.symbol} ({_psi_str(pb, node.b)})")
+        self.log("ψ-outer", p, node, lambda: f"({_psi_str(pa, node.a)}) {node.op.symbol} ({_psi_str(pb, node.b)})")
         return D.Call(node.op.name, (self.psi(pa, node.a, env), self.psi(pb, node.b, env)))
 
     def r_omega(self, p, node, env):
@@ -330,7 +334,7 @@ class Reducer:
         binds = ", ".join(
             f"□{c.position}={_psi_str(pf if fr else (), a)}" for c, a, fr in zip(node.cells, node.args, node.frame)
         )
-        self.log("ψ-omega", p, node, f"{_psi_str(pc, node.body)} with {binds}")
+        self.log("ψ-omega", p, node, lambda: f"{_psi_str(pc, node.body)} with {binds}")
         return self.psi(pc, node.body, env2)
 
 

@@ -216,7 +216,7 @@ class Evaluator:
 
 
 def to_jax(dnf: D.DNF) -> Callable:
-    """The DNF as a JAX function of its inputs (in ``dnf.inputs`` order).
+    """The DNF as a jitted JAX function of its inputs (in ``dnf.inputs`` order).
 
     Returns one array for a single-output DNF, else a tuple.
     """
@@ -237,4 +237,8 @@ def to_jax(dnf: D.DNF) -> Callable:
         return outs[0] if len(outs) == 1 else outs
 
     fn.__name__ = f"{dnf.name}_reference"
-    return fn
+    import jax
+
+    # jitted: one XLA compile per call signature, where eager evaluation compiles every
+    # operation of the DNF on its own (the oracle of the property tests: hundreds of DNFs)
+    return jax.jit(fn)

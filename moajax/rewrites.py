@@ -134,10 +134,23 @@ def hoist(onf: ONF) -> ONF:
         memo[key] = ref
         return ref
 
+    seen: dict = {}  # (node, context, len(memo)) → result: bodies are DAGs, shared subterms recur
+
     def go(e: D.Expr, loops: tuple, own: frozenset, last) -> D.Expr:
         # own: the variables of the stage being built (``last``: the one a program holds whole)
         if not e.children:
             return e
+        # the result depends on the node, its context and which reductions have stages: memo
+        # only grows (a key is never rebound), so its size names its state
+        key = (id(e), loops, own, last, len(memo))
+        hit = seen.get(key)
+        if hit is not None and hit[0] is e:
+            return hit[1]
+        out = _go(e, loops, own, last)
+        seen[key] = (e, out)
+        return out
+
+    def _go(e: D.Expr, loops: tuple, own: frozenset, last) -> D.Expr:
         if isinstance(e, D.Red):
             # a statistic of the loop's rows that an output variable a program owns does not
             # index (the softmax backward's Δ[t] inside dK[s] = Σ_t …): once per row, in memory,

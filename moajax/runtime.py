@@ -259,7 +259,10 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
         return outs, (out_dots if n_outputs > 1 else out_dots[0])
 
     f.defjvp(f_jvp, symbolic_zeros=True)
-    return f
+    # jitted, so that a call outside ``jax.jit`` (eager, or eager ``jax.grad``) compiles the
+    # kernel once: the custom rules' eager implementations run their jaxprs one operation
+    # at a time, each compiled on its own; under ``jax.jit`` this is an inlined call
+    return jax.jit(f)
 
 
 __all__ = ["schedules", "lowered", "dispatch", "differentiable", "gpu_machine", "has_gpu", "zero_cotangent"]

@@ -20,6 +20,7 @@ the tiles that keep a score tile inside the last-level cache.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -754,14 +755,40 @@ def _hoisted(dnf: D.DNF, store: tuple) -> ONF:
     return W.hoist(onf)
 
 
+_DERIVED: collections.OrderedDict = collections.OrderedDict()  # (dnf, machine, preset) → ONF or ONFError
+
+
 def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
-    """The default ONF of ``dnf`` for ``machine``, with a preset's (or keyword) choices applied."""
+    """The default ONF of ``dnf`` for ``machine``, with a preset's (or keyword) choices applied.
+
+    A pure function of its arguments (ONFs are immutable values), so it is made once: a
+    plan's derivation (``derive_plan``, ``plan_groups``) and the cost model's comparison of
+    residual policies ask for the same ONFs again. The machine is keyed by its ``repr`` (a
+    profile holds dicts)."""
     if preset is None:
         preset = Preset.of(**kw)
     elif kw:
         raise TypeError("derive: give a preset or keywords, not both")
     if not preset.applies_to(machine):
         preset = Preset()
+    key = (dnf, repr(machine), preset)
+    hit = _DERIVED.get(key)
+    if hit is None:
+        try:
+            hit = _derive(dnf, machine, preset)
+        except ONFError as e:
+            hit = e
+        _DERIVED[key] = hit
+        if len(_DERIVED) > 512:
+            _DERIVED.popitem(last=False)
+    else:
+        _DERIVED.move_to_end(key)
+    if isinstance(hit, ONFError):
+        raise hit.with_traceback(None)
+    return hit
+
+
+def _derive(dnf: D.DNF, machine: Machine, preset: Preset) -> ONF:
     onf = dataclasses.replace(_hoisted(dnf, preset.store), target=machine.name)
     carry = preset.carry or "online"
     if carry not in ("online", "passes"):

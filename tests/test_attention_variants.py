@@ -125,7 +125,8 @@ def _compiled(window, causal):
             kw = dict(is_causal=causal, local_window_size=window, query_seq_lengths=ql, key_value_seq_lengths=kvl)
             # tiles of 2: several per axis, so the loops skip masked tiles (test_masked_tiles.py)
             att = lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation="xla", onf=TILES, **kw)  # noqa: E731
-            return att(q, k, v), jax.grad(lambda q, k, v: jnp.sum(att(q, k, v) * g), (0, 1, 2))(q, k, v)
+            out, pullback = jax.vjp(att, q, k, v)  # the forward once: what it computes and saves
+            return out, pullback(g)
 
         _COMPILED[key] = jax.jit(run)
     return _COMPILED[key]

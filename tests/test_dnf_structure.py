@@ -1,7 +1,13 @@
 """Structural properties of the DNFs, asserted on the IR (never on printed text)."""
 
-import numpy as np
+import dataclasses
 
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exprgen import expressions
+from helpers import inputs_of
 from moajax import dnf as D
 from moajax.kernels import attention, block, decode, rmsnorm, swiglu
 
@@ -71,3 +77,91 @@ def test_canonical_is_alpha_invariant():
     r1 = D.Red("add", i, body(i))
     r2 = D.Red("add", j, body(j))
     assert r1 is not r2 and D.canonical(r1) is D.canonical(r2)
+
+
+
+EXTENT = 3
+
+
+@st.composite
+def nested_terms(draw, depth: int = 0, scope: tuple = ()):
+    """A scalar DNF term over the variables in ``scope``: reads of A[3, 3] at two of them,
+    literals, +, ×, exp and max, and reductions (Σ, ⌈) binding a new variable — nested ones
+    reading the variables of the reductions around them (what α-renaming must not capture)."""
+    from moajax.ix import Ix, Var
+
+    kinds = ["read", "lit"] + (["call", "call", "red", "red"] if depth < 4 else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "read" and scope:
+        i, j = draw(st.sampled_from(scope)), draw(st.sampled_from(scope))
+        return D.Read("a", [Ix.of(i), Ix.of(j)], np.float64)
+    if kind in ("read", "lit"):
+        return D.Lit(draw(st.sampled_from([0.5, 1.0, 2.0])), np.float64)
+    if kind == "call":
+        op = draw(st.sampled_from(["add", "mul", "maximum"]))
+        return D.Call(op, (draw(nested_terms(depth + 1, scope)), draw(nested_terms(depth + 1, scope))))
+    v = Var(draw(st.sampled_from(["i", "j", "k"])) + str(depth), EXTENT)  # may repeat an outer name
+    body = draw(nested_terms(depth + 1, scope + (v,)))
+    return D.Red(draw(st.sampled_from(["add", "max"])), v, D.Call("exp", (D.Call("mul", (body, D.Lit(0.1, np.float64))),)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(nested_terms(), st.sampled_from(["′", "_x"]))
+def test_canonical_forms_of_nested_reductions(term, suffix):
+    """Nested reductions: canonical(e) is one term for e and any renaming of its bound
+    variables, it is its own canonical form, and it has e's value (float64, the same
+    operations in the same order: equal to the bit)."""
+    other = _renamed(term, suffix)
+    canon = D.canonical(term)
+    assert D.canonical(other) is canon and D.canonical(canon) is canon
+    assert canon.free == term.free == frozenset()
+    a = np.random.default_rng(0).standard_normal((EXTENT, EXTENT))
+    assert _value(canon, a, {}) == _value(term, a, {})
+
+
+def _value(e, a, env):
+    """The term's value by its definition (an interpreter of this test's terms, float64)."""
+    if isinstance(e, D.Read):
+        return a[tuple(env[i.as_var()] for i in e.index)]
+    if isinstance(e, D.Lit):
+        return e.value
+    if isinstance(e, D.Call):
+        fn = {"add": np.add, "mul": np.multiply, "maximum": np.maximum, "exp": np.exp}[e.op]
+        return fn(*(_value(c, a, env) for c in e.children))
+    vals = [_value(e.body, a, {**env, e.var: n}) for n in range(e.var.extent)]
+    return float(np.sum(vals)) if e.monoid == "add" else max(vals)
+
+
+def _renamed(e, suffix: str):
+    """e with every bound variable renamed (v ↦ v + suffix): α-equivalent, a different term."""
+    from moajax.ix import Ix, Var
+
+    def fn(x):
+        if isinstance(x, D.Red):
+            v = Var(x.var.name + suffix, x.var.extent)
+            return D.Red(x.monoid, v, D.substitute(x.body, {x.var: Ix.of(v)}))
+        return None
+
+    return D.transform(e, fn)
+
+
+@settings(max_examples=25, deadline=None)
+@given(expressions(max_ops=6), st.sampled_from(["′", "_x"]))
+def test_canonical_forms_are_alpha_invariant_and_keep_the_meaning(case, suffix):
+    """canonical(e) is one term for e and any renaming of e's bound variables, and it is e's
+    value (the reference evaluates both to the same array: float64, the same operations)."""
+    from moajax import reference
+    from moajax.psi import reduce_to_dnf
+
+    expr, values, _ = case
+    inputs = inputs_of(expr)
+    dnf, _ = reduce_to_dnf("e", inputs, expr, record=False)
+    (out,) = dnf.outputs
+    other = _renamed(out.body, suffix)
+    if any(isinstance(x, D.Red) for x in D.walk(out.body)):
+        assert other is not out.body
+    canon = D.canonical(out.body)
+    assert D.canonical(other) is canon and D.canonical(canon) is canon
+    renamed = D.DNF("e", dnf.inputs, (dataclasses.replace(out, body=canon),))
+    args = [values[x.name] for x in inputs]
+    assert np.array_equal(np.asarray(reference.to_jax(renamed)(*args)), np.asarray(reference.to_jax(dnf)(*args)))

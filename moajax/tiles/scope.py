@@ -38,7 +38,6 @@ class ProgramState:
     backend: object
     defs: dict
     values: dict
-    depends: dict = dataclasses.field(default_factory=dict)  # id → (expr, variables it depends on)
 
     @property
     def rank(self) -> dict:
@@ -95,11 +94,7 @@ class Scope:
     def depends(self, e: D.Expr) -> frozenset:
         """The variables whose ranges e's value depends on: its free ones, and those it
         reduces over (a reduction over a grid axis sums this program's tile of it)."""
-        cache = self.state.depends
-        hit = cache.get(id(e))
-        if hit is None or hit[0] is not e:
-            hit = cache[id(e)] = (e, frozenset(e.free) | frozenset(D.bound_vars(e)))
-        return hit[1]
+        return D.mentioned_vars(e)
 
     def lookup(self, e: D.Expr):
         """A value of e computed here, or — if e depends on no variable this scope sets — in
