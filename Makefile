@@ -30,8 +30,9 @@ demo: $(VENV)/.installed-plot
 	$(VENV)/bin/moajax derive attention
 	$(VENV)/bin/moajax validate --out validation
 
+# one pytest worker per core (pytest-xdist): the suite is compile-bound, one XLA compile per core
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis validation
