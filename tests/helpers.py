@@ -15,6 +15,17 @@ def rel_err(actual, expected) -> float:
     return float(np.max(np.abs(a - e))) / scale
 
 
+def scaled_err(actual, expected, floor: float = 1.0) -> float:
+    """max |a − e| / max(max |e|, floor): relative to the reference, or to the scale ``floor``
+    of the computation where the reference is near 0 — a sum that cancels to 0 leaves the
+    rounding of its O(floor) terms, in any summation order but the reference's."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
+    assert np.all(np.isfinite(a)), "non-finite values in the result"
+    return float(np.max(np.abs(a - e), initial=0.0)) / max(float(np.max(np.abs(e), initial=0.0)), floor)
+
+
 def rng(seed=0):
     return np.random.default_rng(seed)
 
@@ -25,3 +36,25 @@ def inputs_of(expr):
 
     found = {x.name: x for x in moa.nodes(expr) if isinstance(x, moa.Input)}
     return [found[k] for k in sorted(found)]
+
+
+_SCALAR_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "neg": np.negative,
+               "maximum": np.maximum, "exp": np.exp, "lt": np.less, "where": np.where}
+
+
+def scalar_value(e, a, env):
+    """A scalar DNF term's value by its definition, float64: reads of the one array ``a`` at
+    the variables' values in ``env``, literals, index values, the ops above and Σ / ⌈ over
+    each variable's extent (an interpreter independent of moajax's lowerings)."""
+    from moajax import dnf as D
+
+    if isinstance(e, D.Read):
+        return a[tuple(env[i.as_var()] for i in e.index)]
+    if isinstance(e, D.Lit):
+        return e.value
+    if isinstance(e, D.IndexValue):
+        return env[e.ix.as_var()]
+    if isinstance(e, D.Call):
+        return _SCALAR_OPS[e.op](*(scalar_value(c, a, env) for c in e.children))
+    vals = [scalar_value(e.body, a, {**env, e.var: n}) for n in range(e.var.extent)]
+    return float(np.sum(vals)) if e.monoid == "add" else max(vals)

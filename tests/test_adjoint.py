@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 import references as R
 from exprgen import expressions
-from helpers import inputs_of, rel_err
+from helpers import inputs_of, rel_err, scaled_err
 from moajax import adjoint, moa, reference
 from moajax.adjoint import AdjointError
 from moajax.kernels import attention_backward, rmsnorm_forward_backward, swiglu_forward_backward
@@ -47,7 +47,9 @@ def test_derived_adjoint_equals_jax_grad_of_the_reference(case):
     _, pullback = jax.vjp(reference.to_jax(fwd), *[jnp.asarray(a) for a in args])
     want = pullback(jnp.asarray(g))
     for name, a, b in zip(names, got, want):
-        assert rel_err(a, b) <= F64, name
+        # the inputs and d_out are standard normals: where a gradient cancels to 0 (d/dx of
+        # a − a), its rounding residue is relative to that O(1) scale, not to 0
+        assert scaled_err(a, b) <= F64, name
 
 
 def _rand(*shapes, seed=0):

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exprgen import expressions
-from helpers import inputs_of
+from helpers import inputs_of, scalar_value
 from moajax import dnf as D
 from moajax.kernels import attention, block, decode, rmsnorm, swiglu
 
@@ -116,20 +116,7 @@ def test_canonical_forms_of_nested_reductions(term, suffix):
     assert D.canonical(other) is canon and D.canonical(canon) is canon
     assert canon.free == term.free == frozenset()
     a = np.random.default_rng(0).standard_normal((EXTENT, EXTENT))
-    assert _value(canon, a, {}) == _value(term, a, {})
-
-
-def _value(e, a, env):
-    """The term's value by its definition (an interpreter of this test's terms, float64)."""
-    if isinstance(e, D.Read):
-        return a[tuple(env[i.as_var()] for i in e.index)]
-    if isinstance(e, D.Lit):
-        return e.value
-    if isinstance(e, D.Call):
-        fn = {"add": np.add, "mul": np.multiply, "maximum": np.maximum, "exp": np.exp}[e.op]
-        return fn(*(_value(c, a, env) for c in e.children))
-    vals = [_value(e.body, a, {**env, e.var: n}) for n in range(e.var.extent)]
-    return float(np.sum(vals)) if e.monoid == "add" else max(vals)
+    assert scalar_value(canon, a, {}) == scalar_value(term, a, {})
 
 
 def _renamed(e, suffix: str):
