@@ -52,7 +52,6 @@ def cmd_gpu_report(args) -> int:
 
     jax.config.update("jax_enable_x64", True)  # float64 kernels are compiled as float64
     from moajax import gpu_report, machines, schedule
-    from moajax.cost import onchip_bytes
 
     reason = gpu_report.compiler_available() or (None if gpu_report.ptxas_path() else "ptxas not found")
     if reason:
@@ -73,9 +72,37 @@ def cmd_gpu_report(args) -> int:
     header = ("| machine | arch | kernel | tiles (rows×keys) | warps | stages | smem B (ptxas) | smem B (model) "
               "| smem limit B | registers | spill st/ld B | atomics | ok |")
     lines = [header, "|" + "---|" * 13]
+    rows, bad = report_rows(cases, args.arch)
+    lines += rows
+    paths = _two_paths(args, gpu_report)
+    if args.out:
+        import datetime
+        from pathlib import Path
+
+        head = [
+            "# Offline GPU report: default ONFs compiled to PTX (no GPU used)",
+            "",
+            f"Date {datetime.date.today().isoformat()}; JAX {jax.__version__}; `moajax gpu-report` lowers each kernel "
+            "for CUDA, compiles its Triton IR with jaxlib's Triton compiler for the machine's arch and runs "
+            f"`ptxas -v` (ptxas {gpu_report.ptxas_version()}). smem (model) is the cost model's estimate used to reject ONFs.",
+            "",
+        ]
+        Path(args.out).write_text("\n".join(head + lines + paths) + "\n")
+    print(f"{len(lines) - 2} kernels, {bad} with spills, shared-memory overflow or failures")
+    return 1 if bad else 0
+
+
+def report_rows(cases, archs=()) -> tuple:
+    """The gpu-report's table rows for (label, machine, ONF) cases (only ``archs`` if given),
+    one per compiled kernel, and how many are not clean (spills, shared-memory overflow,
+    failures)."""
+    from moajax import gpu_report
+    from moajax.cost import onchip_bytes
+
+    lines: list = []
     bad = 0
     for label, m, onf in cases:
-        if args.arch and m.arch not in args.arch:
+        if archs and m.arch not in archs:
             continue
         try:
             if isinstance(onf, Exception):
@@ -101,22 +128,7 @@ def cmd_gpu_report(args) -> int:
                 f"{r.spill_stores}/{r.spill_loads} | {r.atomics} | {'yes' if ok else 'NO'} |"
             )
             print(lines[-1], flush=True)
-    paths = _two_paths(args, gpu_report)
-    if args.out:
-        import datetime
-        from pathlib import Path
-
-        head = [
-            "# Offline GPU report: default ONFs compiled to PTX (no GPU used)",
-            "",
-            f"Date {datetime.date.today().isoformat()}; JAX {jax.__version__}; `moajax gpu-report` lowers each kernel "
-            "for CUDA, compiles its Triton IR with jaxlib's Triton compiler for the machine's arch and runs "
-            f"`ptxas -v` (ptxas {gpu_report.ptxas_version()}). smem (model) is the cost model's estimate used to reject ONFs.",
-            "",
-        ]
-        Path(args.out).write_text("\n".join(head + lines + paths) + "\n")
-    print(f"{len(lines) - 2} kernels, {bad} with spills, shared-memory overflow or failures")
-    return 1 if bad else 0
+    return lines, bad
 
 
 def _two_paths(args, gpu_report) -> list:

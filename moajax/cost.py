@@ -160,7 +160,9 @@ def _itemsize(dtype) -> int:
 @functools.lru_cache(maxsize=None)
 def _scatters(target: str) -> bool:
     """Does the backend that runs an ONF for ``target`` scatter-add a table's gradient
-    (``dnf.one_hot_write``): XLA, which runs the CPU ONFs, does; Triton keeps the one-hot Σ."""
+    (``dnf.one_hot_write``, one add per element): XLA, which runs the CPU ONFs, does; the
+    Pallas/Triton kernels bin by a loop over the table's entries (``Backend.bin_sum``), |c|
+    selects and adds per element — what the one-hot Σ counts."""
     from moajax import machines
 
     try:

@@ -44,9 +44,15 @@ class XlaBackend(Backend):
     def gather(self, array: str, at: tuple):
         return self.arrays[array][at]
 
-    scatters = True
+    def bin_sum(self, bins, values, size: int, axis: int):
+        """One scatter-add: each element added once into its bin (the rows other than
+        ``axis`` index themselves; bins past the end are dropped)."""
+        import jax.numpy as jnp
 
-    def scatter_add(self, zeros, at: tuple, values):
+        kept = [d for d in range(bins.ndim) if d != axis]
+        at = (bins,) + tuple(jnp.broadcast_to(jnp.reshape(jnp.arange(bins.shape[d]), [
+            bins.shape[d] if u == d else 1 for u in range(bins.ndim)]), bins.shape) for d in kept)
+        zeros = jnp.zeros((size,) + tuple(bins.shape[d] for d in kept) + values.shape[bins.ndim:], values.dtype)
         return zeros.at[at].add(values, mode="drop")
 
     def read(self, ev: TileEval, e: D.Read) -> Named:

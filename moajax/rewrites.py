@@ -295,9 +295,68 @@ def fuse_online(onf: ONF) -> ONF:
 # ----------------------------------------------------------------------------- split-K
 
 
+def sum_to_top(e: D.Expr, var: str) -> D.Red | None:
+    """Σ_a (Σ_r f + Σ_r g) → Σ_r Σ_a (f + g),  c · Σ_r f → Σ_r c · f,  (p ? Σ_r f : 0) →
+    Σ_r (p ? f : 0)  (c, p not using r): sums over constant extents commute (Fubini) and
+    distribute over +, − and the factors and conditions that do not use r, so e's sums
+    over the variable named ``var`` become one Σ_r at its top. None where that is not e's
+    meaning: a term without Σ_r (it would be counted |r| times), another monoid, a label or
+    a conversion in the way (the label names, and the dtype sums, what lies under it)."""
+    if isinstance(e, D.Red):
+        if e.monoid != "add":
+            return None
+        if e.var.name == var:
+            return e
+        inner = sum_to_top(e.body, var)
+        if inner is None:
+            return None
+        return D.Red("add", inner.var, D.Red("add", e.var, inner.body))
+    if not isinstance(e, D.Call):
+        return None
+    if e.op in ("add", "sub"):
+        x, y = (sum_to_top(a, var) for a in e.children)
+        if x is None or y is None or x.var.extent != y.var.extent:
+            return None
+        r, body_y = x.var, y.body
+        if y.var != r:  # the same axis under two names: one binder (never capturing a free r)
+            if r in body_y.free:
+                return None
+            body_y = D.substitute(body_y, {y.var: Ix.of(r)})
+        return D.Red("add", r, D.Call(e.op, (x.body, body_y)))
+    if e.op == "where":  # (p ? Σ_r f : 0) = Σ_r (p ? f : 0) where p does not use r
+        p, x, zero = e.children
+        inner = sum_to_top(x, var)
+        if (inner is None or not (isinstance(zero, D.Lit) and zero.value == 0) or inner.var in p.free
+                or any(v.var.name == var for v in D.reductions(p))):
+            return None
+        return D.Red("add", inner.var, D.Call("where", (p, inner.body, zero)))
+    if e.op in ("mul", "div", "neg"):
+        summed = [i for i, a in enumerate(e.children) if any(x.var.name == var for x in D.reductions(a))]
+        if summed != [0] and not (e.op == "mul" and summed == [1]):
+            return None  # (a sum in a divisor does not distribute)
+        (i,) = summed
+        inner = sum_to_top(e.children[i], var)
+        if inner is None or any(inner.var in a.free for a in e.children if a is not e.children[i]):
+            return None
+        kids = list(e.children)
+        kids[i] = inner.body
+        return D.Red("add", inner.var, D.Call(e.op, tuple(kids)))
+    return None
+
+
 def split_k(onf: ONF, var: str, parts: int) -> ONF:
     """Split every top-level reduction over ``var`` into ``parts`` partials reduced in parallel
-    (a grid axis, partials in memory) followed by the monoid combine."""
+    (a grid axis, partials in memory) followed by the monoid combine. A stage whose Σ over
+    ``var`` lies inside other sums (a table's gradient: Σ_n (Σ_s Σ_t … + Σ_s Σ_t …)) has it
+    brought to the top first (``sum_to_top``)."""
+    stages = []
+    for st in onf.program.stages:
+        if isinstance(st, Stage) and st.walks is not None and st.walks.name != var:
+            top = sum_to_top(st.body, var)
+            if top is not None:
+                st = Stage(st.name, st.vars, top, st.place)
+        stages.append(st)
+    onf = onf.replace(program=Program(tuple(stages), onf.program.outputs))
     if not isinstance(parts, int) or parts < 2:
         raise ONFError(f"{onf.dnf.name}: split_k needs parts ≥ 2, got {parts!r}")
     taken = _taken(onf)

@@ -31,7 +31,7 @@ from moajax import dnf as D
 from moajax import rewrites as W
 from moajax.cost import check_fits, estimate, onchip_bytes
 from moajax.machines import Machine
-from moajax.onf import ONF, Axis, ONFError, initial, next_pow2
+from moajax.onf import ONF, Axis, ONFError, Stage, initial, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,22 +349,46 @@ SPLIT_MIN_GAIN = 2.0
 
 def _split_to_fill(onf: ONF, machine: Machine) -> ONF:
     """Split-K where the programs are too few to fill the GPU (decode: one program per head
-    walks the whole cache). The longest walked axis is cut into P parts, each a grid program
-    that reduces its chunk to partials (for an online softmax: max, sum and accumulator per
+    walks the whole cache; a table's gradient: a program per few table entries walks every
+    score). The longest walk of a stage that can be cut — its top reduction, else a Σ
+    nested in other sums that ``rewrites.sum_to_top`` brings up — is cut into P parts, each a grid program that
+    reduces its chunk to partials (for an online softmax: max, sum and accumulator per
     part), then the monoid combine (``rewrites.split_k``); P, a power of two, brings the
-    programs to about twice the multiprocessors, each part walking ≥ SPLIT_MIN_TILES tiles.
-    The split is taken where the cost model's time (idle multiprocessors against the extra
-    launch and the partials' round trip through memory) is SPLIT_MIN_GAIN times faster."""
+    programs to about twice the multiprocessors, each part walking ≥ SPLIT_MIN_TILES tiles
+    (of the cut axis and of the axes walked inside it). The split is taken where the cost
+    model's time (idle multiprocessors against the extra launch and the partials' round
+    trip through memory) is SPLIT_MIN_GAIN times faster."""
     sms = machine.multiprocessors
     programs = int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"]))
-    walked = [onf.axis_of(v) for v in onf.program.walked()]
-    walked = [a for a in walked if a.role == "sequential"]
-    if not sms or programs >= sms or not walked:
+    if not sms or programs >= sms:
         return onf
-    axis = max(walked, key=lambda a: a.ntiles)
-    parts = 1
-    while parts * 2 * programs <= 2 * sms and axis.ntiles // (parts * 2) >= SPLIT_MIN_TILES:
-        parts *= 2
+    walks = []  # (nested, axis, tiles a program walks in the stage) for each axis split_k can cut
+    for st in onf.program.stages:
+        if st.walks is None:
+            continue
+        seq = {x.var: onf.axis_of(x.var) for e in st.exprs() if e is not None for x in D.walk(e)
+               if isinstance(x, D.Red) and onf.axis_of(x.var).role == "sequential"}
+        seq.setdefault(st.walks, onf.axis_of(st.walks))
+        if seq[st.walks].role != "sequential":
+            del seq[st.walks]
+        tiles = int(np.prod([a.ntiles for a in seq.values()]))
+        for v, a in seq.items():
+            if v == st.walks or (isinstance(st, Stage) and W.sum_to_top(st.body, v.name) is not None):
+                walks.append((v != st.walks, a, tiles))
+
+    def parts_for(axis, tiles) -> int:
+        parts = 1
+        while (parts * 2 * programs <= 2 * sms and axis.ntiles // (parts * 2) >= 1
+               and tiles // (parts * 2) >= SPLIT_MIN_TILES):
+            parts *= 2
+        return parts
+
+    # a stage's own walk first, the longest: bringing a nested Σ up reorders the loop nest
+    # its tiles were chosen for (the relative-position table's gradient on sm_80: 200 B of
+    # spills cut over the heads, its top Σ, against 696 B cut over the queries inside)
+    cuts = [(axis, parts_for(axis, tiles)) for _, axis, tiles in
+            sorted(walks, key=lambda w: (w[0], -w[1].ntiles, -w[2]))]
+    axis, parts = next(((a, p) for a, p in cuts if p >= 2), (None, 1))
     if parts < 2:
         return onf
     try:

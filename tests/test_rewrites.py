@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import rel_err
+from helpers import rel_err, scalar_value
 from moajax import dnf as D
 from moajax import lower_xla, moa
 from moajax import onf as O
@@ -185,3 +185,106 @@ def test_psi_reduce_of_defined_logsumexp_matches_numpy():
     v = np.random.default_rng(1).standard_normal((3, 5))
     want = np.log(np.sum(np.exp(v - v.max(-1, keepdims=True)), -1)) + v.max(-1)
     assert rel_err(ref(d, [v]), want) <= F64
+
+
+# ----------------------------------------------------------------------------- sum_to_top
+
+_EXT = {"r": 3, "a": 2, "b": 4}
+
+
+@st.composite
+def linear_terms(draw, depth: int = 0, scope: tuple = ()):
+    """A scalar term over ``scope`` built of Σ (binding r, a or b, names that repeat and
+    shadow), +, −, ×, ÷ by a literal, negation, ⌈, (v < 1 ? x : y) and reads of A[4, 4] at
+    two variables of the scope: what ``sum_to_top`` rewrites and what it must refuse."""
+    from moajax.ix import Ix, Var
+
+    kinds = ["read", "lit"] + (["add", "add", "sub", "mul", "div", "neg", "max", "where"] + ["sum"] * 6 if depth < 4 else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "read" and scope:
+        i, j = draw(st.sampled_from(scope)), draw(st.sampled_from(scope))
+        return D.Read("a", [Ix.of(i), Ix.of(j)], np.float64)
+    if kind in ("read", "lit"):
+        return D.Lit(draw(st.sampled_from([0.5, 2.0, -1.5])), np.float64)
+    sub = lambda: draw(linear_terms(depth + 1, scope))  # noqa: E731
+    if kind in ("add", "sub", "mul"):
+        return D.Call(kind, (sub(), sub()))
+    if kind == "div":
+        return D.Call("div", (sub(), D.Lit(draw(st.sampled_from([2.0, -4.0])), np.float64)))
+    if kind == "neg":
+        return D.Call("neg", (sub(),))
+    if kind == "where":  # (v < 1 ? x : 0), or an else-branch that is not 0
+        if not scope:
+            return sub()
+        cond = D.Call("lt", (D.IndexValue(Ix.of(draw(st.sampled_from(scope)))), D.Lit(1, np.int32)))
+        return D.Call("where", (cond, sub(), D.Lit(draw(st.sampled_from([0.0, 0.0, 1.0])), np.float64)))
+    name = draw(st.sampled_from(sorted(_EXT)))
+    v = Var(name, _EXT[name])
+    return D.Red("add" if kind == "sum" else "max", v, draw(linear_terms(depth + 1, scope + (v,))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(linear_terms(), st.sampled_from(sorted(_EXT)))
+def test_sum_to_top_keeps_the_meaning(term, name):
+    """Σ_a (Σ_r f + Σ_r g) → Σ_r Σ_a (f + g), c·Σ_r f → Σ_r c·f: where the rewrite applies the
+    term is one Σ over r at the top with the term's value (float64: the sums reassociate,
+    a few ulps); where it refuses, some term does not sum over r once (it would be counted
+    |r| times), a ⌈ or a divisor is in the way."""
+    a = np.random.default_rng(1).standard_normal((4, 4))
+    want = scalar_value(term, a, {})
+    top = W.sum_to_top(term, name)
+    if top is None:
+        return
+    assert isinstance(top, D.Red) and top.monoid == "add" and top.var.name == name
+    assert top.free == term.free
+    assert abs(scalar_value(top, a, {}) - want) <= F64 * max(1.0, abs(want))
+
+
+def test_sum_to_top_refuses_what_it_would_change():
+    from moajax.ix import Ix, Var
+
+    r, s = Var("r", 3), Var("s", 3)
+    f = D.Read("a", [Ix.of(r), Ix.of(s)], np.float64)
+    g = D.Read("a", [Ix.of(s), Ix.of(s)], np.float64)
+    sum_r = D.Red("add", r, f)
+    assert W.sum_to_top(D.Call("add", (sum_r, g)), "r") is None  # g would be counted 3 times
+    assert W.sum_to_top(D.Red("max", s, sum_r), "r") is None  # ⌈_s Σ_r ≠ Σ_r ⌈_s
+    assert W.sum_to_top(D.Call("div", (g, sum_r)), "r") is None  # a sum in a divisor
+    assert W.sum_to_top(D.Call("mul", (sum_r, sum_r)), "r") is None  # (Σ f)² ≠ Σ f²
+    assert W.sum_to_top(D.Tag("x", sum_r), "r") is None  # the label names the sum itself
+    top = W.sum_to_top(D.Red("add", s, D.Call("mul", (g, sum_r))), "r")
+    assert top.var == r and top.body == D.Red("add", s, D.Call("mul", (g, f)))
+
+
+def test_split_k_of_a_nested_sum_on_both_backends():
+    """A table's gradient Σ_n Σ_s Σ_t ((c = i(t, s)) ? dS : 0) split over t into grid parts
+    (``split_k`` through ``sum_to_top``, as ``schedule._split_to_fill`` does on a GPU whose
+    programs over c are too few): the XLA and Pallas-interpret kernels equal the reference
+    (float64), the partials over t are a grid axis, each program binning its scores
+    (``Backend.bin_sum``)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels
+    from moajax import machines, schedule
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    table = jnp.asarray(np.linspace(-1.0, 1.0, 9))
+    mod = _check_score_mod(lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -4, 4) + 4], np.dtype(np.float64))
+    kern = mha_kernel(None, None, False, False, False, mod)
+    specs = [jax.ShapeDtypeStruct((1, 16, 2, 8), np.float64)] * 3 + [jax.ShapeDtypeStruct((9,), np.float64)]
+    adj = kern.adjoint(*specs)
+    dnf = adj.dnf(*specs, jax.ShapeDtypeStruct((1, 16, 2, 8), np.float64), is_causal=True)
+    (sub,) = schedule.split_outputs(dnf, [(dnf.outputs[-1].name,)])
+    assert sub.outputs[0].name.startswith("d_score_mod_const")
+    args = rand_args(sub, 3)
+    want = ref(sub, args)
+    for machine in ("delta-epyc-7763", "delta-a100"):
+        split = schedule.derive(sub, machines.load(machine), tiles={"t": 4, "s": 8}, split={"t": 2})
+        assert "split_k(t, 2)" in split.history
+        assert any(a.name == "t_o" and a.role == "grid" for a in split.axes)
+        assert rel_err(run(split, args), want) <= F64
+        if machine == "delta-a100":
+            got = np.asarray(pallas_kernels.lower(split, interpret=True)(*args))
+            assert rel_err(got, want) <= F64

@@ -113,6 +113,32 @@ def test_decode_splits_the_cache_walk_when_programs_are_too_few():
     assert rel_err(got, R.decode(*xs)) <= F64
 
 
+def test_a_table_gradient_is_split_over_its_heads_to_fill_the_gpu():
+    """A relative-position table's gradient Σ_n Σ_s Σ_t ((c = i(t, s)) ? dS : 0) on the A100
+    (the gpu-report's case: T = S = 1024, 8 heads): programs over a few table entries each,
+    walking every score, are too few; split-K cuts the stage's own walk, the heads, into 8
+    grid parts (every part walks a head's 16 × 16 score tiles, more than SPLIT_MIN_TILES,
+    though the head axis alone has 8 tiles), never bringing up a nested Σ when the top one
+    can be cut. (Split ONFs of a table's gradient run against the reference on both
+    backends in test_rewrites.)"""
+    import jax.numpy as jnp
+
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    table = jnp.asarray(np.linspace(-1.0, 1.0, 33), jnp.float32)
+    mod = _check_score_mod(lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -16, 16) + 16], np.dtype(np.float32))
+    kern = mha_kernel(None, None, False, False, False, mod)
+    specs = [S((1, 1024, 8, 64), np.float32)] * 3 + [S((33,), np.float32)]
+    adj, args = kern.saved_adjoint(*specs, is_causal=True)
+    dnf = adj.dnf(*args, is_causal=True)
+    (sub,) = schedule.split_outputs(dnf, [(dnf.outputs[-1].name,)])
+    onf = schedule.derive(sub, machines.load("delta-a100"))
+    assert "split_k(n_kv, 8)" in onf.history
+    programs = int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"]))
+    assert programs == 16  # 2 tiles of 32 entries × 8 heads (before the split: 2)
+
+
 @pytest.mark.parametrize("machine", ["delta-a100", "local"])
 def test_a_saving_forward_owns_query_rows_not_the_batch(machine):
     # the saving forward (Out with its row max and sum: outputs over different variables) is

@@ -52,13 +52,27 @@ class Backend:
         val = self.gather(read.array, tuple(at)).astype(dtype)
         return Named(jnp.where((i >= 0) & (i < n), val, jnp.zeros((), dtype)), index.vars)
 
-    # can a tile be scatter-added into (a table's gradient, ``TileEval.scatter_sum``)? Triton
-    # has no scatter into a block: there the one-hot Σ stands
-    scatters = False
+    def bin_sum(self, bins, values, size: int, axis: int):
+        """out[c, k…, w…] = Σ_r ((bins[r, k…] = c) ? values[r, k…, w…] : 0) for c < ``size``,
+        r the rows' axis ``axis`` (a table's gradient, ``TileEval.scatter_sum``); a bin
+        outside 0 … size−1 adds nothing. Here a loop over the bins, each a masked Σ of the
+        tile: no scatter into a block (Triton has none) and no [c, r, …] one-hot in registers
+        — |c| selects per element, as the one-hot Σ, in one tile's room. A backend with a
+        scatter-add (XLA) adds each element once instead."""
+        import jax.numpy as jnp
+        from jax import lax
 
-    def scatter_add(self, zeros, at: tuple, values):  # pragma: no cover - interface
-        """zeros with ``values`` added at the int arrays ``at`` (out-of-bounds rows dropped)."""
-        raise NotImplementedError
+        b = bins.reshape(bins.shape + (1,) * (values.ndim - bins.ndim))
+        slab = values.shape[:axis] + values.shape[axis + 1:]
+        at = lax.broadcasted_iota(jnp.int32, (size,) + slab, 0)
+        zero = jnp.zeros((), values.dtype)
+
+        def one(c, out):
+            got = jnp.sum(jnp.where(b == c, values, zero), axis=axis)
+            return jnp.where(at == c, got[None], out)
+
+        # int32 bounds: the loop index meets int32 bins (Python ints are int64 under x64)
+        return lax.fori_loop(jnp.int32(0), jnp.int32(size), one, jnp.zeros((size,) + slab, values.dtype))
 
     def gather(self, array: str, at: tuple):  # pragma: no cover - interface
         """A[at]: the input array indexed by ints and one int array (the same shape out)."""

@@ -209,7 +209,7 @@ class TileEval(Scope):
         import jax.numpy as jnp
 
         if mono.name == "add":
-            hot = D.one_hot_write(v, body) if self.backend.scatters else None
+            hot = D.one_hot_write(v, body)
             if hot is not None:
                 return self.scatter_sum(v, *hot)
             factors = D.product_factors(body)
@@ -235,11 +235,11 @@ class TileEval(Scope):
 
     def scatter_sum(self, v: Var, c: Var, index: D.Expr, value: D.Expr) -> Named:
         """Σ_v ((c = i) ? X : 0) over this scope (``dnf.one_hot_write``): X, over v's range
-        and the other variables, added into the bins i − start(c) of the c range — one add
-        per element of X, where the one-hot Σ costs |c| of them and materialises [c, v, …].
-        The variables i does not use (the heads of a table shared by them) ride along as a
-        window: one index per point of i's variables, not per element. Bins outside the c
-        range (and X past the end of v) add nothing."""
+        and the other variables, added into the bins i − start(c) of the c range
+        (``Backend.bin_sum``) — never the [c, v, …] one-hot materialised. The variables i
+        does not use (the heads of a table shared by them) ride along as a window: one index
+        per point of i's variables, not per element. Bins outside the c range (and X past
+        the end of v) add nothing."""
         import jax.numpy as jnp
 
         x, i = self.eval(value), self.eval(index)
@@ -255,10 +255,10 @@ class TileEval(Scope):
         bins = broadcast_to_vars(i, rows, self.ranges).astype(jnp.int32) - jnp.asarray(rc.start, jnp.int32)
         bins = jnp.where((bins >= 0) & (bins < rc.size), bins, rc.size)  # outside: dropped, never wrapped
         kept = tuple(w for w in rows if w != v)
-        at = (bins,) + tuple(jnp.broadcast_to(jnp.reshape(jnp.arange(self.range_of(w).size), [
-            self.range_of(w).size if u == w else 1 for u in rows]), bins.shape) for w in kept)
-        shape = (rc.size,) + tuple(self.range_of(w).size for w in kept + window)
-        out = self.backend.scatter_add(jnp.zeros(shape, xd.dtype), at, xd)
+        if v in rows:
+            out = self.backend.bin_sum(bins, xd, rc.size, rows.index(v))
+        else:  # v of one point: each element its own row
+            out = self.backend.bin_sum(bins[None], xd[None], rc.size, 0)
         if rc.size == 1:  # a value has no axis for a variable of one point
             return self.canon(Named(out[0], kept + window))
         return self.canon(Named(out, (c,) + kept + window))
