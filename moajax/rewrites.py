@@ -6,6 +6,8 @@
                    every remaining top-level reduction becomes a stage (one pass each).
     fuse_online    M[v] = ⌈_r f  and  Xᵢ = Σ_r exp(f − M)·gᵢ  → one OnlineStage (running max,
                    rescaled sums) — any reduction of that form, not only attention's.
+    fuse_sums      Σ_a (Σ_r f + Σ_r g) → Σ_a Σ_r (f + g): sibling sums inside a sum walk r once
+                   (a table's gradient: the two terms of dS share their scores).
     split_k        op_r e → op_{r₀} (op_{r₁} e[r ↦ r₀·c + r₁]): partials over r₀ in parallel,
                    then the monoid combine (for online stages: max, and Σ aₚ·e^{mₚ − m}).
     materialize    a labelled subexpression becomes a stage (kept on chip, or in memory):
@@ -344,6 +346,52 @@ def sum_to_top(e: D.Expr, var: str) -> D.Red | None:
     return None
 
 
+def fused_sums(e: D.Expr) -> D.Expr:
+    """Σ_a (… Σ_r f ± Σ_r g …) → Σ_a (… Σ_r (f ± g) …): inside a reduction of e, two sibling
+    sums over one axis become one (``sum_to_top`` of their sum), so what they share is
+    computed once per walk — the two terms of a table's gradient, dS = P·dP/ℓ − P·Δ/ℓ — and
+    terms the merge puts under one guard share it, (p ? f : 0) ± (p ? g : 0) = p ? (f ± g) : 0,
+    so a one-hot write (``dnf.one_hot_write``) stays one. e's own top-level terms stay apart
+    (``fuse_sums``: hoist made each its own pass on purpose)."""
+    def merge(x):
+        if isinstance(x, D.Call) and x.op in ("add", "sub") and all(
+                isinstance(c, D.Red) and c.monoid == "add" for c in x.children):
+            a, b = x.children
+            top = sum_to_top(x, a.var.name) if a.var.extent == b.var.extent else None
+            if top is not None:  # their bodies' own sibling sums, now side by side, too
+                return D.Red("add", top.var, D.transform(D.transform(top.body, merge), one_guard))
+        return None
+
+    def one_guard(x):
+        if isinstance(x, D.Call) and x.op in ("add", "sub"):
+            a, b = x.children
+            if all(isinstance(c, D.Call) and c.op == "where" and isinstance(c.children[2], D.Lit)
+                   and c.children[2].value == 0 for c in (a, b)) and a.children[0] is b.children[0]:
+                return D.Call("where", (a.children[0], D.Call(x.op, (a.children[1], b.children[1])), a.children[2]))
+        return None
+
+    def inside(x):  # (the hash-consed DNF gives x itself back where nothing merged)
+        return D.Red(x.monoid, x.var, D.transform(x.body, merge)) if isinstance(x, D.Red) else None
+
+    return D.transform(e, inside)
+
+
+def fuse_sums(onf: ONF) -> ONF:
+    """Every stage's expressions with their sibling sums inside a sum fused (``fused_sums``)."""
+    changed = False
+
+    def fuse(e):
+        nonlocal changed
+        out = None if e is None else fused_sums(e)
+        changed |= out is not e
+        return out
+
+    stages = tuple(st.map_exprs(fuse) for st in onf.program.stages)
+    if not changed:
+        return onf
+    return onf.replace(program=Program(stages, onf.program.outputs), note="fuse_sums")
+
+
 def split_k(onf: ONF, var: str, parts: int) -> ONF:
     """Split every top-level reduction over ``var`` into ``parts`` partials reduced in parallel
     (a grid axis, partials in memory) followed by the monoid combine. A stage whose Σ over
@@ -491,11 +539,12 @@ def _drop_unused(stages: list, keep: set) -> list:
         stages = [o for o in stages if o not in dead]
 
 
-def accumulate(onf: ONF, output: str, how: str = "atomic") -> ONF:
+def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = None) -> ONF:
     """Let the programs that own tiles of r add their partials of ``output`` = c · Σ_r g into
     memory (``how`` = "atomic"). Factors c that do not use r move back inside the sum
     (distributivity: Σ_r c·g = c · Σ_r g), so each partial is final up to the addition; a
-    16-bit output's partials add up in the accumulation dtype."""
+    16-bit output's partials add up in the accumulation dtype. ``over``: r's name, where
+    the output's Σ_r may lie inside other sums (``sum_to_top`` brings it up)."""
     outs = dict(onf.program.outputs)
     if output not in outs:
         raise ONFError(f"{onf.dnf.name}: accumulate: unknown output {output!r}; outputs are {sorted(outs)}")
@@ -513,6 +562,8 @@ def accumulate(onf: ONF, output: str, how: str = "atomic") -> ONF:
         body = body.arg
     while local(body) is not None and local(body).reduction is None:
         body = _at(local(body), body)  # c · Σ split over local stages by hoist: inline them
+    if over is not None and isinstance(body, D.Red) and body.var.name != over:
+        body = sum_to_top(body, over) or body  # Σ_n Σ_s Σ_r … (a table's gradient): Σ_r on top
     if not (isinstance(body, D.Red) and body.monoid == "add"):
         num, den = D.mul_div_factors(body)
         sums = [f for f in num if local(f) is not None and local(f).reduction is not None

@@ -488,7 +488,13 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
             other *= v.extent
     bs = 256
     bt = _cpu_rows(machine, rows_ext, other, bs)
-    o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=False)
+    # a long Σ inside another long Σ, neither a main walk (a table's gradient: Σ_n Σ_s Σ_t
+    # over every score): held whole they materialise [s, t, …]; both are walked in tiles
+    nested = any(isinstance(x, D.Red) and x.var in inner and x.var.extent > bs
+                 and any(isinstance(y, D.Red) and y is not x and y.var in inner and y.var.extent > bs
+                         for y in D.walk(x.body))
+                 for e in onf.program.exprs() for x in D.walk(e))
+    o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=False, inner_tile=bs if nested else 0)
     loop = tuple(v.name for v in rows if bt < v.extent)
     return W.with_knobs(o, cpu_loop=loop) if loop else o
 
@@ -545,7 +551,7 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
                            f"(extents {names[v.name].extent} and {v.extent})")
     for o in outs:
         if r not in o.vars and r.extent > 1:  # (over one row there is one program: no partials)
-            onf = W.accumulate(onf, o.name, "atomic")
+            onf = W.accumulate(onf, o.name, "atomic", over=r.name)
     shared = set(outs[0].vars)
     for o in outs[1:]:
         shared &= set(o.vars)
@@ -814,6 +820,13 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
 
 def _derive(dnf: D.DNF, machine: Machine, preset: Preset) -> ONF:
     onf = dataclasses.replace(_hoisted(dnf, preset.store), target=machine.name)
+    if not machine.is_gpu:
+        # sibling sums inside a sum walk once (rewrites.fuse_sums): on the 2-core EPYC a
+        # relative-position table's gradient takes 0.16 s instead of 0.20 (T = S = 1024, 8
+        # heads; bench/results/score_mod_grad_cpu.md). Not on a GPU: both terms live in one
+        # loop body, and ptxas spills where the two walks did not (GQA's dK in float32: 252 B
+        # on sm_90a, 12 on sm_86, from 0; the table's gradient 3,736 B on sm_80, from 200)
+        onf = W.fuse_sums(onf)
     carry = preset.carry or "online"
     if carry not in ("online", "passes"):
         raise ONFError(f"{dnf.name}: carry must be 'online' or 'passes', got {carry!r}")

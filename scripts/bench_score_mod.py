@@ -5,8 +5,10 @@ gather, ``dnf.selection``), the gradient adds every score's dS into its bin (a s
 ``dnf.one_hot_write``). The contenders, alternated in one process (best and median):
 
 - moajax, table gradient scatter-added (the XLA backend's lowering of the one-hot Σ);
+- moajax, the table gradient binned by a loop over the entries (``Backend.bin_sum``: what the
+  Pallas kernels do, Triton having no scatter into a block), on XLA;
 - moajax, the same DNF lowered as written: the one-hot Σ over [entries, t, s] (the lowering
-  before the scatter; ``XlaBackend.scatters`` off while that contender is traced);
+  before the scatter; ``dnf.one_hot_write`` switched off while that contender is traced);
 - moajax without a score_mod (the floor: plain causal attention);
 - moajax with the table materialised as a [1, 1, T, S] bias, its gradient summed into bins;
 - jax.nn with that bias (XLA), its gradient through the gather by JAX's autodiff.
@@ -39,15 +41,20 @@ def main(argv):
     import numpy as np
 
     import moajax
+    from moajax import dnf as D
     from moajax import lower_xla
+    from moajax.tiles.backend import Backend
     from moajax.timing import alternating, machine_line, write_results
 
     B, N, H = 1, 8, 64
     lines = [f"# Attention gradient with a relative-position table (score_mod), CPU ({machine_line()})", "",
              "`python scripts/bench_score_mod.py` — jit(grad) w.r.t. q, k, v and the table; B = 1, N = 8, H = 64, "
              "causal, float32; score + table[clip(q_idx − kv_idx, −R/2, R/2) + R/2]. Contenders alternate in one "
-             f"process; best and median of {REPS.value} rounds after a warm-up. 'one-hot Σ': the table gradient "
-             "lowered as the DNF writes it (the lowering before this change), in the same run.", "",
+             f"process; best and median of {REPS.value} rounds after a warm-up. 'bins by a loop': the table "
+             "gradient binned one entry at a time (what the Pallas kernels do) on XLA; 'one-hot Σ': lowered as "
+             "the DNF writes it (the lowering before the scatter), in the same run. The plan: dQ, dK + dV and "
+             "the table's gradient (its Σ_s Σ_t walked in 256 × 256 tiles, the two terms of dS in one walk) "
+             "are three kernels.", "",
              "| T = S | R | contender | best s | median s | vs scatter-add | max rel. diff of d table vs jax.nn |",
              "|---:|---:|---|---:|---:|---:|---:|"]
     r = np.random.default_rng(0)
@@ -75,20 +82,23 @@ def main(argv):
             nn_bias = as_bias(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, is_causal=True,
                                                                                implementation="xla"))
             args = (q, k, v, table)
-            losses = {"moajax, scatter-add": relpos, "moajax, one-hot Σ": relpos, "moajax, no score_mod": plain,
-                      "moajax, [T, S] bias": moa_bias, "jax.nn, [T, S] bias": nn_bias}
+            losses = {"moajax, scatter-add": relpos, "moajax, bins by a loop": relpos, "moajax, one-hot Σ": relpos,
+                      "moajax, no score_mod": plain, "moajax, [T, S] bias": moa_bias, "jax.nn, [T, S] bias": nn_bias}
             # compiled ahead of time, each after clearing JAX's trace caches (the kernels are
-            # lowered when traced): the one-hot contender with the scatter lowering off
+            # lowered when traced): the loop contender with the Pallas kernels' binning, the
+            # one-hot contender with the one-hot write not recognised
             fns = {}
+            scatter_add, one_hot_write = lower_xla.XlaBackend.bin_sum, D.one_hot_write
             for name, loss in losses.items():
-                lower_xla.XlaBackend.scatters = name != "moajax, one-hot Σ"
+                lower_xla.XlaBackend.bin_sum = Backend.bin_sum if name == "moajax, bins by a loop" else scatter_add
+                D.one_hot_write = (lambda v, body: None) if name == "moajax, one-hot Σ" else one_hot_write
                 jax.clear_caches()
                 lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args)
-                if name in ("moajax, scatter-add", "moajax, one-hot Σ") and (
+                if name.startswith("moajax, ") and loss is relpos and (
                         ("scatter" in lowered.as_text()) != (name == "moajax, scatter-add")):
                     raise SystemExit(f"{name}: the lowering is not the one named")
                 fns[name] = lowered.compile()
-            lower_xla.XlaBackend.scatters = True
+            lower_xla.XlaBackend.bin_sum, D.one_hot_write = scatter_add, one_hot_write
             want = np.asarray(fns["jax.nn, [T, S] bias"](*args)[3], np.float64)
             diffs = {n: float(np.max(np.abs(np.asarray(f(*args)[3]) - want)) / np.max(np.abs(want)))
                      for n, f in fns.items()}

@@ -288,3 +288,33 @@ def test_split_k_of_a_nested_sum_on_both_backends():
         if machine == "delta-a100":
             got = np.asarray(pallas_kernels.lower(split, interpret=True)(*args))
             assert rel_err(got, want) <= F64
+
+
+@settings(max_examples=300, deadline=None)
+@given(linear_terms())
+def test_fused_sums_keep_the_meaning(term):
+    """Sibling sums over one axis inside a sum become one, guards they share merge: the term's
+    value (float64, reassociated: a few ulps)."""
+    a = np.random.default_rng(2).standard_normal((4, 4))
+    fused = W.fused_sums(term)
+    assert fused.free == term.free
+    want = scalar_value(term, a, {})
+    assert abs(scalar_value(fused, a, {}) - want) <= F64 * max(1.0, abs(want))
+
+
+def test_fused_sums_share_the_walk_and_keep_a_one_hot_write():
+    """Σ_n (Σ_s ((c = i) ? f : 0) + Σ_s ((c = i) ? g : 0)) → Σ_n Σ_s ((c = i) ? (f + g) : 0):
+    one walk, still a one-hot write (binned, not a one-hot Σ); a stage's own top-level terms
+    Σ_s f + Σ_s g stay two."""
+    from moajax.ix import Ix, Var
+
+    n, s, c = Var("n", 2), Var("s", 3), Var("c", 4)
+    f = D.Read("a", [Ix.of(n), Ix.of(s)], np.float64)
+    g = D.Call("mul", (f, f))
+    hit = D.Call("eq", (D.IndexValue(Ix.of(c)), D.IndexValue(Ix.of(s))))
+    zero = D.Lit(0.0, np.float64)
+    two = D.Call("add", (D.Red("add", s, D.Call("where", (hit, f, zero))), D.Red("add", s, D.Call("where", (hit, g, zero)))))
+    fused = W.fused_sums(D.Red("add", n, two))
+    assert fused == D.Red("add", n, D.Red("add", s, D.Call("where", (hit, D.Call("add", (f, g)), zero))))
+    assert D.one_hot_write(s, fused.body.body) is not None
+    assert W.fused_sums(two) is two

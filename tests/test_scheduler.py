@@ -15,6 +15,7 @@ import pytest
 import references as R
 from helpers import rel_err
 from moajax import compat, machines, schedule
+from moajax import dnf as D
 from moajax.kernels import logsumexp, rmsnorm_matmul, swiglu
 from moajax.kernels.attention import mha_dnf
 
@@ -113,6 +114,24 @@ def test_decode_splits_the_cache_walk_when_programs_are_too_few():
     assert rel_err(got, R.decode(*xs)) <= F64
 
 
+def _table_adjoint_dnf(entries: int):
+    """The saved adjoint's DNF of causal attention (B=1, T=S=1024, 8 heads of 64, float32)
+    with a relative-position table of ``entries`` (odd): score + table[clip(q − k) + R/2]."""
+    import jax.numpy as jnp
+
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    half = entries // 2
+    table = jnp.asarray(np.linspace(-1.0, 1.0, entries), jnp.float32)
+    mod = _check_score_mod(lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -half, half) + half],
+                           np.dtype(np.float32))
+    kern = mha_kernel(None, None, False, False, False, mod)
+    specs = [S((1, 1024, 8, 64), np.float32)] * 3 + [S((entries,), np.float32)]
+    adj, args = kern.saved_adjoint(*specs, is_causal=True)
+    return adj.dnf(*args, is_causal=True)
+
+
 def test_a_table_gradient_is_split_over_its_heads_to_fill_the_gpu():
     """A relative-position table's gradient Σ_n Σ_s Σ_t ((c = i(t, s)) ? dS : 0) on the A100
     (the gpu-report's case: T = S = 1024, 8 heads): programs over a few table entries each,
@@ -121,22 +140,29 @@ def test_a_table_gradient_is_split_over_its_heads_to_fill_the_gpu():
     though the head axis alone has 8 tiles), never bringing up a nested Σ when the top one
     can be cut. (Split ONFs of a table's gradient run against the reference on both
     backends in test_rewrites.)"""
-    import jax.numpy as jnp
-
-    from moajax.api import _check_score_mod
-    from moajax.kernels.attention import mha_kernel
-
-    table = jnp.asarray(np.linspace(-1.0, 1.0, 33), jnp.float32)
-    mod = _check_score_mod(lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -16, 16) + 16], np.dtype(np.float32))
-    kern = mha_kernel(None, None, False, False, False, mod)
-    specs = [S((1, 1024, 8, 64), np.float32)] * 3 + [S((33,), np.float32)]
-    adj, args = kern.saved_adjoint(*specs, is_causal=True)
-    dnf = adj.dnf(*args, is_causal=True)
+    dnf = _table_adjoint_dnf(33)
     (sub,) = schedule.split_outputs(dnf, [(dnf.outputs[-1].name,)])
     onf = schedule.derive(sub, machines.load("delta-a100"))
     assert "split_k(n_kv, 8)" in onf.history
     programs = int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"]))
     assert programs == 16  # 2 tiles of 32 entries × 8 heads (before the split: 2)
+
+
+def test_a_table_gradient_on_the_cpu_is_its_own_tiled_kernel():
+    """On the CPU the adjoint with a relative-position table runs the owner plan — dQ, dK with
+    dV, the table's gradient — not one program walking every output (``accumulate`` finds the
+    queries' Σ under the table's Σ_n through ``sum_to_top``); the table's kernel walks s and t
+    in tiles (not [t, s] whole: O(T·S) memory) with dS's two terms in one walk (fuse_sums)."""
+    dnf = _table_adjoint_dnf(9)
+    plan = schedule.derive_plan(dnf, machines.load("delta-epyc-7763"))
+    names = [o.dnf.name[len(dnf.name) + 1:] for o in plan]
+    assert names == ["d_query", "d_key_d_value", "d_score_mod_const0"]
+    table_onf = plan[-1]
+    assert "fuse_sums" in table_onf.history
+    assert table_onf.axis("s").role == table_onf.axis("t").role == "sequential"
+    assert table_onf.axis("s").tile < 1024 and table_onf.axis("t").tile < 1024
+    (body,) = table_onf.program.exprs()
+    assert sum(isinstance(x, D.Red) and x.var.name == "s" for x in D.walk(body)) == 1
 
 
 @pytest.mark.parametrize("machine", ["delta-a100", "local"])
