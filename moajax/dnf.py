@@ -393,6 +393,27 @@ def one_hot_write(v: Var, body: Expr):
     return None
 
 
+def common_binder(a: Expr, b: Expr):
+    """(v, x, y) with a = Σ_{v<n} x and b = Σ_{v<n} y: two float +-reductions of one extent
+    under one binder — a's, unless b would capture it (v free in b, or bound inside b's
+    body), then a fresh name. None where a and b are not two such sums."""
+    if not (isinstance(a, Red) and isinstance(b, Red) and a.monoid == b.monoid == "add"
+            and a.var.extent == b.var.extent and a.dtype == b.dtype and a.dtype.kind == "f"):
+        return None
+    v = a.var
+    if v == b.var:
+        return v, a.body, b.body
+    names = {x.var.name for e in (a, b) for x in walk(e) if isinstance(x, Red)}
+    names |= {u.name for e in (a, b) for u in e.free}
+    if v in b.free or any(x.var == v for x in walk(b.body) if isinstance(x, Red)):  # capture
+        base, k = v.name, 1
+        while f"{base}{k}" in names:
+            k += 1
+        v = Var(f"{base}{k}", v.extent)
+    x = substitute(a.body, {a.var: Ix.of(v)}) if v != a.var else a.body
+    return v, x, substitute(b.body, {b.var: Ix.of(v)})
+
+
 def reads(e: Expr) -> list[Read]:
     """The distinct input reads of e."""
     return [x for x in walk(e) if isinstance(x, Read)]

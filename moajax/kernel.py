@@ -48,6 +48,14 @@ def _spec_of(x):
     raise TypeError(f"expected an array, a jax.ShapeDtypeStruct or a shape tuple, got {type(x).__name__}")
 
 
+def _recorded(name, inputs, outs, names, applied=()) -> "_psi.Derivation":
+    """The derivation of a kernel's DNF, rule by rule, and the identities applied after it:
+    recorded only when asked for (``Kernel.derivation``) — the rules' printed terms cost
+    more than the reduction, which runs unrecorded when the kernel is built."""
+    der = _psi.reduce_to_dnf(name, inputs, outs, names)[1]
+    return _psi.Derivation(der.name, der.steps + tuple(_psi.Step(a.rule, a.before, a.after, 0) for a in applied))
+
+
 class Kernel:
     """A kernel defined in the algebra. ``dnf()``, ``derivation()``, ``expression()``, call."""
 
@@ -167,12 +175,8 @@ class Kernel:
             if self._identities is not None:
                 dnf, applied = self._identities(dnf, specs, options)
 
-            def derivation(inputs=inputs, outs=outs, names=names, applied=applied):
-                # recorded only when asked for: the rules' printed terms cost more than the reduction
-                der = _psi.reduce_to_dnf(self.name, inputs, outs, names)[1]
-                return _psi.Derivation(der.name, der.steps + tuple(
-                    _psi.Step(a.rule, a.before, a.after, 0) for a in applied))
-            hit = (inputs, expr, dnf, derivation, _reference.to_jax(dnf))
+            hit = (inputs, expr, dnf, functools.partial(_recorded, self.name, inputs, outs, names, applied),
+                   _reference.to_jax(dnf))
             self._cache[key] = hit
         return hit
 
@@ -704,8 +708,8 @@ class _SavingKernel(Kernel):
             # computes both (attention: the one online-softmax pass gives Out, its max and sum)
             layouts = _identities.statistic_layouts(dnf, names[:n_saved])
             dnf = _identities.relayout_forward(dnf, layouts)
-            derivation = functools.partial(lambda *a: _psi.reduce_to_dnf(*a)[1], self.name, inputs, expr, names)
-            hit = (inputs, expr, dnf, derivation, _reference.to_jax(dnf), layouts)
+            hit = (inputs, expr, dnf, functools.partial(_recorded, self.name, inputs, expr, names),
+                   _reference.to_jax(dnf), layouts)
             self._cache[key] = hit
         return hit
 

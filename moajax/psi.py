@@ -342,22 +342,10 @@ def fuse_sums(a: D.Expr, b: D.Expr) -> D.Expr | None:
     """Σ_{v<n} x + Σ_{w<n} y = Σ_{v<n} (x + y[w:=v]): two sums over one extent become one pass
     (what an adjoint adds up from the paths through a lifted statistic and around it). None
     where a and b are not two float +-reductions of one extent."""
-    if not (isinstance(a, D.Red) and isinstance(b, D.Red) and a.monoid == b.monoid == "add"
-            and a.var.extent == b.var.extent and a.dtype == b.dtype and a.dtype.kind == "f"):
+    one = D.common_binder(a, b)
+    if one is None:
         return None
-    v = a.var
-    if v != b.var:
-        names = {x.var.name for e in (a, b) for x in D.walk(e) if isinstance(x, D.Red)}
-        names |= {u.name for e in (a, b) for u in e.free}
-        if v in b.free or any(x.var == v for x in D.walk(b.body) if isinstance(x, D.Red)):  # capture
-            base, k = v.name, 1
-            while f"{base}{k}" in names:
-                k += 1
-            v = Var(f"{base}{k}", v.extent)
-        x = D.substitute(a.body, {a.var: Ix.of(v)}) if v != a.var else a.body
-        y = D.substitute(b.body, {b.var: Ix.of(v)})
-    else:
-        x, y = a.body, b.body
+    v, x, y = one
     return D.Red("add", v, _factored_add(x, y))
 
 

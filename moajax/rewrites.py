@@ -317,14 +317,11 @@ def sum_to_top(e: D.Expr, var: str) -> D.Red | None:
         return None
     if e.op in ("add", "sub"):
         x, y = (sum_to_top(a, var) for a in e.children)
-        if x is None or y is None or x.var.extent != y.var.extent:
+        one = D.common_binder(x, y) if x is not None and y is not None else None
+        if one is None or one[0].name != var:  # (renamed: r would have been captured)
             return None
-        r, body_y = x.var, y.body
-        if y.var != r:  # the same axis under two names: one binder (never capturing a free r)
-            if r in body_y.free:
-                return None
-            body_y = D.substitute(body_y, {y.var: Ix.of(r)})
-        return D.Red("add", r, D.Call(e.op, (x.body, body_y)))
+        r, fx, fy = one
+        return D.Red("add", r, D.Call(e.op, (fx, fy)))
     if e.op == "where":  # (p ? Σ_r f : 0) = Σ_r (p ? f : 0) where p does not use r
         p, x, zero = e.children
         inner = sum_to_top(x, var)

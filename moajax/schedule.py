@@ -57,10 +57,12 @@ class Preset:
     backward: object = None
     # leave out the tiles a mask provably zeroes (``rewrites.skip_masked``); None: True
     skip: bool | None = None
+    # walk sibling sums inside a sum once (``rewrites.fuse_sums``); None: on a CPU, not on a GPU
+    fuse_sums: bool | None = None
 
     @staticmethod
     def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, residuals=None,
-           plan=None, backward=None, skip=None, **knobs) -> "Preset":
+           plan=None, backward=None, skip=None, fuse_sums=None, **knobs) -> "Preset":
         def items(d):
             return tuple(sorted((d or {}).items()))
 
@@ -68,10 +70,11 @@ class Preset:
             raise ValueError(f"Preset: target must be None, 'cpu' or 'gpu', got {target!r}")
         if residuals is not None:
             residuals = residual_choice(residuals, "Preset")
-        if skip not in (None, True, False):
-            raise TypeError(f"Preset: skip must be a bool, got {skip!r}")
+        for name, flag in (("skip", skip), ("fuse_sums", fuse_sums)):
+            if flag not in (None, True, False):
+                raise TypeError(f"Preset: {name} must be a bool, got {flag!r}")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
-                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip)
+                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip, fuse_sums)
 
     def applies_to(self, machine: Machine) -> bool:
         return self.target is None or self.target == machine.kind
@@ -820,12 +823,10 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
 
 def _derive(dnf: D.DNF, machine: Machine, preset: Preset) -> ONF:
     onf = dataclasses.replace(_hoisted(dnf, preset.store), target=machine.name)
-    if not machine.is_gpu:
-        # sibling sums inside a sum walk once (rewrites.fuse_sums): on the 2-core EPYC a
-        # relative-position table's gradient takes 0.16 s instead of 0.20 (T = S = 1024, 8
-        # heads; bench/results/score_mod_grad_cpu.md). Not on a GPU: both terms live in one
-        # loop body, and ptxas spills where the two walks did not (GQA's dK in float32: 252 B
-        # on sm_90a, 12 on sm_86, from 0; the table's gradient 3,736 B on sm_80, from 200)
+    # sibling sums inside a sum walk once (rewrites.fuse_sums) on a CPU: the table gradient's
+    # two terms of dS share their scores. Not by default on a GPU: both terms live in one loop
+    # body, and ptxas spills where two walks do not (bench/results/fuse_sums_gpu.md)
+    if preset.fuse_sums if preset.fuse_sums is not None else not machine.is_gpu:
         onf = W.fuse_sums(onf)
     carry = preset.carry or "online"
     if carry not in ("online", "passes"):
