@@ -54,9 +54,9 @@ def main(argv):
              "gradient binned one entry at a time (what the Pallas kernels do) on XLA; 'one-hot Σ': lowered as "
              "the DNF writes it (the lowering before the scatter), in the same run. The plan: dQ, dK + dV and "
              "the table's gradient (its Σ_s Σ_t walked in 256 × 256 tiles, the two terms of dS in one walk) "
-             "are three kernels.", "",
-             "| T = S | R | contender | best s | median s | vs scatter-add | max rel. diff of d table vs jax.nn |",
-             "|---:|---:|---|---:|---:|---:|---:|"]
+             "are three kernels. Temp: the compiled executable's temp allocation.", "",
+             "| T = S | R | contender | best s | median s | vs scatter-add | temp MiB | max rel. diff of d table vs jax.nn |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|"]
     r = np.random.default_rng(0)
     for T in (int(x) for x in SEQ.value):
         q, k, v, g = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(4))
@@ -102,12 +102,13 @@ def main(argv):
             want = np.asarray(fns["jax.nn, [T, S] bias"](*args)[3], np.float64)
             diffs = {n: float(np.max(np.abs(np.asarray(f(*args)[3]) - want)) / np.max(np.abs(want)))
                      for n, f in fns.items()}
+            temps = {n: f.memory_analysis().temp_size_in_bytes / 2**20 for n, f in fns.items()}
             times = alternating(fns, args, reps=REPS.value)
             base = min(times["moajax, scatter-add"])
             for name, ts in times.items():
                 diff = "— (no table)" if name == "moajax, no score_mod" else f"{diffs[name]:.1e}"
                 lines.append(f"| {T} | {R} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | "
-                             f"{min(ts) / base:.2f}× | {diff} |")
+                             f"{min(ts) / base:.2f}× | {temps[name]:.1f} | {diff} |")
     lines += ["", "vs scatter-add: the contender's best time over the scatter-add's (above 1: slower)."]
     write_results(OUT.value, lines)
 
