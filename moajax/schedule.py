@@ -309,14 +309,23 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
         return onchip_bytes(o) <= machine.onchip_limit_bytes
 
     def attempt(lt, it):
-        cands = _gpu_candidates(GPU_TILES, onf, [v.extent for v in inner + out_vars[-1:]])
+        # two wide walks one inside the other (a table's gradient: Σ_s Σ_t over [s × t]
+        # scores) hold a tile of each, not their extents: the candidates are those for that
+        # width, and the tiles at most the candidates' keys wide, as attention's [rows × keys]
+        # (in the sweep every 64 × 64 tiling of the table gradient spills, 32 × 32 none:
+        # bench/results/score_mod_tiles_gpu.md). Other walks keep the candidates of their
+        # extent, as they were calibrated (GQA's dK and dV, spill-free in gpu_report.md)
+        held = [min(v.extent, it) if it and v in nested else v.extent for v in inner] + [v.extent for v in out_vars[-1:]]
+        cands = _gpu_candidates(GPU_TILES, onf, held)
         return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
-            onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt, inner_tile=it))
+            onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt, inner_tile=it,
+            nested={v: min(it, bs) for v in nested} if it else None))
 
     # a nested reduction wider than the widest calibrated head dim is walked from the start:
     # held whole it fits shared memory yet spills registers (SwiGLU's Σ_d, d = 1024, on sm_90a:
     # 8800 B of spill stores under ptxas with 16 × 128 output tiles)
     wide = any(next_pow2(v.extent) > GPU_WHOLE_MAX for v in inner)
+    nested = _nested_walks(onf, [v for v in inner if next_pow2(v.extent) > GPU_WHOLE_MAX])
     o = attempt(0, 0)
     if fits(o) and not wide:
         return o
@@ -339,6 +348,42 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     return o
 
 
+def _nested_walks(onf: ONF, wide) -> set:
+    """The variables of ``wide`` whose reductions hold, or lie in, a reduction over another."""
+    wide = set(wide)
+    out: set = set()
+    if len(wide) < 2:
+        return out
+    for e in onf.program.exprs():
+        for x in D.walk(e):
+            if isinstance(x, D.Red) and x.var in wide:
+                inside = {y.var for y in D.walk(x.body) if isinstance(y, D.Red) and y.var in wide} - {x.var}
+                if inside:
+                    out |= inside | {x.var}
+    return out
+
+
+def _nesting(e: D.Expr, v) -> int:
+    """How many reductions enclose the outermost reduction over v in e (1 << 20: none)."""
+    best = 1 << 20
+    stack, seen = [(e, 0)], {}
+    while stack:
+        x, d = stack.pop()
+        if seen.get(id(x), 1 << 20) <= d:  # (the DNF shares subtrees: each node once per depth)
+            continue
+        seen[id(x)] = d
+        if isinstance(x, D.Red):
+            if x.var == v:
+                best = min(best, d)
+                continue
+            d += 1
+        stack += [(c, d) for c in x.children]
+    return best
+
+
+# split-K: how many walks one kernel may be cut along (decode: one; a table's gradient: the
+# heads, then the keys)
+SPLIT_MAX_CUTS = 2
 # split-K: each part walks at least this many tiles of its chunk (the partials and their
 # combine are a second kernel and a round trip through memory: not worth it for short walks)
 SPLIT_MIN_TILES = 4
@@ -360,7 +405,19 @@ def _split_to_fill(onf: ONF, machine: Machine) -> ONF:
     programs to about twice the multiprocessors, each part walking ≥ SPLIT_MIN_TILES tiles
     (of the cut axis and of the axes walked inside it). The split is taken where the cost
     model's time (idle multiprocessors against the extra launch and the partials' round
-    trip through memory) is SPLIT_MIN_GAIN times faster."""
+    trip through memory) is SPLIT_MIN_GAIN times faster. Where one cut leaves the GPU short
+    (the table gradient's 8 heads), the next walk is cut too: each split is a rewrite the
+    next one reads."""
+    for _ in range(SPLIT_MAX_CUTS):
+        cut = _split_once(onf, machine)
+        if cut is onf:
+            break
+        onf = cut
+    return onf
+
+
+def _split_once(onf: ONF, machine: Machine) -> ONF:
+    """One split-K cut of ``_split_to_fill``, or ``onf`` itself where none pays."""
     sms = machine.multiprocessors
     programs = int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"]))
     if not sms or programs >= sms:
@@ -375,9 +432,10 @@ def _split_to_fill(onf: ONF, machine: Machine) -> ONF:
         if seq[st.walks].role != "sequential":
             del seq[st.walks]
         tiles = int(np.prod([a.ntiles for a in seq.values()]))
+        depth = {v: _nesting(e, v) for e in st.exprs() if e is not None for v in seq}
         for v, a in seq.items():
             if v == st.walks or (isinstance(st, Stage) and W.sum_to_top(st.body, v.name) is not None):
-                walks.append((v != st.walks, a, tiles))
+                walks.append((v != st.walks, depth.get(v, 0), a, tiles))
 
     def parts_for(axis, tiles) -> int:
         parts = 1
@@ -388,9 +446,10 @@ def _split_to_fill(onf: ONF, machine: Machine) -> ONF:
 
     # a stage's own walk first, the longest: bringing a nested Σ up reorders the loop nest
     # its tiles were chosen for (the relative-position table's gradient on sm_80: 200 B of
-    # spills cut over the heads, its top Σ, against 696 B cut over the queries inside)
-    cuts = [(axis, parts_for(axis, tiles)) for _, axis, tiles in
-            sorted(walks, key=lambda w: (w[0], -w[1].ntiles, -w[2]))]
+    # spills cut over the heads, its top Σ, against 696 B cut over the queries inside); of
+    # the nested ones the outermost (the keys around the queries: the nest keeps its order)
+    cuts = [(axis, parts_for(axis, tiles)) for _, _, axis, tiles in
+            sorted(walks, key=lambda w: (w[0], w[1], -w[2].ntiles, -w[3]))]
     axis, parts = next(((a, p) for a, p in cuts if p >= 2), (None, 1))
     if parts < 2:
         return onf
@@ -405,7 +464,7 @@ def _split_to_fill(onf: ONF, machine: Machine) -> ONF:
 
 
 def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last_tile: int = 0,
-                 inner_tile: int = 0) -> ONF:
+                 inner_tile: int = 0, nested: dict | None = None) -> ONF:
     axes = []
     for v in out_vars:
         if v == out_vars[-1] and last_tile:
@@ -428,6 +487,8 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last
             continue
         if v in around:  # one at a time: held whole it would hold the inner walk's state per element
             axes.append(Axis(v.name, v.extent, 1, "sequential"))
+        elif nested and v in nested:
+            axes.append(Axis(v.name, v.extent, nested[v], "sequential"))
         elif inner_tile and v.extent > inner_tile:
             axes.append(Axis(v.name, v.extent, inner_tile, "sequential"))
         else:
@@ -825,7 +886,8 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset) -> ONF:
     onf = dataclasses.replace(_hoisted(dnf, preset.store), target=machine.name)
     # sibling sums inside a sum walk once (rewrites.fuse_sums) on a CPU: the table gradient's
     # two terms of dS share their scores. Not by default on a GPU: both terms live in one loop
-    # body, and ptxas spills where two walks do not (bench/results/fuse_sums_gpu.md)
+    # body, and ptxas spills where two walks do not (GQA's dK in float32 on sm_90a and sm_86;
+    # the tables' gradients in their nested-walk tiles spill in neither: fuse_sums_gpu.md)
     if preset.fuse_sums if preset.fuse_sums is not None else not machine.is_gpu:
         onf = W.fuse_sums(onf)
     carry = preset.carry or "online"

@@ -168,3 +168,25 @@ def test_score_mod_table_reads_are_gathers_on_the_gpu():
     for label, m, onf in wanted:
         for r in gpu_report.onf_reports(onf, m.arch):
             assert r.spill_stores == 0 and r.spill_loads == 0, (label, r)
+
+
+@needs_compiler
+@pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
+def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine):
+    """The gradient of a score_mod's table (ALiBi's 8 slopes, a 33-entry relative-position
+    table), whose programs own table entries and walk every score: split-K cuts its heads and
+    then its keys (``schedule._split_to_fill``, two cuts) until the programs fill the machine,
+    and the nested walks' [s × t] score tile is at most the attention tables' keys wide — every
+    kernel of it (the partials and the combines) compiles with 0 spill bytes, where one cut
+    over the heads left 8 (or 16) programs and the 64 × 64 tiles before spilled (820 B on
+    sm_90a for ALiBi; bench/results/score_mod_tiles_gpu.md sweeps the tiles)."""
+    cases = [c for c in gpu_report.score_mod_cases(("float32",)) if c[1] == machine and "d_score_mod_const" in c[0]]
+    assert {c[0].split()[1] for c in cases} == {"alibi", "relpos"}
+    for label, m, onf in cases:
+        assert not isinstance(onf, Exception), (label, onf)
+        cuts = [h for h in onf.history if h.startswith("split_k(")]
+        assert len(cuts) == 2, (label, onf.history)
+        programs = int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"]))
+        assert programs >= m.multiprocessors, (label, programs)
+        for r in gpu_report.onf_reports(onf, m.arch):
+            assert r.spill_stores == 0 and r.spill_loads == 0, (label, r)

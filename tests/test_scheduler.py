@@ -132,20 +132,24 @@ def _table_adjoint_dnf(entries: int):
     return adj.dnf(*args, is_causal=True)
 
 
-def test_a_table_gradient_is_split_over_its_heads_to_fill_the_gpu():
+def test_a_table_gradient_is_split_over_its_heads_then_its_keys_to_fill_the_gpu():
     """A relative-position table's gradient Σ_n Σ_s Σ_t ((c = i(t, s)) ? dS : 0) on the A100
     (the gpu-report's case: T = S = 1024, 8 heads): programs over a few table entries each,
     walking every score, are too few; split-K cuts the stage's own walk, the heads, into 8
-    grid parts (every part walks a head's 16 × 16 score tiles, more than SPLIT_MIN_TILES,
-    though the head axis alone has 8 tiles), never bringing up a nested Σ when the top one
-    can be cut. (Split ONFs of a table's gradient run against the reference on both
-    backends in test_rewrites.)"""
+    grid parts first (never bringing up a nested Σ when the top one can be cut), and, the
+    2 × 8 programs still short of the 108 multiprocessors, the outermost nested walk next —
+    the keys around the queries — until the programs fill the machine. The nested walks'
+    score tile is at most the attention table's keys wide (32 in float32 at H = 64). (Split
+    ONFs of a table's gradient run against the reference on both backends in test_rewrites.)"""
     dnf = _table_adjoint_dnf(33)
     (sub,) = schedule.split_outputs(dnf, [(dnf.outputs[-1].name,)])
-    onf = schedule.derive(sub, machines.load("delta-a100"))
-    assert "split_k(n_kv, 8)" in onf.history
+    a100 = machines.load("delta-a100")
+    onf = schedule.derive(sub, a100)
+    cuts = [h for h in onf.history if h.startswith("split_k(")]
+    assert cuts[0] == "split_k(n_kv, 8)" and cuts[1].startswith("split_k(s, ") and len(cuts) == 2
     programs = int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"]))
-    assert programs == 16  # 2 tiles of 32 entries × 8 heads (before the split: 2)
+    assert a100.multiprocessors <= programs <= 2 * a100.multiprocessors  # 2 × 8 before the keys' cut
+    assert onf.axis("s_i").tile <= 32 and onf.axis("t").tile <= 32
 
 
 def test_a_table_gradient_on_the_cpu_is_its_own_tiled_kernel():

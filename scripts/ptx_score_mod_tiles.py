@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""The score_mod table gradients on the GPU, offline (PTX through ptxas, no GPU): the default
+ONF of each (ALiBi's per-head slopes, a 33-entry relative-position table; B=1, T=S=1024,
+N=8, H=64, causal, float32) on every GPU profile, and a sweep of the tiles of its two nested
+walks (Σ_s Σ_t: the [s × t] scores between them), warps and stages, the split over heads and
+keys fixed — registers, spill bytes, the cost model's time.
+
+What it shows: the table gradient's programs (8 heads, or 2 × 8 with the table tiled) leave a
+GPU idle, so the split-K that fills it cuts the keys after the heads; and the nested walks'
+score tile spills above the width the attention tables allow for the keys (64 × 64 on sm_90a).
+
+    python scripts/ptx_score_mod_tiles.py      # bench/results/score_mod_tiles_gpu.md
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "score_mod_tiles_gpu.md"), "the results file")
+PAIRS = ((16, 16), (32, 32), (64, 32), (32, 64), (64, 64))
+
+
+def main(argv):
+    del argv
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import numpy as np
+
+    from moajax import gpu_report, schedule
+    from moajax.cost import estimate
+    from moajax.onf import ONFError
+    from moajax.schedule import Preset
+    from moajax.timing import machine_line, write_results
+
+    if gpu_report.compiler_available():
+        raise SystemExit(f"cannot compile offline: {gpu_report.compiler_available()}")
+    lines = [f"# score_mod table gradients on the GPU: programs, nested-walk tiles and spills, offline PTX "
+             f"({machine_line()}; ptxas {gpu_report.ptxas_version()}; no GPU used)", "",
+             "`python scripts/ptx_score_mod_tiles.py` — the table gradient of ALiBi (8 slopes) and of a 33-entry "
+             "relative-position table (B = 1, T = S = 1024, N = 8, H = 64, causal, float32). 'default': the ONF "
+             "this code derives; 'heads cut only': the same tiles, warps and stages, split over the heads alone "
+             "(the split-K before it cut a second walk). The sweep: split over the heads (8) and the keys (16), the keys' tile (s) and the "
+             "queries' tile (t) of the nested walks, warps and stages given (`Preset.of(split=…, tiles=…, "
+             "num_warps=…, num_stages=…)`); a row 'does not fit' where the cost model's shared-memory bound "
+             "rejects it. Programs: the launch's grid. Time: the cost model's estimate (not measured). Spills: "
+             "store/load bytes of the partials kernel (the combines spill nothing).", "",
+             "| machine | arch | table | ONF | s × t tiles | warps | stages | programs | model time µs | registers | "
+             "spill st/ld B |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+
+    def row(m, name, what, o):
+        grid = [a for a in o.axes if a.role == "grid"]
+        seq = {a.name: a.tile for a in o.axes if a.role == "sequential"}
+        s_tile = seq.get("s_i", seq.get("s", "—"))
+        reps = gpu_report.onf_reports(o, m.arch)
+        lines.append(f"| {m.name} | {m.arch} | {name} | {what} | {s_tile} × {seq.get('t', '—')} | {o.knobs.num_warps} | "
+                     f"{o.knobs.num_stages} | {int(np.prod([a.ntiles for a in grid]))} | "
+                     f"{estimate(o, m).time_s * 1e6:.1f} | {reps[0].registers} | "
+                     f"{reps[0].spill_stores}/{reps[0].spill_loads} |")
+        print(lines[-1], flush=True)
+
+    for label, m, onf in gpu_report.score_mod_cases(("float32",)):
+        if "d_score_mod_const" not in label:
+            continue
+        name = label.split()[1]
+        row(m, name, "default", onf)
+        # the split-K before it cut a second walk: the heads alone (the tiles as the default's)
+        tiles = {a.name: a.tile for a in onf.axes if a.name in ("s_i", "t")}
+        one = schedule.derive(onf.dnf, m, Preset.of(split={"n_kv": 8}, tiles={"s": tiles["s_i"], "t": tiles["t"]},
+                                                    num_warps=onf.knobs.num_warps, num_stages=onf.knobs.num_stages))
+        row(m, name, "heads cut only", one)
+        for (st, tt), warps, stages in itertools.product(PAIRS, (4, 8), (1, 2, 3)):
+            kw = dict(split={"n_kv": 8, "s": 16}, tiles={"s": st, "t": tt}, num_warps=warps, num_stages=stages)
+            try:
+                o = schedule.derive(onf.dnf, m, Preset.of(**kw))
+            except ONFError:
+                lines.append(f"| {m.name} | {m.arch} | {name} | sweep | {st} × {tt} | {warps} | {stages} | | | | "
+                             "does not fit |")
+                continue
+            row(m, name, "sweep", o)
+    write_results(OUT.value, lines)
+
+
+if __name__ == "__main__":
+    app.run(main)
