@@ -169,7 +169,8 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None, order: tuple | Non
         # for it, and a CUDA lowering made here (offline) carries the XLA loops, saying so
         import warnings
 
-        warnings.warn(f"{gpu_onf} — lowered for CUDA, this kernel runs as XLA loops, not Pallas",
+        warnings.warn(f"{gpu_onf} — lowered for CUDA, this kernel runs as XLA loops, not Pallas (a Preset "
+                      "meant for the CPU alone takes target='cpu': the GPU schedule is then derived)",
                       RuntimeWarning, stacklevel=3)
         return functools.partial(compat.platform_dependent, cpu=xla, cuda=xla, default=xla)
     return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas", order), default=xla)
