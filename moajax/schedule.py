@@ -793,9 +793,9 @@ def _owns_all(dnf: D.DNF, names, machine: Machine, preset: Preset | None) -> boo
 def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     """The ONF of ``dnf`` for ``machine`` (``derive``), or for a multi-output DNF a tuple of ONFs
     that together compute it (``runtime.lowered`` runs them in turn): the preset's ``plan``
-    (``plan_groups``); else one fused ONF, except where no fused schedule fits (one ONF per
-    output) or where it scatter-adds ("owner": no atomics, bitwise repeatable, faster on both
-    backends)."""
+    (``plan_groups``); else one fused ONF, except where it scatter-adds or no fused schedule
+    fits ("owner": no atomics, bitwise repeatable, faster on both backends; where none of its
+    kernels fits either, one ONF per output)."""
     plan = preset.plan if preset is not None and preset.applies_to(machine) else None
     if plan is not None and len(dnf.outputs) > 1:
         groups = plan_groups(dnf, plan, machine, preset)
@@ -809,6 +809,15 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     except ONFError:
         if len(dnf.outputs) == 1:
             raise
+        # no fused schedule fits (a score_mod's adjoint on a GPU: 774 KB per program on the
+        # A100): the owner plan, whose kernels share what their outputs share (dK and dV: P
+        # once per tile), else one kernel per output
+        groups = plan_groups(dnf, "owner", machine, preset)
+        for parts in ((staged_parts(dnf, groups), split_outputs(dnf, groups)) if len(groups) > 1 else ()):
+            try:
+                return tuple(derive(d, machine, preset) for d in parts)
+            except ONFError:
+                continue
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
     if any(onf.scatter_var(st) is not None for st in onf.program.stages):
         # programs that scatter-add (atomics on a GPU; on XLA buffers carried over the row

@@ -152,6 +152,22 @@ def test_a_table_gradient_is_split_over_its_heads_then_its_keys_to_fill_the_gpu(
     assert onf.axis("s_i").tile <= 32 and onf.axis("t").tile <= 32
 
 
+def test_where_no_fused_schedule_fits_the_plan_is_owner_not_one_per_output():
+    """The adjoint with a relative-position table on the A100: no fused schedule of all four
+    outputs fits shared memory (the program would hold every output's tile); the plan is then
+    the owner plan — dK and dV in one kernel sharing P per tile, as without a score_mod —
+    not a kernel per output (which recomputed P for dV), and no kernel of it scatter-adds."""
+    from moajax.onf import ONFError
+
+    dnf = _table_adjoint_dnf(33)
+    a100 = machines.load("delta-a100")
+    with pytest.raises(ONFError, match="on-chip footprint"):
+        schedule.derive(dnf, a100)
+    plan = schedule.derive_plan(dnf, a100)
+    assert [o.dnf.name[len(dnf.name) + 1:] for o in plan] == ["d_query", "d_key_d_value", "d_score_mod_const0"]
+    assert not any(o.scatter_var(st) is not None for o in plan for st in o.program.stages)
+
+
 def test_a_table_gradient_on_the_cpu_is_its_own_tiled_kernel():
     """On the CPU the adjoint with a relative-position table runs the owner plan — dQ, dK with
     dV, the table's gradient — not one program walking every output (``accumulate`` finds the
