@@ -84,6 +84,33 @@ def main(argv):
                              "does not fit |")
                 continue
             row(m, name, "sweep", o)
+    # the attention-shaped kernels of the score_mod cases that spill by default, against the
+    # candidates of the float32 tiles table (schedule.GPU_TILES[(4, 64)]) and two more
+    lines += ["", "## The score_mod kernels that still spill, against the float32 tile candidates", "",
+              "Each default ONF that spills in `bench/results/gpu_report.md` (soft-capping's forward and dQ on the "
+              "A100, the relative-position dQ on the A100 and H200), its rows × keys tiles, warps and stages given "
+              "(`Preset.of(tiles={'t': rows, 's': keys}, num_warps=…, num_stages=…)`); the first row is the "
+              "default's.", "",
+              "| machine | arch | kernel | rows × keys | warps | stages | registers | spill st/ld B |",
+              "|---|---|---|---|---:|---:|---:|---|"]
+    spilling = lambda lab, m: (("relpos" in lab and lab.endswith("d_query") and m.name != "delta-a40")  # noqa: E731
+                               or ("softcap" in lab and m.name == "delta-a100" and not lab.endswith("d_key_d_value")))
+    for label, m, onf in gpu_report.score_mod_cases(("float32",)):
+        if not spilling(label, m):
+            continue
+        name = " ".join(label.split()[1:2] + label.split()[3:4] + label.split()[-1:])
+        for bt, bs, warps, stages in [(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 2), (32, 32, 8, 2), (32, 32, 8, 3),
+                                      (32, 16, 8, 2)]:
+            try:
+                o = schedule.derive(onf.dnf, m, Preset.of(tiles={"t": bt, "s": bs}, num_warps=warps,
+                                                          num_stages=stages))
+            except ONFError:
+                lines.append(f"| {m.name} | {m.arch} | {name} | {bt} × {bs} | {warps} | {stages} | | does not fit |")
+                continue
+            r = gpu_report.onf_reports(o, m.arch)[0]
+            lines.append(f"| {m.name} | {m.arch} | {name} | {bt} × {bs} | {warps} | {stages} | {r.registers} | "
+                         f"{r.spill_stores}/{r.spill_loads} |")
+            print(lines[-1], flush=True)
     write_results(OUT.value, lines)
 
 
