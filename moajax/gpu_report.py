@@ -244,8 +244,10 @@ def model_cases(dtypes=("bfloat16", "float32")):
 
 def model_training_cases(dtypes=("float32",)):
     """What ``jax.grad`` of ``rms_norm`` and ``gated_mlp`` runs on a GPU at the seed's block
-    (n = 1024 tokens, d = 64, d_ff = 256): each kernel of the adjoint's plan its own row (the
-    staged first kernel, the weight gradients' split-K parts and their combine)."""
+    (n = 1024 tokens, d = 64, d_ff = 256), and of ``gated_mlp`` at a realistic size (n = 4096,
+    d = 1024, d_ff = 4096, where no fused schedule fits and the owner plan stages U, V, G_H):
+    each kernel of the adjoint's plan its own row (the staged first kernel, the weight
+    gradients' split-K parts and their combine)."""
     import jax
     import numpy as np
 
@@ -256,14 +258,14 @@ def model_training_cases(dtypes=("float32",)):
     out = []
     for dt in dtypes:
         S = lambda *s: jax.ShapeDtypeStruct(s, np.dtype(dt))  # noqa: E731
-        n, d, f = 1024, 64, 256
-        cases = [("rmsnorm", rmsnorm, [S(n, d), S(d)]), ("swiglu", swiglu, [S(n, d), S(d, f), S(d, f), S(f, d)])]
-        for name, kern, specs in cases:
+        cases = [("rmsnorm", rmsnorm, (1024, 64, None)), ("swiglu", swiglu, (1024, 64, 256)),
+                 ("swiglu", swiglu, (4096, 1024, 4096))]
+        for name, kern, (n, d, f) in cases:
+            specs = [S(n, d), S(d)] if f is None else [S(n, d), S(d, f), S(d, f), S(f, d)]
             dnf = kern.adjoint(*specs).dnf(*specs, S(n, d))
             for m in machines.available().values():
                 if m.is_gpu:
-                    out += _plan_rows(f"grad {name} adjoint {dt} n={n} d={d}" + (f" f={f}" if name == "swiglu" else ""),
-                                      dnf, m)
+                    out += _plan_rows(f"grad {name} adjoint {dt} n={n} d={d}" + (f" f={f}" if f else ""), dnf, m)
     return out
 
 

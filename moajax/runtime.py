@@ -68,7 +68,8 @@ def check_implementation(implementation, who: str) -> None:
 def schedules(dnf, onf_key=None) -> tuple:
     """(CPU ONF, GPU ONF) for a DNF: derived for this machine and the GPU, or from an explicit
     ONF (it runs on the kind of machine it names; the other kind gets its default) or Preset.
-    Where no fused ONF fits a multi-output DNF, that side is a tuple of one ONF per output."""
+    Where no fused ONF fits a multi-output DNF, that side is a tuple of ONFs: the owner plan's
+    kernels, else one per output (``schedule.derive_plan``)."""
     if isinstance(onf_key, ONF):
         same = (len(onf_key.dnf.outputs) == len(dnf.outputs)
                 and all(a.body is b.body for a, b in zip(onf_key.dnf.outputs, dnf.outputs))
@@ -169,8 +170,9 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None, order: tuple | Non
         # for it, and a CUDA lowering made here (offline) carries the XLA loops, saying so
         import warnings
 
-        warnings.warn(f"{gpu_onf} — lowered for CUDA, this kernel runs as XLA loops, not Pallas (a Preset "
-                      "meant for the CPU alone takes target='cpu': the GPU schedule is then derived)",
+        warnings.warn(f"{gpu_onf} — lowered for CUDA, this kernel runs as XLA loops, not Pallas (where a "
+                      "Preset meant for the CPU alone chose this, give it target='cpu': the GPU schedule is then "
+                      "derived)",
                       RuntimeWarning, stacklevel=3)
         return functools.partial(compat.platform_dependent, cpu=xla, cuda=xla, default=xla)
     return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas", order), default=xla)

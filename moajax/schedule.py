@@ -338,6 +338,7 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
         if named is not onf:
             onf = named
             loops, out_vars, inner, rows = _structure(onf, gpu=True)
+            nested = _nested_walks(onf, [v for v in inner if next_pow2(v.extent) > GPU_WHOLE_MAX])
         lts = [lt for lt in (128, 64, 32, 16) if lt < next_pow2(last.extent)] or [0]
     for it in ((64, 32, 16) if wide else (0, 64, 32, 16)):
         for lt in lts:
@@ -369,7 +370,7 @@ def _nesting(e: D.Expr, v) -> int:
     stack, seen = [(e, 0)], {}
     while stack:
         x, d = stack.pop()
-        if seen.get(id(x), 1 << 20) <= d:  # (the DNF shares subtrees: each node once per depth)
+        if seen.get(id(x), 1 << 20) <= d:  # (shared subtrees: again only when reached shallower)
             continue
         seen[id(x)] = d
         if isinstance(x, D.Red):
@@ -422,7 +423,7 @@ def _split_once(onf: ONF, machine: Machine) -> ONF:
     programs = int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"]))
     if not sms or programs >= sms:
         return onf
-    walks = []  # (nested, axis, tiles a program walks in the stage) for each axis split_k can cut
+    walks = []  # (nested, depth, axis, tiles a program walks in the stage) for each axis split_k can cut
     for st in onf.program.stages:
         if st.walks is None:
             continue
@@ -432,10 +433,11 @@ def _split_once(onf: ONF, machine: Machine) -> ONF:
         if seq[st.walks].role != "sequential":
             del seq[st.walks]
         tiles = int(np.prod([a.ntiles for a in seq.values()]))
-        depth = {v: _nesting(e, v) for e in st.exprs() if e is not None for v in seq}
         for v, a in seq.items():
             if v == st.walks or (isinstance(st, Stage) and W.sum_to_top(st.body, v.name) is not None):
-                walks.append((v != st.walks, depth.get(v, 0), a, tiles))
+                # (an online stage's own walk is no Red of its expressions: depth 0 as a stage's)
+                depth = 0 if v == st.walks else min(_nesting(e, v) for e in st.exprs() if e is not None)
+                walks.append((v != st.walks, depth, a, tiles))
 
     def parts_for(axis, tiles) -> int:
         parts = 1
@@ -445,9 +447,8 @@ def _split_once(onf: ONF, machine: Machine) -> ONF:
         return parts
 
     # a stage's own walk first, the longest: bringing a nested Σ up reorders the loop nest
-    # its tiles were chosen for (the relative-position table's gradient on sm_80: 200 B of
-    # spills cut over the heads, its top Σ, against 696 B cut over the queries inside); of
-    # the nested ones the outermost (the keys around the queries: the nest keeps its order)
+    # its tiles were chosen for; of the nested ones the outermost (a table gradient's keys
+    # around its queries: cut there, the nest below keeps its order)
     cuts = [(axis, parts_for(axis, tiles)) for _, _, axis, tiles in
             sorted(walks, key=lambda w: (w[0], w[1], -w[2].ntiles, -w[3]))]
     axis, parts = next(((a, p) for a, p in cuts if p >= 2), (None, 1))
@@ -794,7 +795,7 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     """The ONF of ``dnf`` for ``machine`` (``derive``), or for a multi-output DNF a tuple of ONFs
     that together compute it (``runtime.lowered`` runs them in turn): the preset's ``plan``
     (``plan_groups``); else one fused ONF, except where it scatter-adds or no fused schedule
-    fits ("owner": no atomics, bitwise repeatable, faster on both backends; where none of its
+    fits ("owner": no atomics, bitwise repeatable, faster on the CPU where measured; where none of its
     kernels fits either, one ONF per output)."""
     plan = preset.plan if preset is not None and preset.applies_to(machine) else None
     if plan is not None and len(dnf.outputs) > 1:
@@ -809,15 +810,17 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     except ONFError:
         if len(dnf.outputs) == 1:
             raise
-        # no fused schedule fits (a score_mod's adjoint on a GPU: 774 KB per program on the
-        # A100): the owner plan, whose kernels share what their outputs share (dK and dV: P
-        # once per tile), else one kernel per output
+        # no fused schedule fits shared memory (a score_mod's adjoint on a GPU, its program
+        # holding every output's tile; SwiGLU's at n = 4096, d = 1024, f = 4096): the owner
+        # plan, whose kernels share what their outputs share (dK and dV: P once per tile; the
+        # MLP's staged U, V, G_H), else one kernel per output
         groups = plan_groups(dnf, "owner", machine, preset)
-        for parts in ((staged_parts(dnf, groups), split_outputs(dnf, groups)) if len(groups) > 1 else ()):
-            try:
-                return tuple(derive(d, machine, preset) for d in parts)
-            except ONFError:
-                continue
+        if len(groups) > 1:
+            for make in (staged_parts, split_outputs):
+                try:
+                    return tuple(derive(d, machine, preset) for d in make(dnf, groups))
+                except ONFError:
+                    continue
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
     if any(onf.scatter_var(st) is not None for st in onf.program.stages):
         # programs that scatter-add (atomics on a GPU; on XLA buffers carried over the row
@@ -896,7 +899,8 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset) -> ONF:
     # sibling sums inside a sum walk once (rewrites.fuse_sums) on a CPU: the table gradient's
     # two terms of dS share their scores. Not by default on a GPU: both terms live in one loop
     # body, and ptxas spills where two walks do not (GQA's dK in float32 on sm_90a and sm_86;
-    # the tables' gradients in their nested-walk tiles spill in neither: fuse_sums_gpu.md)
+    # the tables' gradients, in their nested-walk tiles, spill with it on or off on all three
+    # profiles: fuse_sums_gpu.md)
     if preset.fuse_sums if preset.fuse_sums is not None else not machine.is_gpu:
         onf = W.fuse_sums(onf)
     carry = preset.carry or "online"

@@ -7,7 +7,8 @@ keys fixed — registers, spill bytes, the cost model's time.
 
 What it shows: the table gradient's programs (8 heads, or 2 × 8 with the table tiled) leave a
 GPU idle, so the split-K that fills it cuts the keys after the heads; and the nested walks'
-score tile spills above the width the attention tables allow for the keys (64 × 64 on sm_90a).
+[s × t] score tile spills at 64 × 64 (every tiling of it that fits) and, with 4 warps, at
+64 × 32 and 32 × 64, where 32 × 32 spills nowhere.
 
     python scripts/ptx_score_mod_tiles.py      # bench/results/score_mod_tiles_gpu.md
 """

@@ -283,8 +283,8 @@ def test_split_k_of_a_nested_sum_on_both_backends():
     for machine in ("delta-epyc-7763", "delta-a100"):
         # one cut over t; and two, the heads then the keys (a cut of a split's partials, as
         # ``schedule._split_to_fill`` makes where the heads alone leave the GPU short)
-        for cuts in ({"t": 2}, {"n_kv": 2, "s": 2}):
-            split = schedule.derive(sub, machines.load(machine), tiles={"t": 4, "s": 4}, split=cuts)
+        for cuts, tiles in (({"t": 2}, {"t": 4, "s": 8}), ({"n_kv": 2, "s": 2}, {"t": 4, "s": 4})):
+            split = schedule.derive(sub, machines.load(machine), tiles=tiles, split=cuts)
             for v, parts in cuts.items():
                 assert f"split_k({v}, {parts})" in split.history
                 assert any(a.name == f"{v}_o" and a.role == "grid" for a in split.axes)

@@ -168,6 +168,48 @@ def test_where_no_fused_schedule_fits_the_plan_is_owner_not_one_per_output():
     assert not any(o.scatter_var(st) is not None for o in plan for st in o.program.stages)
 
 
+def test_swiglus_adjoint_at_a_realistic_size_runs_the_staged_owner_plan_on_a_gpu():
+    """SwiGLU's adjoint at n = 4096, d = 1024, f = 4096 on the A100: no fused schedule of its
+    four outputs fits; the owner plan's staged first kernel computes U, V and G_H [n f] once
+    (``staged_parts``) and dZ, dW_g with dW_u, and dW_d read them — not four kernels each
+    recomputing them."""
+    from moajax.kernels.mlp import swiglu
+    from moajax.onf import ONFError
+
+    n, d, f = 4096, 1024, 4096
+    specs = [S((n, d), np.float32), S((d, f), np.float32), S((d, f), np.float32), S((f, d), np.float32)]
+    dnf = swiglu.adjoint(*specs).dnf(*specs, S((n, d), np.float32))
+    a100 = machines.load("delta-a100")
+    with pytest.raises(ONFError, match="on-chip footprint"):
+        schedule.derive(dnf, a100)
+    plan = schedule.derive_plan(dnf, a100)
+    assert [o.dnf.name[len(dnf.name):] for o in plan] == ["_shared", "_d_z", "_d_w_gate_d_w_up", "_d_w_down"]
+    staged = {o.name for o in plan[0].dnf.outputs}
+    assert len(staged) == 3 and all(staged <= {i.name for i in o.dnf.inputs} for o in plan[1:3])
+
+
+def test_nesting_and_nested_walks():
+    """``_nesting``: how many reductions enclose the outermost Σ over v (a shared subtree
+    reached at several depths counts at its shallowest); ``_nested_walks``: the wide walks
+    one inside another (Σ_s Σ_t), not a lone one."""
+    from moajax.ix import Var
+    from moajax.onf import initial
+
+    t, s, h = Var("t", 8), Var("s", 8), Var("h", 4)
+    inner = D.Red("add", h, D.Read("x", (t, s, h), np.dtype(np.float64)))
+    deep = D.Red("add", t, D.Red("add", s, inner))
+    assert schedule._nesting(deep, h) == 2 and schedule._nesting(deep, s) == 1 and schedule._nesting(deep, t) == 0
+    shared = D.Call("add", (inner, D.Red("add", t, D.Red("add", s, inner))))  # inner at depths 0 and 2
+    assert schedule._nesting(shared, h) == 0
+    assert schedule._nesting(deep, Var("z", 3)) == 1 << 20
+    dnf = D.DNF("nest", (D.InputSpec("x", (8, 8, 4), ("t", "s", "h"), np.dtype(np.float64)),),
+                (D.Output("y", (), (), (), deep),))
+    onf = initial(dnf)
+    assert schedule._nested_walks(onf, [t, s]) == {t, s}
+    assert schedule._nested_walks(onf, [t]) == set()
+    assert schedule._nested_walks(onf, [t, h]) == {t, h}
+
+
 def test_a_table_gradient_on_the_cpu_is_its_own_tiled_kernel():
     """On the CPU the adjoint with a relative-position table runs the owner plan — dQ, dK with
     dV, the table's gradient — not one program walking every output (``accumulate`` finds the
