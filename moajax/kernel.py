@@ -214,7 +214,7 @@ class Kernel:
         the forward saves for the backward ("auto" or "none", see ``compiled``)."""
         fn = self.compiled(*arrays, onf=onf, implementation=implementation, residuals=residuals, **options)
         dnf = self._build(arrays, options)[2]
-        shard.check(dnf, arrays, self.name, self.mesh_lift.for_dnf(dnf, options) if self.mesh_lift else None)
+        shard.check(dnf, arrays, self.name, self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift else None)
         return fn(*arrays)
 
     def onf(self, *arrays, onf=None, implementation=None, **options):
@@ -305,7 +305,7 @@ class Kernel:
         from moajax import runtime
 
         names = tuple(o.name for o in dnf.outputs)
-        lift = self.mesh_lift.for_dnf(dnf, options) if self.mesh_lift is not None else None
+        lift = self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift is not None else None
         return shard.partitioned(runtime.dispatch(*runtime.schedules(dnf, onf), implementation, names), dnf,
                                  functools.partial(self._local_run, options=options, onf=onf,
                                                    implementation=implementation, names=names), self.name, lift)

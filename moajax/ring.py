@@ -27,7 +27,8 @@ import math
 
 import numpy as np
 
-BALANCES = ("zigzag", "contiguous")
+from moajax.schedule import RING_BALANCES as BALANCES  # (a Preset names them too)
+
 _FULL, _DIAG, _SKIP = 0, 1, 2
 
 
@@ -266,7 +267,9 @@ class SequenceLift:
     def __init__(self, kern):
         self.kern = kern
 
-    def for_dnf(self, dnf, options):
+    def for_dnf(self, dnf, options, onf=None):
+        """The lift of one of the kernel's DNFs (its forward, saving forward or adjoints), or
+        None; ``onf``: the call's ONF or Preset (a Preset's ``ring`` names the balance)."""
         ins = tuple(i.name for i in dnf.inputs)
         outs = tuple(o.name for o in dnf.outputs)
         if ins[:3] != ("query", "key", "value"):
@@ -281,12 +284,12 @@ class SequenceLift:
             role = "adjoint_saved"
         else:
             return None
-        return _Lifted(self.kern, role, dict(options))
+        return _Lifted(self.kern, role, dict(options), getattr(onf, "ring", None))
 
 
 class _Lifted:
-    def __init__(self, kern, role: str, options: dict):
-        self.kern, self.role, self.options = kern, role, options
+    def __init__(self, kern, role: str, options: dict, balance: str | None = None):
+        self.kern, self.role, self.options, self.balance = kern, role, options, balance
 
     def classes(self, rule) -> frozenset:
         """The classes of the queries' and the keys' sequence axes (axis 1 of query and key)."""
@@ -294,7 +297,9 @@ class _Lifted:
 
     def per_device(self, axis_name: str, devices: int, local_in, local_out):
         causal = bool(self.options.get("is_causal", False))
-        ring = Ring(axis_name, devices, "zigzag" if causal else "contiguous")
+        # each kernel (forward, saving forward, adjoint) reorders its own blocks from the
+        # inputs' contiguous split and back, so each may take either balance
+        ring = Ring(axis_name, devices, self.balance or ("zigzag" if causal else "contiguous"))
         T = local_in[0][1]
         if T % (ring.chunks // devices):
             raise ValueError(f"dot_product_attention: each device's {T} queries do not split into the "

@@ -34,6 +34,10 @@ from moajax.machines import Machine
 from moajax.onf import ONF, Axis, ONFError, Stage, initial, next_pow2
 
 
+# the orders of a sequence split's blocks on a ring of devices (``moajax.ring.Ring``)
+RING_BALANCES = ("zigzag", "contiguous")
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """A partial ONF: the choices a user (or a configs/presets/*.toml file) fixes; the rest
@@ -59,10 +63,15 @@ class Preset:
     skip: bool | None = None
     # walk sibling sums inside a sum once (``rewrites.fuse_sums``); None: on a CPU, not on a GPU
     fuse_sums: bool | None = None
+    # the sequence split's ring order under a device mesh (``moajax.ring``): "zigzag" (every
+    # step the same causal work; each kernel reorders its blocks there and back) or
+    # "contiguous" (the inputs' own split, no reorder: less memory and traffic, the causal work
+    # uneven); None: zigzag when causal
+    ring: str | None = None
 
     @staticmethod
     def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, residuals=None,
-           plan=None, backward=None, skip=None, fuse_sums=None, **knobs) -> "Preset":
+           plan=None, backward=None, skip=None, fuse_sums=None, ring=None, **knobs) -> "Preset":
         def items(d):
             return tuple(sorted((d or {}).items()))
 
@@ -73,8 +82,10 @@ class Preset:
         for name, flag in (("skip", skip), ("fuse_sums", fuse_sums)):
             if flag not in (None, True, False):
                 raise TypeError(f"Preset: {name} must be a bool, got {flag!r}")
+        if ring is not None and ring not in RING_BALANCES:
+            raise ValueError(f"Preset: ring must be one of {RING_BALANCES}, got {ring!r}")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
-                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip, fuse_sums)
+                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip, fuse_sums, ring)
 
     def applies_to(self, machine: Machine) -> bool:
         return self.target is None or self.target == machine.kind

@@ -207,6 +207,33 @@ def test_sequence_split_runs_the_ring_under_jit(dtype, causal, heads):
         assert "collective-permute" in text and "all-gather" not in text
 
 
+def test_the_rings_balance_under_jit_is_a_preset_choice():
+    """The sequence split's ring order is schedule data: ``Preset.of(ring="contiguous")``
+    keeps the inputs' own split (no reorder), "zigzag" (the causal default) reorders each
+    kernel's blocks there and back. Both give the one-device forward and gradient (float64);
+    the contiguous program moves fewer blocks (no reorder's collective-permutes), neither
+    all-gathers. A balance not in ``ring.BALANCES`` is refused, naming the argument."""
+    mesh = _mesh((8,), ("seq",))
+    q, k, v = _attn_inputs(np.float64, B=1, T=64)
+    args = [_put(x, mesh, None, "seq") for x in (q, k, v)]
+    want_loss = lambda q, k, v: jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v, is_causal=True)))  # noqa: E731
+    want = jax.grad(want_loss, argnums=(0, 1, 2))(q, k, v)
+    permutes = {}
+    for ring in ("zigzag", "contiguous"):
+        onf = moajax.Preset.of(ring=ring)
+        f = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True, onf=onf)  # noqa: E731
+        assert rel_err(jax.jit(f)(*args), f(q, k, v)) <= TOL[np.float64]
+        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2)))
+        for a, b in zip(g(*args), want):
+            assert rel_err(a, b) <= TOL[np.float64]
+        text = _hlo(g, *args)
+        assert "all-gather" not in text
+        permutes[ring] = text.count("collective-permute(")
+    assert 0 < permutes["contiguous"] < permutes["zigzag"]
+    with pytest.raises(ValueError, match="ring must be one of"):
+        moajax.Preset.of(ring="striped")
+
+
 @pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
 def test_ring_attention_with_batch_and_head_axes(balance):
     mesh = _mesh((2, 2, 2), ("data", "model", "seq"))
