@@ -53,7 +53,7 @@ MEMORY_FIRST = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 RING_TEMP = flags.DEFINE_string("ring_temp", None, "internal: S,devices — print the ring jit(grad)'s temp bytes")
 
 
-def _temp_memory_first(S: int, n: int) -> int:
+def _temp_memory_first(S: int, n: int, balance: str = "zigzag") -> int:
     """The ring jit(grad)'s temp memory under XLA CPU's memory-minimising schedule, compiled
     in a child process (the schedule is a process-wide XLA flag; a per-compile option does not
     reach it). Its default schedule, for concurrency, starts whatever only the inputs
@@ -62,7 +62,7 @@ def _temp_memory_first(S: int, n: int) -> int:
     import subprocess
 
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + MEMORY_FIRST).strip())
-    out = subprocess.run([sys.executable, __file__, f"--ring_temp={S},{n}"], env=env, check=True,
+    out = subprocess.run([sys.executable, __file__, f"--ring_temp={S},{n},{balance}"], env=env, check=True,
                          capture_output=True, text=True).stdout
     return int(out.strip().splitlines()[-1])
 
@@ -93,6 +93,9 @@ def main(argv):
              "Median of the alternated runs; float32.", ""]
 
     loss = lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=True) ** 2)  # noqa: E731
+    contiguous = moajax.Preset.of(ring="contiguous")
+    loss_contiguous = lambda q, k, v: jnp.sum(  # noqa: E731
+        moajax.dot_product_attention(q, k, v, is_causal=True, onf=contiguous) ** 2)
 
     def ring_case(S, n):  # the ring's inputs: B = 1, 8 heads of 64, the sequence split n ways
         q, k, v = a(1, S, 8, 64), a(1, S, 8, 64), a(1, S, 8, 64)
@@ -100,9 +103,11 @@ def main(argv):
         return [_put(x, mesh, None, "seq") for x in (q, k, v)]
 
     rgrad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    rgrad_contiguous = jax.jit(jax.grad(loss_contiguous, argnums=(0, 1, 2)))
     if RING_TEMP.value:  # the child of _temp_memory_first
-        S, n = map(int, RING_TEMP.value.split(","))
-        print(_compiled(rgrad, *ring_case(S, n))[0])
+        S, n, *balance = RING_TEMP.value.split(",")
+        fn = rgrad_contiguous if balance == ["contiguous"] else rgrad
+        print(_compiled(fn, *ring_case(int(S), int(n)))[0])
         return
 
     # ---- attention split by batch × heads
@@ -202,6 +207,26 @@ def main(argv):
         for n in counts:
             lines.append(row(S, n, "(compiled only) |", mem[n], first[n], mem[counts[0]][0], first[counts[0]]))
     lines.append("")
+
+    # the same jit(grad) with the ring's contiguous balance (Preset.of(ring="contiguous")): no
+    # reorder of the blocks, the causal work uneven across the devices
+    n = max(counts)
+    if n > 1:
+        lines += [f"### The contiguous balance (`Preset.of(ring=\"contiguous\")`), {n} devices", "",
+                  "Sent: `cost.ring_bytes` with the contiguous ring. The zigzag columns repeat the rows above.", "",
+                  "| S | zigzag temp | contiguous temp | zigzag memory-first | contiguous memory-first | zigzag sent | "
+                  "contiguous sent | zigzag collective-permutes | contiguous collective-permutes |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for S in [RING_TIME_S.value] + list(map(int, RING_MEMORY_S.value)):
+            z, c = _compiled(rgrad, *ring_case(S, n)), _compiled(rgrad_contiguous, *ring_case(S, n))
+            zf, cf = _temp_memory_first(S, n), _temp_memory_first(S, n, "contiguous")
+            ring, blk = Ring("seq", n, "contiguous"), (1, S // n, N, H)
+            c_sent = (cost.ring_bytes(ring, blk, blk, blk, 4, residuals_in_ring_order=False)
+                      + cost.ring_bytes(ring, blk, blk, blk, 4, backward=True, residuals_in_ring_order=False))
+            lines.append(f"| {S} | {z[0] / 2**20:.1f} MiB | {c[0] / 2**20:.1f} MiB | {zf / 2**20:.1f} MiB | "
+                         f"{cf / 2**20:.1f} MiB | {sent(S, n) / 2**20:.1f} MiB | {c_sent / 2**20:.1f} MiB | {z[2]} | "
+                         f"{c[2]} |")
+        lines.append("")
     write_results(OUT.value, lines)
 
 
