@@ -168,6 +168,25 @@ def test_where_no_fused_schedule_fits_the_plan_is_owner_not_one_per_output():
     assert not any(o.scatter_var(st) is not None for o in plan for st in o.program.stages)
 
 
+def test_where_the_owner_kernels_do_not_fit_either_the_plan_is_one_kernel_per_output():
+    """The no-fit fallback's last step: on an A100 profile with 40 KB of shared memory per
+    block, neither the fused adjoint of causal attention nor the owner plan's dK-with-dV
+    kernel fits (48 KB holds the latter), so each output is its own kernel; each fits."""
+    from moajax import cost
+    from moajax.kernels.attention import mha_kernel
+
+    kern = mha_kernel(None, None, False)
+    specs = [S((1, 1024, 8, 64), np.float32)] * 3
+    adj, args = kern.saved_adjoint(*specs, is_causal=True)
+    dnf = adj.dnf(*args, is_causal=True)
+    a100 = machines.load("delta-a100")
+    for kb, want in ((48, ["d_query", "d_key_d_value"]), (40, ["d_query", "d_key", "d_value"])):
+        small = dataclasses.replace(a100, shared_memory_per_block=kb * 1024)
+        plan = schedule.derive_plan(dnf, small)
+        assert [o.dnf.name[len(dnf.name) + 1:] for o in plan] == want, kb
+        assert all(cost.onchip_bytes(o) <= small.onchip_limit_bytes for o in plan)
+
+
 def test_swiglus_adjoint_at_a_realistic_size_runs_the_staged_owner_plan_on_a_gpu():
     """SwiGLU's adjoint at n = 4096, d = 1024, f = 4096 on the A100: no fused schedule of its
     four outputs fits; the owner plan's staged first kernel computes U, V and G_H [n f] once
