@@ -326,7 +326,8 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
         # (in the sweep every 64 × 64 tiling of the table gradient spills, 32 × 32 none:
         # bench/results/score_mod_tiles_gpu.md). Other walks keep the candidates of their
         # extent, as they were calibrated (GQA's dK and dV, spill-free in gpu_report.md)
-        held = [min(v.extent, it) if it and v in nested else v.extent for v in inner] + [v.extent for v in out_vars[-1:]]
+        held = [min(v.extent, it) if it and v in nested else v.extent for v in inner]
+        held += [v.extent for v in out_vars[-1:]]
         cands = _gpu_candidates(GPU_TILES, onf, held)
         return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
             onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt, inner_tile=it,
@@ -335,8 +336,9 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     # a nested reduction wider than the widest calibrated head dim is walked from the start:
     # held whole it fits shared memory yet spills registers (SwiGLU's Σ_d, d = 1024, on sm_90a:
     # 8800 B of spill stores under ptxas with 16 × 128 output tiles)
-    wide = any(next_pow2(v.extent) > GPU_WHOLE_MAX for v in inner)
-    nested = _nested_walks(onf, [v for v in inner if next_pow2(v.extent) > GPU_WHOLE_MAX])
+    wide_walks = lambda inner: [v for v in inner if next_pow2(v.extent) > GPU_WHOLE_MAX]  # noqa: E731
+    wide = bool(wide_walks(inner))
+    nested = _nested_walks(onf, wide_walks(inner))
     o = attempt(0, 0)
     if fits(o) and not wide:
         return o
@@ -349,7 +351,7 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
         if named is not onf:
             onf = named
             loops, out_vars, inner, rows = _structure(onf, gpu=True)
-            nested = _nested_walks(onf, [v for v in inner if next_pow2(v.extent) > GPU_WHOLE_MAX])
+            nested = _nested_walks(onf, wide_walks(inner))
         lts = [lt for lt in (128, 64, 32, 16) if lt < next_pow2(last.extent)] or [0]
     for it in ((64, 32, 16) if wide else (0, 64, 32, 16)):
         for lt in lts:
@@ -360,18 +362,21 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     return o
 
 
+def _enclosed(onf: ONF) -> list:
+    """(v, the variables of the reductions inside it) for each reduction Σ_v of the program."""
+    return [(x.var, {y.var for y in D.reductions(x.body)} - {x.var})
+            for e in onf.program.exprs() for x in D.reductions(e)]
+
+
 def _nested_walks(onf: ONF, wide) -> set:
     """The variables of ``wide`` whose reductions hold, or lie in, a reduction over another."""
     wide = set(wide)
     out: set = set()
     if len(wide) < 2:
         return out
-    for e in onf.program.exprs():
-        for x in D.walk(e):
-            if isinstance(x, D.Red) and x.var in wide:
-                inside = {y.var for y in D.walk(x.body) if isinstance(y, D.Red) and y.var in wide} - {x.var}
-                if inside:
-                    out |= inside | {x.var}
+    for v, inside in _enclosed(onf):
+        if v in wide and inside & wide:
+            out |= (inside & wide) | {v}
     return out
 
 
@@ -522,14 +527,10 @@ def _around_walks(onf: ONF, loops: set, inner_tile: int) -> set:
     tiles of ``inner_tile`` (GQA's dK = Σ_g Σ_t …: the query heads of a kv head around the
     queries): on a GPU they run one element at a time."""
     out = set()
-    for e in onf.program.exprs():
-        for x in D.walk(e):
-            if isinstance(x, D.Red):
-                walks = {y.var for y in D.walk(x.body) if isinstance(y, D.Red)} - {x.var}
-                # a short reduction around a longer walk (not the main loop around a nested one)
-                if any((w in loops or (inner_tile and w.extent > inner_tile)) and w.extent > x.var.extent
-                       for w in walks):
-                    out.add(x.var)
+    for v, walks in _enclosed(onf):
+        # a short reduction around a longer walk (not the main loop around a nested one)
+        if any((w in loops or (inner_tile and w.extent > inner_tile)) and w.extent > v.extent for w in walks):
+            out.add(v)
     # a variable a memory stage is indexed by is that kernel's own axis: the ONF's one lifting
     # cannot walk it there (Triton walks at most one own axis per program) — it stays whole
     owned = {v for st in onf.program.stages if st.place == "memory" for v in st.vars}
