@@ -89,6 +89,44 @@ def sink_invariant_factors(e: D.Expr, loop: Var) -> D.Expr:
     return D.transform(e, fn)
 
 
+def factored(e: D.Expr) -> D.Expr:
+    """Every +-reduction of e with its invariant factors out: Σ_h (a·c)·b = (Σ_h a·b)·c for c
+    free of h (``factor_out_invariants``; a factor 1 dropped: a·1 = a exactly).
+
+    ``hoist`` sinks each stage's invariant factors into its contractions for the stage's own
+    walk (the scale onto q for dQ's Σ_s, onto k for dK's Σ_t; 1/ℓ into dO for dQ's dP only):
+    once stages of different walks share one pass (a scatter-added output: the fused
+    backward's dK = Σ_t … inside the programs' walk over s), their shared contractions —
+    attention's score and dP — are then different nodes. Factored, they are one node
+    (hash-consed), which a tile computes once (the tile memo is by node)."""
+
+    def out(x):
+        if not (isinstance(x, D.Red) and x.monoid == "add" and x.dtype.kind == "f"):
+            return None
+        y = factor_out_invariants(x)
+        if y is x:
+            return None
+        num, den = D.mul_div_factors(y)
+        ones = [f for f in num if isinstance(f, D.Lit) and f.value == 1]
+        return D.quotient([f for f in num if f not in ones] or ones[:1], den, y.dtype) if ones else y
+
+    return D.transform(e, out)
+
+
+def _factored_stage(st: Stage) -> Stage:
+    """``factored`` below the stage's top reduction (its walk, or the grid it scatter-adds over)."""
+    body = st.body.arg if isinstance(st.body, D.Convert) else st.body
+    body = D.Red(body.monoid, body.var, factored(body.body)) if isinstance(body, D.Red) else factored(body)
+    return dataclasses.replace(st, body=D.Convert(body, st.body.dtype) if isinstance(st.body, D.Convert) else body)
+
+
+def _kernel_walk(prog: Program, st: Stage) -> Var | None:
+    """The pass a kernel runs ``st`` inside once its programs own tiles of its top reduction:
+    the one variable of ``st`` that the program's other stages walk (None: none, or several)."""
+    walks = {o.walks for o in prog.stages if o is not st and o.walks is not None and o.walks in st.vars}
+    return walks.pop() if len(walks) == 1 else None
+
+
 def _sink_stage(st):
     """Sink invariant factors into the contractions of a stage's pass (over ``st.walks``):
     the top reduction's body, or every expression of an online pass."""
@@ -574,6 +612,12 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = No
         body = D.Red("add", red.var, D.quotient([red.body] + rest, den, body.dtype))
     stages = [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place) if o is st else o
               for o in onf.program.stages]
+    walk = _kernel_walk(onf.program, st)
+    if walk is not None and walk != body.var:
+        # the stages of the pass this output now joins, and the output itself: their shared
+        # contractions one node each (``factored``)
+        stages = [o if not (o.name == st.name or o.walks == walk) else
+                  _factored_stage(o) if isinstance(o, Stage) else o.map_exprs(factored) for o in stages]
     stages = _drop_unused(stages, {sname for _, sname in onf.program.outputs})
     acc = dict(onf.accumulate)
     acc[st.name] = how

@@ -576,7 +576,7 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     return W.with_knobs(o, cpu_loop=loop) if loop else o
 
 
-def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
+def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset()) -> ONF:
     """Outputs over different index variables (a backward: dQ[t h], dK[s h], dV[s e]) under
     the papers' ONF: the programs own tiles of a row variable r; an output that does not use
     r is c · Σ_r g and every program adds its partial (atomic scatter-add); the other main
@@ -585,7 +585,8 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
     no other reduction sums over (t for attention's backward: s is the softmax's axis). Only
     if there is none, a reduction over r that is a statistic of all of r (a softmax max whose
     variable shadows r) gets an axis of its own (``rewrites.separate_walks``): every program
-    then computes it whole."""
+    then computes it whole. ``pinned``: variables a preset gives another role than grid (they
+    own no programs)."""
     errors = []
     shared = set.intersection(*[set(o.vars) for o in onf.dnf.outputs])
     candidates: list = []
@@ -597,13 +598,20 @@ def _scatter_schedule(onf: ONF, machine: Machine) -> ONF:
     # … unless it is the rows of them all (dK[s h] and dV[s e]: programs owning key tiles
     # compute both, no atomics): then it is tried after the others, by the reuse order below
     candidates += [v for o in onf.dnf.outputs for v in o.vars[:-1] if v in shared and v not in candidates]
-    candidates = list(dict.fromkeys(candidates))
+    candidates = [v for v in dict.fromkeys(candidates) if v.name not in pinned]
     # a variable of extent 1 owns one row: it is valid (one program), but a longer one that
     # is valid too splits the work (a saving forward's query group g of extent 1 before t); and
     # one that every main-loop read depends on (a batch b) shares no tile between its rows: a
     # variable some read does not depend on (the queries t: K and V) goes first
     reads = _heavy_reads(onf, _main_walks(onf))
-    candidates.sort(key=lambda v: (v.extent <= 1, all(v in r.free for r in reads)))
+    # on a CPU, of the rest, the variable that leaves the fewest outputs scatter-added: XLA
+    # carries each through the row loop as a whole buffer, updated once per tile (attention's
+    # adjoint: programs owning key tiles add dQ alone, FlashAttention-2's order, where owning
+    # query tiles adds dK and dV: 1.2× faster on the 2-core EPYC, bench/results/
+    # backward_plans_cpu.md). A GPU keeps the output order: the seed's fused kernel owns
+    # query rows (its 2.00× atomics)
+    scattered = lambda v: 0 if machine.is_gpu else sum(v not in o.vars for o in onf.dnf.outputs)  # noqa: E731
+    candidates.sort(key=lambda v: (v.extent <= 1, all(v in r.free for r in reads), scattered(v)))
     for separate in (False, True):
         for r in candidates:
             for spread in (True, False):
@@ -657,8 +665,10 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
     if gpu:
         return _first_fit(onf, machine, _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest]), lift)
     # every other axis of an output's row tile but its last is vectorised beside the rows
-    # (batch-like grid axes, and head axes held whole): the score tile is that deep
-    other = max(int(np.prod([v.extent for v in o.vars[:-1] if v != r])) for o in outs)
+    # (batch-like grid axes, and head axes held whole): the score tile is that deep. Not the
+    # walked axes: a loop holds one tile (256) of them, the bs of the budget (counted whole,
+    # a scatter-added dK[s h] over the programs' walk of s took 128-row tiles for 512)
+    other = max(int(np.prod([v.extent for v in o.vars[:-1] if v != r and v not in loops])) for o in outs)
     bt = _cpu_rows(machine, r.extent, other)
     o = lift(bt, 256)
     return W.with_knobs(o, cpu_loop=(r.name,)) if bt < r.extent else o
@@ -837,11 +847,12 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     if any(onf.scatter_var(st) is not None for st in onf.program.stages):
         # programs that scatter-add (atomics on a GPU; on XLA buffers carried over the row
         # tiles) give way to the "owner" plan: dQ owning query tiles, dK and dV together owning
-        # key tiles in one loop sharing P — no atomics, bitwise repeatable. On the 2-core EPYC,
-        # for the attention adjoint reading the saved statistics (what jax.grad runs), it is
-        # 1.32–1.61× the one-pass fused plan at S = 1024…4096; for the adjoint recomputing
-        # them the fused plan is 1.02–1.77× owner (bench/results/backward_plans_cpu.md;
-        # measured for attention only)
+        # key tiles in one loop sharing P — no atomics, bitwise repeatable. On the 2-core EPYC
+        # the fused plan of attention's adjoint (programs owning key tiles, dQ alone added,
+        # 5 contractions per tile) is the faster: 1.28–1.45× owner reading the saved
+        # statistics, 1.56–2.0× recomputing them (bench/results/backward_plans_cpu.md). It is
+        # not the CPU default yet: that changes other kernels' plans (the MLP's, unmeasured),
+        # and its causal walk reads key tiles the skip should leave out (a poisoned-key test)
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) == 1:
             return onf
@@ -924,7 +935,7 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset) -> ONF:
         except ONFError:
             pass  # nothing softmax-shaped: the passes are the program
     if len({frozenset(o.vars) for o in _program_outputs(onf)}) > 1:
-        onf = _scatter_schedule(onf, machine)
+        onf = _scatter_schedule(onf, machine, frozenset(n for n, role in preset.roles if role != "grid"))
     else:
         onf = W.separate_walks(onf, [v.name for v in _program_outputs(onf)[0].vars[:-1]])  # the grid's
         loops, out_vars, inner, rows = _structure(onf, machine.is_gpu)

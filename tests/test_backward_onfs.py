@@ -141,16 +141,16 @@ def test_owner_computes_p_once_per_tile_for_dk_and_dv():
         assert text.count("dot_general") == dots and text.count(" exp ") == 1, onf.dnf.name
 
 
-@pytest.mark.parametrize("causal,dots,exps", [(True, 5, 2), (False, 6, 2)])
-def test_the_atomic_backward_walks_the_keys_once_with_p_once_per_tile(causal, dots, exps):
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_atomic_backward_walks_the_keys_once_with_p_once_per_tile(causal):
     # the seed's fused kernel: programs own query tiles and walk the keys once; each key tile
     # gives dQ's Σ_s term and the scatter-added dK and dV partials in one loop:
-    # S = Q Kᵀ, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K — five contractions.
-    # Findings, pinned here: without a mask, hoisting sinks 1/ℓ into dQ's dP (Σ_e (dO × 1/ℓ) × V)
-    # and not into dK's ((Σ_e dO × V) × 1/ℓ): two contractions of dP, six in all. With the causal
-    # mask the adjoint writes the masked score twice (scaled on q for dQ, on k for dK): one
-    # contraction (named alike, ``TileEval._same_contraction``); with or without the mask, two
-    # exps per tile (score2 and score are different expressions around that one contraction).
+    # S = Q Kᵀ, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K — five contractions, one exp.
+    # Hoisting sinks each stage's invariant factors for its own walk (the scale onto q for dQ's
+    # Σ_s, onto k for dK's Σ_t; 1/ℓ into dQ's dP only), which left dP and the score in two
+    # forms each (six contractions, two exps); ``accumulate`` sinks them again for the walk the
+    # scatter-added stages join (``rewrites.resink``), so the tile computes each once.
+    dots, exps = 5, 1
     import pallas_kernels
 
     specs = [jax.ShapeDtypeStruct((1, 1024, 1, 64), np.float32)] * 3
@@ -165,8 +165,9 @@ def test_the_atomic_backward_walks_the_keys_once_with_p_once_per_tile(causal, do
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_xla_one_pass_backward_matches_the_reference(causal, monkeypatch):
-    # the fused plan on the CPU, its cpu_loop walking query tiles: per query tile one walk over
-    # the key tiles computes dQ's Σ_s and adds the dK, dV partials (lower_xla._one_pass)
+    # the fused plan on the CPU, its cpu_loop walking key tiles (FlashAttention-2's order: the
+    # fewest outputs scatter-added): per key tile one walk over the query tiles computes dK's
+    # and dV's Σ_t and adds the dQ partials (lower_xla._one_pass)
     from moajax import lower_xla
 
     calls = []
@@ -176,8 +177,8 @@ def test_the_xla_one_pass_backward_matches_the_reference(causal, monkeypatch):
         specs = [jax.ShapeDtypeStruct((2, 24, 2, 4), np.float64)] * 3
         adj, args = mha_kernel(None, None, False).saved_adjoint(*specs, is_causal=causal)
         dnf = adj.dnf(*args, is_causal=causal)
-        onf = schedule.derive(dnf, machines.local(), Preset.of(tiles={"t": 8, "s": 8}, cpu_loop="t"))
-        assert onf.accumulate and onf.axis("s").role == "sequential"
+        onf = schedule.derive(dnf, machines.local(), Preset.of(tiles={"t": 8, "s": 8}, cpu_loop="s"))
+        assert onf.accumulate == (("d_query", "atomic"),) and onf.axis("t").role == "sequential"
         r = np.random.default_rng(7)
         arrays = [r.standard_normal(a.shape) + (3.0 if n.startswith("saved1") else 0.0)
                   for a, n in zip(args, [i.name for i in dnf.inputs])]
