@@ -20,6 +20,7 @@ from moajax import dnf as D
 from moajax.ix import Ix, Var
 from moajax.onf import ONF, ONFError, Stage
 from moajax.reference import Named, align
+from moajax.tiles import skipping
 from moajax.tiles import stages as S
 from moajax.tiles.backend import Backend, full_ranges, is_static_full
 from moajax.tiles.evaluate import TileEval
@@ -231,7 +232,11 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
     for o, _, _ in members:
         all_vars += [v for v in o.vars if v not in all_vars]
     ranges = full_ranges(backend, tuple(all_vars) + ((scatter,) if scatter is not None else ()))
-    walked = scatter is not None and scatter.name in onf.knobs.cpu_loop
+    # the scatter axis walked tile by tile where the cpu_loop knob names it — or where its
+    # partials have masked tiles (a causal dQ over key tiles): vectorised over the whole grid,
+    # those would be computed and masked, never skipped
+    walked = scatter is not None and (scatter.name in onf.knobs.cpu_loop or (
+        onf.axis_of(scatter).ntiles > 1 and any(onf.skip_of(st.name, scatter) is not None for _, st, _ in members)))
 
     def program(rs):
         ev = scope(rs)
@@ -247,7 +252,11 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
             ev.hoist(bodies, scatter)
             init = tuple(jnp.zeros(tuple(rs[v].size for v in o.vars if rs[v].size != 1), b.dtype)
                          for b, (o, _, _) in zip(bodies, members))
-            return backend.fori_loop(a.ntiles, add, init)
+            # only the tiles of the scatter axis whose partials are not all 0 over these rows
+            # (a causal dQ's key tiles past its query tile): masked tiles are skipped, not
+            # computed and masked — never read, so NaN there cannot reach the sums
+            first, count = skipping.span(ev, [onf.skip_of(st.name, scatter) for _, st, _ in members], scatter)
+            return backend.fori_loop(count, add, init, first)
         S.run(ev, [name for _, _, name in members])
         return tuple(broadcast_to_vars(ev.eval(D.Ref(name, o.vars, o.dtype)), tuple(o.vars), rs)
                      for o, _, name in members)

@@ -844,25 +844,46 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
                 except ONFError:
                     continue
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
-    if any(onf.scatter_var(st) is not None for st in onf.program.stages):
+    scattered = [st for st in onf.program.stages if onf.scatter_var(st) is not None]
+    if scattered:
         # programs that scatter-add (atomics on a GPU; on XLA buffers carried over the row
         # tiles) give way to the "owner" plan: dQ owning query tiles, dK and dV together owning
-        # key tiles in one loop sharing P — no atomics, bitwise repeatable. On the 2-core EPYC
-        # the fused plan of attention's adjoint (programs owning key tiles, dQ alone added,
-        # 5 contractions per tile) is the faster: 1.28–1.45× owner reading the saved
-        # statistics, 1.56–2.0× recomputing them (bench/results/backward_plans_cpu.md). It is
-        # not the CPU default yet: that changes other kernels' plans (the MLP's, unmeasured),
-        # and its causal walk reads key tiles the skip should leave out (a poisoned-key test)
+        # key tiles in one loop sharing P — no atomics, bitwise repeatable. Except on a CPU,
+        # where programs run in turn: one carried buffer costs less than recomputing, so the
+        # fused ONF stays where it scatter-adds one output and does less reduction work than
+        # the owner plan. Attention's adjoint: programs owning key tiles add dQ alone, 5
+        # contractions per tile against owner's 7 — 1.28–1.45× owner reading the saved
+        # statistics, 1.56–2.0× recomputing them (bench/results/backward_plans_cpu.md). The
+        # MLP's staged plan recomputes nothing, so it stays (its fused ONF adds three
+        # weight gradients)
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) == 1:
             return onf
         for parts in (staged_parts(dnf, groups), split_outputs(dnf, groups)):
             try:  # (a shared first kernel that does not fit: each recomputes instead)
-                return tuple(derive(d, machine, preset) for d in parts)
+                plan = tuple(derive(d, machine, preset) for d in parts)
             except ONFError:
                 continue
+            if not machine.is_gpu and len(scattered) == 1 and plan_work((onf,)) < plan_work(plan):
+                return onf
+            return plan
         return onf
     return onf
+
+
+def plan_work(onfs) -> int:
+    """The reduction work of a plan's kernels: in each, every distinct reduction of its program
+    once — the index points its body is evaluated on — as a tile computes a value its stages
+    share once (nodes are hash-consed; masked tiles are not discounted)."""
+    total = 0
+    for o in onfs:
+        seen: set = set()
+        for e in o.program.exprs():
+            for x in D.walk(e) if e is not None else ():
+                if isinstance(x, D.Red) and x not in seen:
+                    seen.add(x)
+                    total += math.prod(v.extent for v in x.free | {x.var})
+    return total
 
 
 def _cpu_cache_budget(machine: Machine) -> int:

@@ -70,9 +70,12 @@ def main():
         def grad_of(f):
             return jax.grad(lambda q, k, v, g: jnp.sum(f(q, k, v) * g), argnums=(0, 1, 2))
 
+        # "moajax owner": the owner plan for the adjoint (the default before 2026-12-02, beside
+        # the fused plan a CPU now takes), so the plan change is measured in one run
         causal = {f"{n} causal": functools.partial(fns[n], is_causal=True) for n in ("moajax", "jax.nn")}
-        fns = {"moajax": fns["moajax"], "moajax causal": causal["moajax causal"], "jax.nn": fns["jax.nn"],
-               "jax.nn causal": causal["jax.nn causal"]}
+        owner = functools.partial(fns["moajax"], onf=moajax.Preset.of(backward="owner"))
+        fns = {"moajax": fns["moajax"], "moajax causal": causal["moajax causal"], "moajax owner": owner,
+               "jax.nn": fns["jax.nn"], "jax.nn causal": causal["jax.nn causal"]}
         fns = {name: grad_of(f) for name, f in fns.items()}
     impls = {name: jax.jit(f) for name, f in fns.items()}
     # matmul flops: the forward's two (4·T·S·N·H); with --grad also the backward's five
@@ -117,7 +120,7 @@ def main():
             res[name].update(t=min(ts), median=t, gfs=flops / min(ts) / 1e9)
             print(f"S={S:6d} {name:14s} best {min(ts):9.4f} s  median {t:9.4f} s  {flops / min(ts) / 1e9:7.1f} GF/s  "
                   f"temp {res[name]['temp'] / 2**20:9.1f} MiB", flush=True)
-        for ours, theirs in (("moajax", "jax.nn"), ("moajax causal", "jax.nn causal")):
+        for ours, theirs in (("moajax", "jax.nn"), ("moajax causal", "jax.nn causal"), ("moajax owner", "jax.nn")):
             if "t" in res.get(ours, {}) and "t" in res.get(theirs, {}):
                 out_m = jax.tree.leaves(runnable[ours](*operands))
                 out_j = jax.tree.leaves(runnable[theirs](*operands))

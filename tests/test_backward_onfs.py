@@ -187,3 +187,26 @@ def test_the_xla_one_pass_backward_matches_the_reference(causal, monkeypatch):
     assert calls, "the one-pass walk was not taken"
     for a, b in zip(got, want):
         assert rel_err(a, b) <= F64
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_a_cpu_keeps_the_fused_adjoint_where_it_adds_one_output_and_works_less(kv_heads):
+    # on a CPU the fused ONF stays where it scatter-adds one output and its kernel's distinct
+    # reductions (each computed once per tile) do less work than the owner plan's: attention's
+    # adjoint owning key tiles and adding dQ takes the score, dP, dV, dK and dQ once — 5 [t s]
+    # contractions against owner's 4 + 3. With GQA, dQ reads the kv head ⌊n/G⌋ and dK the query
+    # heads (n_kv, g): no contraction is the same node, so owner stays; on a GPU owner always
+    q, kv = (jax.ShapeDtypeStruct((1, 1024, n, 64), np.float32) for n in (8, kv_heads))
+    adj, args = mha_kernel(None, None, kv_heads != 8).saved_adjoint(q, kv, kv, is_causal=True)
+    dnf = adj.dnf(*args, is_causal=True)
+    cpu = machines.load("anvil-epyc-7543")
+    owner = tuple(schedule.derive(d, cpu) for d in schedule.split_outputs(dnf, schedule.plan_groups(dnf, "owner", cpu)))
+    fused = schedule.derive(dnf, cpu)
+    plan = schedule.derive_plan(dnf, cpu)
+    if kv_heads == 8:
+        assert plan is fused and fused.accumulate == (("d_query", "atomic"),)
+        assert fused.axis("s").role == "grid" and fused.axis("t").role == "sequential"
+        assert schedule.plan_work((fused,)) / schedule.plan_work(owner) == pytest.approx(5 / 7, rel=0.01)
+    else:
+        assert isinstance(plan, tuple) and schedule.plan_work((fused,)) >= schedule.plan_work(owner)
+    assert isinstance(schedule.derive_plan(dnf, A100), tuple)

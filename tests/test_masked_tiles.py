@@ -164,6 +164,28 @@ def test_skipped_tiles_are_never_read(impl):
     assert not np.all(np.isfinite(walked[0]))
 
 
+@pytest.mark.parametrize("kv_heads", [K, N], ids=["gqa", "mha"])
+def test_the_fused_backward_never_reads_skipped_key_tiles_on_xla(kv_heads):
+    # on a CPU the fused plan's programs own key tiles and add dQ (FlashAttention-2's order):
+    # its dQ partials over the key tiles past the causal span are skipped too (lower_xla walks
+    # a scatter axis with masked tiles; vectorised, 0 × NaN reached every row of dQ with GQA)
+    q, k, v, g = _qkv(T=5, K=kv_heads)
+    onf = Preset.of(tiles=TILES, backward="fused")
+
+    def run(k, v):
+        f = lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation="xla", onf=onf,  # noqa: E731
+                                                         is_causal=True)
+        out, vjp = jax.vjp(f, q, k, v)
+        return [out, *vjp(g)]
+
+    k, v = k.copy(), v.copy()
+    k[0, 6:], v[0, 6:] = 0.0, 0.0
+    clean = run(k, v)
+    k[0, 6:], v[0, 6:] = np.nan, np.nan
+    for a, b in zip(run(k, v), clean):
+        assert np.array_equal(np.asarray(a)[:, :6], np.asarray(b)[:, :6])
+
+
 def test_keys_past_a_length_are_never_read_per_batch_element():
     # Pallas: one program per batch element, so its length bounds its own walk. (XLA runs the
     # batch at once: its walk is bounded by the longest length of the batch.)

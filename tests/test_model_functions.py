@@ -198,7 +198,8 @@ def test_mlp_residual_policies_trade_memory_for_contractions():
     A = [jax.ShapeDtypeStruct((1, 256, 2, 32), np.float32)] * 3
     adj, args = mha_kernel(None, None, False).saved_adjoint(*A)
     for machine in (m, machines.load("delta-a100")):
-        assert not any(o.dnf.name.endswith("_shared") for o in schedule.derive_plan(adj.dnf(*args), machine))
+        plan = schedule.derive_plan(adj.dnf(*args), machine)  # (one fused ONF on a CPU)
+        assert not any(o.dnf.name.endswith("_shared") for o in (plan if isinstance(plan, tuple) else (plan,)))
 
 
 def test_the_cost_model_reproduces_paper_iv_mlp_count():
