@@ -225,22 +225,25 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
     in each tile of ``loops``, sharing their tiles' common subexpressions. An atomically
     accumulated output: the vectorised grid holds every program's partial at once, so the
     scatter-add is the sum over the whole grid axis — or, when the cpu_loop knob walks that
-    axis, a loop adding one tile's partial at a time."""
+    axis or its partials have masked tiles, a loop adding one tile's partial at a time (the
+    masked tiles skipped)."""
     import jax.numpy as jnp
 
     all_vars = []
     for o, _, _ in members:
         all_vars += [v for v in o.vars if v not in all_vars]
     ranges = full_ranges(backend, tuple(all_vars) + ((scatter,) if scatter is not None else ()))
-    # the scatter axis walked tile by tile where the cpu_loop knob names it — or where its
-    # partials have masked tiles (a causal dQ over key tiles): vectorised over the whole grid,
-    # those would be computed and masked, never skipped
-    walked = scatter is not None and (scatter.name in onf.knobs.cpu_loop or (
-        onf.axis_of(scatter).ntiles > 1 and any(onf.skip_of(st.name, scatter) is not None for _, st, _ in members)))
+    # the scatter axis walked tile by tile where the cpu_loop knob names it
+    walked = scatter is not None and scatter.name in onf.knobs.cpu_loop
+    # ... and, on the per-program path, where its partials have masked tiles (a causal dQ over
+    # key tiles): vectorised over the whole grid, those would be computed and masked, never
+    # skipped. (``_rows_then_tiles``, taken only under the knob, walks every tile.)
+    masked_walk = scatter is not None and not walked and onf.axis_of(scatter).ntiles > 1 and any(
+        onf.skip_of(st.name, scatter) is not None for _, st, _ in members)
 
     def program(rs):
         ev = scope(rs)
-        if walked:
+        if walked or masked_walk:
             bodies = [st.accumulated for _, st, _ in members]  # partials add up in the accumulation dtype
             a = onf.axis_of(scatter)
 

@@ -108,7 +108,8 @@ def factored(e: D.Expr) -> D.Expr:
             return None
         num, den = D.mul_div_factors(y)
         ones = [f for f in num if isinstance(f, D.Lit) and f.value == 1]
-        return D.quotient([f for f in num if f not in ones] or ones[:1], den, y.dtype) if ones else y
+        y = D.quotient([f for f in num if f not in ones] or ones[:1], den, y.dtype) if ones else y
+        return y if y.dtype == x.dtype else None  # (factors reordered: a mixed-dtype body stays as it was)
 
     return D.transform(e, out)
 

@@ -581,8 +581,9 @@ def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(
     the papers' ONF: the programs own tiles of a row variable r; an output that does not use
     r is c · Σ_r g and every program adds its partial (atomic scatter-add); the other main
     loops are sequential, batch-like variables of every output grid by 1. The row variable
-    is the first output variable (in output order) for which this is a valid ONF: one that
-    no other reduction sums over (t for attention's backward: s is the softmax's axis). Only
+    is the first output variable (in output order; on a CPU those leaving the fewest outputs
+    scatter-added first) for which this is a valid ONF: one that no other reduction sums over
+    (t for attention's backward when it recomputes the softmax: s is the softmax's axis). Only
     if there is none, a reduction over r that is a statistic of all of r (a softmax max whose
     variable shadows r) gets an axis of its own (``rewrites.separate_walks``): every program
     then computes it whole. ``pinned``: variables a preset gives another role than grid (they
@@ -817,7 +818,8 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     """The ONF of ``dnf`` for ``machine`` (``derive``), or for a multi-output DNF a tuple of ONFs
     that together compute it (``runtime.lowered`` runs them in turn): the preset's ``plan``
     (``plan_groups``); else one fused ONF, except where it scatter-adds or no fused schedule
-    fits ("owner": no atomics, bitwise repeatable, faster on the CPU where measured; where none of its
+    fits ("owner": no atomics, bitwise repeatable; on a CPU the fused ONF stays where it adds one
+    output in a walk and does less reduction work, ``plan_work``; where none of its
     kernels fits either, one ONF per output)."""
     plan = preset.plan if preset is not None and preset.applies_to(machine) else None
     if plan is not None and len(dnf.outputs) > 1:
@@ -850,12 +852,16 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         # tiles) give way to the "owner" plan: dQ owning query tiles, dK and dV together owning
         # key tiles in one loop sharing P — no atomics, bitwise repeatable. Except on a CPU,
         # where programs run in turn: one carried buffer costs less than recomputing, so the
-        # fused ONF stays where it scatter-adds one output and does less reduction work than
-        # the owner plan. Attention's adjoint: programs owning key tiles add dQ alone, 5
-        # contractions per tile against owner's 7 — 1.28–1.45× owner reading the saved
-        # statistics, 1.56–2.0× recomputing them (bench/results/backward_plans_cpu.md). The
-        # MLP's staged plan recomputes nothing, so it stays (its fused ONF adds three
-        # weight gradients)
+        # fused ONF stays where it scatter-adds one output, its programs walk their row tiles
+        # (the cpu_loop knob: XLA then computes the other outputs' sums in that walk, sharing
+        # each tile's values — ``lower_xla._one_pass``; vectorised, nothing is shared) and it
+        # does less reduction work than the owner plan (``plan_work``; a tie keeps owner).
+        # Attention's adjoint reading the saved statistics: programs owning key tiles add dQ
+        # alone, 5 contractions per tile against owner's 7 — 1.54×, 1.45×, 1.22× owner at
+        # S = 1024, 2048, 4096 (bench/results/backward_plans_cpu.md). The MLP's staged plan
+        # and RMSNorm's tie, so they stay; the adjoint recomputing the statistics adds two
+        # outputs (its row owner is the queries), so it stays owner though its fused plan is
+        # faster there too
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) == 1:
             return onf
@@ -864,7 +870,8 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
                 plan = tuple(derive(d, machine, preset) for d in parts)
             except ONFError:
                 continue
-            if not machine.is_gpu and len(scattered) == 1 and plan_work((onf,)) < plan_work(plan):
+            if (not machine.is_gpu and len(scattered) == 1 and onf.scatter_var(scattered[0]).name in onf.knobs.cpu_loop
+                    and plan_work((onf,)) < plan_work(plan)):
                 return onf
             return plan
         return onf
@@ -874,7 +881,9 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
 def plan_work(onfs) -> int:
     """The reduction work of a plan's kernels: in each, every distinct reduction of its program
     once — the index points its body is evaluated on — as a tile computes a value its stages
-    share once (nodes are hash-consed; masked tiles are not discounted)."""
+    share once (nodes are hash-consed). A first estimate: masked tiles are not discounted, a
+    statistic every program recomputes (a separate walk) counts once, elementwise work and
+    exps not at all."""
     total = 0
     for o in onfs:
         seen: set = set()

@@ -9,8 +9,9 @@ the algebra) — recomputing the softmax's statistics, or reading the saved ones
   - split: one ONF per output (``schedule.split_outputs``), each output's rows owned;
   - owner: one ONF per row owner (``schedule.plan_groups``: dQ owning query tiles, dK and dV
     together owning key tiles, their Σ_t in one loop sharing P).
-``schedule.derive_plan`` takes the owner plan wherever the fused plan scatter-adds; this table
-is the measurement to hold that rule against.
+``schedule.derive_plan`` takes the owner plan where the fused plan scatter-adds, except on a CPU
+where it adds one output in a walk and does less reduction work (``schedule.plan_work``); this
+table is the measurement behind that rule.
 Contenders alternate; best and median of the repetitions. B=1, N=8, H=E=64, float32.
 Results: bench/results/backward_plans_cpu.md.
 
