@@ -114,11 +114,12 @@ def factored(e: D.Expr) -> D.Expr:
     return D.transform(e, out)
 
 
-def _factored_stage(st: Stage) -> Stage:
-    """``factored`` below the stage's top reduction (its walk, or the grid it scatter-adds over)."""
-    body = st.body.arg if isinstance(st.body, D.Convert) else st.body
-    body = D.Red(body.monoid, body.var, factored(body.body)) if isinstance(body, D.Red) else factored(body)
-    return dataclasses.replace(st, body=D.Convert(body, st.body.dtype) if isinstance(st.body, D.Convert) else body)
+def _below_top(e: D.Expr, fn) -> D.Expr:
+    """fn applied below a stage body's top reduction (its walk, or the grid it scatter-adds
+    over), looking through a final dtype conversion."""
+    if isinstance(e, D.Convert):
+        return D.Convert(_below_top(e.arg, fn), e.dtype)
+    return D.Red(e.monoid, e.var, fn(e.body)) if isinstance(e, D.Red) else fn(e)
 
 
 def _kernel_walk(prog: Program, st: Stage) -> Var | None:
@@ -618,7 +619,8 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = No
         # the stages of the pass this output now joins, and the output itself: their shared
         # contractions one node each (``factored``)
         stages = [o if not (o.name == st.name or o.walks == walk) else
-                  _factored_stage(o) if isinstance(o, Stage) else o.map_exprs(factored) for o in stages]
+                  o.map_exprs(lambda e: _below_top(e, factored)) if isinstance(o, Stage) else o.map_exprs(factored)
+                  for o in stages]
     stages = _drop_unused(stages, {sname for _, sname in onf.program.outputs})
     acc = dict(onf.accumulate)
     acc[st.name] = how

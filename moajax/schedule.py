@@ -608,8 +608,7 @@ def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(
     # on a CPU, of the rest, the variable that leaves the fewest outputs scatter-added: XLA
     # carries each through the row loop as a whole buffer, updated once per tile (attention's
     # adjoint: programs owning key tiles add dQ alone, FlashAttention-2's order, where owning
-    # query tiles adds dK and dV: 1.2× faster on the 2-core EPYC, bench/results/
-    # backward_plans_cpu.md). A GPU keeps the output order: the seed's fused kernel owns
+    # query tiles adds dK and dV). A GPU keeps the output order: the seed's fused kernel owns
     # query rows (its 2.00× atomics)
     scattered = lambda v: 0 if machine.is_gpu else sum(v not in o.vars for o in onf.dnf.outputs)  # noqa: E731
     candidates.sort(key=lambda v: (v.extent <= 1, all(v in r.free for r in reads), scattered(v)))
@@ -752,10 +751,11 @@ STAGE_SHARE = 0.05
 STAGE_SIZE = 4
 
 
-def _reduction_points(e: D.Expr) -> int:
-    """The work of e's reductions: for each distinct one, the index points its body is
-    evaluated on (its free variables and its own)."""
-    return sum(math.prod(v.extent for v in x.free | {x.var}) for x in D.walk(e) if isinstance(x, D.Red))
+def _reduction_points(*exprs) -> int:
+    """The work of the reductions of ``exprs``: for each distinct one (over them all: nodes are
+    hash-consed), the index points its body is evaluated on (its free variables and its own)."""
+    reds = {x for e in exprs if e is not None for x in D.walk(e) if isinstance(x, D.Red)}
+    return sum(math.prod(v.extent for v in x.free | {x.var}) for x in reds)
 
 
 def _holders(users: dict, shared: dict, inner) -> set:
@@ -884,15 +884,7 @@ def plan_work(onfs) -> int:
     share once (nodes are hash-consed). A first estimate: masked tiles are not discounted, a
     statistic every program recomputes (a separate walk) counts once, elementwise work and
     exps not at all."""
-    total = 0
-    for o in onfs:
-        seen: set = set()
-        for e in o.program.exprs():
-            for x in D.walk(e) if e is not None else ():
-                if isinstance(x, D.Red) and x not in seen:
-                    seen.add(x)
-                    total += math.prod(v.extent for v in x.free | {x.var})
-    return total
+    return sum(_reduction_points(*o.program.exprs()) for o in onfs)
 
 
 def _cpu_cache_budget(machine: Machine) -> int:

@@ -198,7 +198,7 @@ def test_a_cpu_keeps_the_fused_adjoint_where_it_adds_one_output_and_works_less(k
     # score, dP, dV, dK and dQ once — 5 [t s] contractions against owner's 4 + 3 — and its XLA
     # lowering (one walk, lower_xla._one_pass) traces 6 dots and 1 exp against owner's 9 and 2
     # (dS's two terms, P × dP and P × Δ, are summed apart: one more contraction in each plan's
-    # dQ, and in owner's dK; XLA's compiled fused program has 5). A row tile covering every key
+    # dQ, and in owner's dK). A row tile covering every key
     # (anvil's 256 MiB cache at S = 1024) is vectorised and shares nothing: owner. With GQA,
     # dQ reads the kv head ⌊n/G⌋ and dK the query heads (n_kv, g): no contraction is the same
     # node, so owner stays; on a GPU owner always
