@@ -51,24 +51,25 @@ def cmd_gpu_report(args) -> int:
     import jax
 
     jax.config.update("jax_enable_x64", True)  # float64 kernels are compiled as float64
-    from moajax import gpu_report, machines, schedule
+    from moajax import gpu_report, ptx, schedule
 
-    reason = gpu_report.compiler_available() or (None if gpu_report.ptxas_path() else "ptxas not found")
+    reason = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
     if reason:
         print(f"moajax gpu-report: cannot compile offline: {reason}", file=sys.stderr)
         return 2
-    cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes))
+    archs = tuple(args.arch or ())
+    # derived with each GPU's spill check on (gpu_report.gpus): the tilings a GPU runs
+    cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes), archs=archs)
     cases += gpu_report.backward_cases(tuple(h for h in args.head_dims if h in (64, 128)) or (64,),
-                                       tuple(args.dtypes))
-    cases += gpu_report.model_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes))
-    cases += gpu_report.training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes))
-    cases += gpu_report.model_training_cases(tuple(d for d in ("float32",) if d in args.dtypes))
-    cases += gpu_report.score_mod_cases(tuple(d for d in ("float32",) if d in args.dtypes))
+                                       tuple(args.dtypes), archs=archs)
+    cases += gpu_report.model_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), archs=archs)
+    cases += gpu_report.training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), archs=archs)
+    cases += gpu_report.model_training_cases(tuple(d for d in ("float32",) if d in args.dtypes), archs=archs)
+    cases += gpu_report.score_mod_cases(tuple(d for d in ("float32",) if d in args.dtypes), archs=archs)
     reg = _kernels()
     for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
-        for m in machines.available().values():
-            if m.is_gpu:
-                cases.append((f"{name} float32 (example sizes)", m, schedule.derive(reg[name].dnf(), m)))
+        for m in gpu_report.gpus(archs):
+            cases.append((f"{name} float32 (example sizes)", m, schedule.derive(reg[name].dnf(), m)))
     header = ("| machine | arch | kernel | tiles (rows×keys) | warps | stages | smem B (ptxas) | smem B (model) "
               "| smem limit B | registers | spill st/ld B | atomics | ok |")
     lines = [header, "|" + "---|" * 13]
@@ -84,7 +85,9 @@ def cmd_gpu_report(args) -> int:
             "",
             f"Date {datetime.date.today().isoformat()}; JAX {jax.__version__}; `moajax gpu-report` lowers each kernel "
             "for CUDA, compiles its Triton IR with jaxlib's Triton compiler for the machine's arch and runs "
-            f"`ptxas -v` (ptxas {gpu_report.ptxas_version()}). smem (model) is the cost model's estimate used to reject ONFs.",
+            f"`ptxas -v` (ptxas {ptx.ptxas_version()}). smem (model) is the cost model's estimate used to reject ONFs. "
+            "Each ONF is derived with its profile's spill check on (`Machine.spill_check`): the first table tiling "
+            "that fits shared memory and that ptxas compiles without spilling.",
             "",
         ]
         Path(args.out).write_text("\n".join(head + lines + paths) + "\n")
@@ -96,7 +99,7 @@ def report_rows(cases, archs=()) -> tuple:
     """The gpu-report's table rows for (label, machine, ONF) cases (only ``archs`` if given),
     one per compiled kernel, and how many are not clean (spills, shared-memory overflow,
     failures)."""
-    from moajax import gpu_report
+    from moajax import ptx
     from moajax.cost import onchip_bytes
 
     lines: list = []
@@ -107,7 +110,7 @@ def report_rows(cases, archs=()) -> tuple:
         try:
             if isinstance(onf, Exception):
                 raise onf
-            reports = gpu_report.onf_reports(onf, m.arch)
+            reports = ptx.onf_reports(onf, m.arch)
         except Exception as e:  # a failure is a finding: report it, do not hide it
             bad += 1
             lines.append(f"| {m.name} | {m.arch} | {label} | — | — | — | — | — | — | — | — | — | FAILED: {str(e)[:120]} |")
@@ -145,11 +148,14 @@ def _two_paths(args, gpu_report) -> list:
         return []
     import triton
 
-    cases = [c for c in gpu_report.default_cases((64,), ("float32",))]
-    cases += [c for c in gpu_report.training_cases(("float32",)) if "GQA" not in c[0]]
-    cases += gpu_report.backward_cases((64,), ("float32",))
+    from moajax import ptx
+
+    archs = tuple(args.arch or ())
+    cases = [c for c in gpu_report.default_cases((64,), ("float32",), archs=archs)]
+    cases += [c for c in gpu_report.training_cases(("float32",), archs=archs) if "GQA" not in c[0]]
+    cases += gpu_report.backward_cases((64,), ("float32",), archs=archs)
     lines = ["", "## The two GPU paths for the same ONF", "",
-             f"Pallas (jaxlib's Triton, ptxas {gpu_report.ptxas_version()}) against the ONF's generated Triton source "
+             f"Pallas (jaxlib's Triton, ptxas {ptx.ptxas_version()}) against the ONF's generated Triton source "
              f"(`pallas_kernels.triton_source`, Triton {triton.__version__} and its ptxas; launched by jax-triton). "
              "Per kernel: shared memory B, registers, spill stores/loads B, atomics.", "",
              "| machine | arch | kernel | Pallas smem | Pallas regs | Pallas spills | Pallas atomics | Triton smem | "
@@ -158,7 +164,7 @@ def _two_paths(args, gpu_report) -> list:
         if (args.arch and m.arch not in args.arch) or isinstance(onf, Exception):
             continue
         try:
-            pairs = zip(gpu_report.onf_reports(onf, m.arch), gpu_report.triton_source_reports(onf, m.arch))
+            pairs = zip(ptx.onf_reports(onf, m.arch), ptx.triton_source_reports(onf, m.arch))
             for a, b in pairs:
                 lines.append(f"| {m.name} | {m.arch} | {label} {a.kernel.removeprefix('moajax_')} | {a.smem_bytes} | "
                              f"{a.registers} | {a.spill_stores}/{a.spill_loads} | {a.atomics} | {b.smem_bytes} | "

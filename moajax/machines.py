@@ -41,6 +41,10 @@ class Machine:
     measured: dict = dataclasses.field(default_factory=dict)
     # "kernel n" → "threads x processes" with the best throughput (scripts/sweep_threads.py)
     threads_recommended: dict = dataclasses.field(default_factory=dict)
+    # GPU: derive checks each kernel's tiling by compiling it (jaxlib's Triton and ptxas) and
+    # steps down the tile table where it spills (``schedule.derive``); on for the GPU a process
+    # runs on (``for_device``) and in ``moajax gpu-report``, off where a GPU is only a target
+    spill_check: bool = False
 
     @property
     def is_gpu(self) -> bool:
@@ -195,7 +199,8 @@ def local() -> Machine:
 
 
 def for_device(device=None) -> Machine:
-    """The profile for a JAX device (GPUs matched by device kind; the local CPU otherwise)."""
+    """The profile for a JAX device (GPUs matched by device kind, their tilings spill-checked:
+    ``Machine.spill_check``; the local CPU otherwise)."""
     if device is None:
         import jax
 
@@ -204,6 +209,6 @@ def for_device(device=None) -> Machine:
         kind = getattr(device, "device_kind", "")
         for m in available().values():
             if m.is_gpu and any(k.lower() in kind.lower() for k in m.device_kinds):
-                return m
-        return load(GENERIC_GPU_NAME)
+                return dataclasses.replace(m, spill_check=True)
+        return dataclasses.replace(load(GENERIC_GPU_NAME), spill_check=True)
     return local()

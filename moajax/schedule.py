@@ -258,16 +258,21 @@ def _gpu_candidates(table: dict, onf: ONF, widths) -> list:
     return table[(item, 64 if width <= 64 else 128)]
 
 
-def _first_fit(onf: ONF, machine: Machine, cands, lift) -> ONF:
+def _first_fit(onf: ONF, machine: Machine, cands, lift, rank: int = 0) -> ONF:
     """The first candidate whose lifting (``lift(rows, keys)``) fits the machine's shared
     memory by the cost model's upper bound (``cost.onchip_bytes``, calibrated against ptxas in
-    bench/results/smem_sweep.md), else the last, for validate to name."""
+    bench/results/smem_sweep.md), else the last, for validate to name. ``rank`` k > 0: the
+    (k+1)-th that fits, or the last that fits where fewer do (the spill check's next try)."""
     lowp = np.dtype(onf.dnf.outputs[0].dtype).itemsize == 2
+    fitting = None
     for bt, bs, warps, stages in cands:
         o = W.with_knobs(lift(bt, bs), num_warps=warps, num_stages=stages, lowp_dots=lowp)
         if onchip_bytes(o) <= machine.onchip_limit_bytes:
-            return o
-    return o
+            fitting = o
+            if rank == 0:
+                return o
+            rank -= 1
+    return fitting or o
 
 
 def _gathered(onf: ONF) -> set:
@@ -311,7 +316,7 @@ def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int
     return min(bt, rows_ext)
 
 
-def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
+def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: int = 0):
     """The first lifting that fits, trying in order: the last output axis whole and every
     nested reduction whole; then the last output axis tiled over the grid (a row statistic
     over many rows, a wide matmul output), widest tile first; then, as well, each nested
@@ -331,7 +336,7 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
         cands = _gpu_candidates(GPU_TILES, onf, held)
         return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
             onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt, inner_tile=it,
-            nested={v: min(it, bs) for v in nested} if it else None))
+            nested={v: min(it, bs) for v in nested} if it else None), rank)
 
     # a nested reduction wider than the widest calibrated head dim is walked from the start:
     # held whole it fits shared memory yet spills registers (SwiGLU's Σ_d, d = 1024, on sm_90a:
@@ -576,7 +581,7 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     return W.with_knobs(o, cpu_loop=loop) if loop else o
 
 
-def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset()) -> ONF:
+def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(), rank: int = 0) -> ONF:
     """Outputs over different index variables (a backward: dQ[t h], dK[s h], dV[s e]) under
     the papers' ONF: the programs own tiles of a row variable r; an output that does not use
     r is c · Σ_r g and every program adds its partial (atomic scatter-add); the other main
@@ -616,14 +621,15 @@ def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(
         for r in candidates:
             for spread in (True, False):
                 try:
-                    return _scatter_over(onf, machine, r, separate, spread).validate()
+                    return _scatter_over(onf, machine, r, separate, spread, rank).validate()
                 except ONFError as err:
                     if not spread:
                         errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
     raise ONFError(f"{onf.dnf.name}: no output variable can own the programs (" + "; ".join(errors) + ")")
 
 
-def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread: bool = False) -> ONF:
+def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread: bool = False,
+                  rank: int = 0) -> ONF:
     """The ONF whose programs own tiles of r (``_scatter_schedule``). A variable every output
     has is batch-like (grid by 1) unless it is the last of every output; with ``spread`` also
     when it is the last of only some (a saving forward's heads: the last axis of its [t n]
@@ -663,7 +669,8 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
         return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
 
     if gpu:
-        return _first_fit(onf, machine, _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest]), lift)
+        return _first_fit(onf, machine, _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest]), lift,
+                          rank)
     # every other axis of an output's row tile but its last is vectorised beside the rows
     # (batch-like grid axes, and head axes held whole): the score tile is that deep. Not the
     # walked axes: a loop holds one tile (256) of them, the bs of the budget (counted whole,
@@ -915,7 +922,11 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
     A pure function of its arguments (ONFs are immutable values), so it is made once: a
     plan's derivation (``derive_plan``, ``plan_groups``) and the cost model's comparison of
     residual policies ask for the same ONFs again. The machine is keyed by its ``repr`` (a
-    profile holds dicts)."""
+    profile holds dicts).
+
+    On a GPU profile with ``spill_check`` (a GPU the process runs on: ``machines.for_device``;
+    ``moajax gpu-report``) the tiling is the first of the table's that fit shared memory whose
+    kernels ptxas compiles without spilling (``_spill_checked``)."""
     if preset is None:
         preset = Preset.of(**kw)
     elif kw:
@@ -927,6 +938,8 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
     if hit is None:
         try:
             hit = _derive(dnf, machine, preset)
+            if machine.is_gpu and machine.spill_check and not (preset.tiles or preset.knobs):
+                hit = _spill_checked(dnf, machine, preset, hit)
         except ONFError as e:
             hit = e
         _DERIVED[key] = hit
@@ -939,7 +952,49 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
     return hit
 
 
-def _derive(dnf: D.DNF, machine: Machine, preset: Preset) -> ONF:
+# How many of a table's tilings the spill check compiles before it keeps the first (each try
+# is one Triton compile and one ptxas run per kernel)
+SPILL_CHECK_TRIES = 4
+_SPILLS_WARNED: set = set()
+
+
+def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF) -> ONF:
+    """``first`` if its kernels compile without spilling, else the next tiling the tables offer
+    that fits and does (``rank``: the k-th that fits), else ``first``: gpu-report names its spills.
+
+    Registers are checked, not modelled: over the 1296 compilations of smem_sweep.md no count
+    of register-resident words per thread separates the tilings ptxas spills from those it
+    does not (bench/results/register_model.md), and a score_mod's tanh or table gather tips
+    tilings the tables chose for plain attention (8–224 B of spills on sm_80: gpu_report.md).
+    The compiler is the machine's own: jaxlib's Triton and ptxas (``moajax.ptx``); where they
+    are missing the table's first fit stands, with one warning."""
+    from moajax import ptx
+
+    seen = []
+    o = first
+    for rank in range(SPILL_CHECK_TRIES):
+        if rank:
+            try:
+                o = _derive(dnf, machine, preset, rank)
+            except ONFError:
+                break
+        if o in seen:
+            break  # no further tiling fits
+        seen.append(o)
+        try:
+            if ptx.spill_bytes(o, machine.arch) == 0:
+                return o
+        except ptx.ToolMissing as e:
+            if machine.name not in _SPILLS_WARNED:
+                _SPILLS_WARNED.add(machine.name)
+                import logging
+
+                logging.getLogger("moajax").warning("moajax: tilings for %s are not spill-checked: %s", machine.name, e)
+            return first
+    return first
+
+
+def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0) -> ONF:
     onf = dataclasses.replace(_hoisted(dnf, preset.store), target=machine.name)
     # sibling sums inside a sum walk once (rewrites.fuse_sums) on a CPU: the table gradient's
     # two terms of dS share their scores. Not by default on a GPU: both terms live in one loop
@@ -957,12 +1012,12 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset) -> ONF:
         except ONFError:
             pass  # nothing softmax-shaped: the passes are the program
     if len({frozenset(o.vars) for o in _program_outputs(onf)}) > 1:
-        onf = _scatter_schedule(onf, machine, frozenset(n for n, role in preset.roles if role != "grid"))
+        onf = _scatter_schedule(onf, machine, frozenset(n for n, role in preset.roles if role != "grid"), rank)
     else:
         onf = W.separate_walks(onf, [v.name for v in _program_outputs(onf)[0].vars[:-1]])  # the grid's
         loops, out_vars, inner, rows = _structure(onf, machine.is_gpu)
         if machine.is_gpu:
-            onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows)
+            onf = _gpu_tiles(onf, machine, loops, out_vars, inner, rows, rank)
             if not preset.split and not preset.tiles:
                 onf = _split_to_fill(onf, machine)
         else:

@@ -45,7 +45,7 @@ def _adjoint(n, dtype, batch):
 
 def main(argv):
     del argv
-    from moajax import cost, gpu_report, machines, schedule
+    from moajax import cost, machines, ptx, schedule
     from moajax.compat import enable_x64_context
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
@@ -75,7 +75,7 @@ def main(argv):
             lines.append("")
     lines += ["The seed's ncu counts at N = 2048: 1,073,741,824 (fused) and 536,870,912 (backward alone): 2.00×.", ""]
     if PTX.value:
-        reason = gpu_report.compiler_available() or (None if gpu_report.ptxas_path() else "ptxas not found")
+        reason = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
         lines += ["## atom instructions in the PTX (sm_80, float32, B = 1, N = 512, default tiles)", ""]
         if reason:
             lines.append(f"Not compiled: {reason}.")
@@ -86,7 +86,7 @@ def main(argv):
             for label, plan in PLANS:
                 onfs = schedule.derive_plan(small, a100, Preset.of(plan=plan))
                 onfs = onfs if isinstance(onfs, tuple) else (onfs,)
-                reports = [r for o in onfs for r in gpu_report.onf_reports(o, "sm_80")]
+                reports = [r for o in onfs for r in ptx.onf_reports(o, "sm_80")]
                 lines.append(f"| {label} | {len(reports)} | {sum(r.atomics for r in reports)} | "
                              f"{max(r.registers for r in reports)} | {sum(r.spill_stores for r in reports)} |")
         lines.append("")

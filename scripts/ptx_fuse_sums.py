@@ -30,17 +30,17 @@ def main(argv):
     import numpy as np
 
     jax.config.update("jax_enable_x64", True)
-    from moajax import gpu_report, schedule
+    from moajax import gpu_report, ptx, schedule
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
 
-    if gpu_report.compiler_available():
-        raise SystemExit(f"cannot compile offline: {gpu_report.compiler_available()}")
+    if ptx.compiler_available():
+        raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
     cases = [c for c in gpu_report.training_cases(("bfloat16", "float32"))
              if c[0].startswith("grad GQA K=2 adjoint") and c[0].endswith(" d_key")]
     cases += [c for c in gpu_report.score_mod_cases(("float32",)) if "d_score_mod_const" in c[0]]
     lines = [f"# Sibling sums walked once (rewrites.fuse_sums) on the GPU kernels it changes, offline PTX "
-             f"({machine_line()}; ptxas {gpu_report.ptxas_version()}; no GPU used)", "",
+             f"({machine_line()}; ptxas {ptx.ptxas_version()}; no GPU used)", "",
              "`python scripts/ptx_fuse_sums.py` — each default GPU ONF (fuse_sums off, the GPU default) against the "
              "same DNF scheduled with `Preset.of(fuse_sums=True)`. Programs: the launch's grid (in brackets before "
              "the split-K that fills the GPU: its parts axis left out). Spills: store/load bytes per kernel of the "
@@ -54,7 +54,7 @@ def main(argv):
             programs = int(np.prod([a.ntiles for a in grid]))
             parts = {f"{h[len('split_k('):].split(',')[0]}_o" for h in o.history if h.startswith("split_k(")}
             unsplit = int(np.prod([a.ntiles for a in grid if a.name not in parts]))
-            reps = gpu_report.onf_reports(o, m.arch)
+            reps = ptx.onf_reports(o, m.arch)
             lines.append(f"| {m.name} | {m.arch} | {label} | {'on' if fused else 'off'} | {programs} ({unsplit}) | "
                          f"{' + '.join(str(r.registers) for r in reps)} | "
                          f"{' + '.join(f'{r.spill_stores}/{r.spill_loads}' for r in reps)} |")

@@ -34,16 +34,16 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import numpy as np
 
-    from moajax import gpu_report, schedule
+    from moajax import gpu_report, ptx, schedule
     from moajax.cost import estimate
     from moajax.onf import ONFError
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
 
-    if gpu_report.compiler_available():
-        raise SystemExit(f"cannot compile offline: {gpu_report.compiler_available()}")
+    if ptx.compiler_available():
+        raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
     lines = [f"# score_mod table gradients on the GPU: programs, nested-walk tiles and spills, offline PTX "
-             f"({machine_line()}; ptxas {gpu_report.ptxas_version()}; no GPU used)", "",
+             f"({machine_line()}; ptxas {ptx.ptxas_version()}; no GPU used)", "",
              "`python scripts/ptx_score_mod_tiles.py` — the table gradient of ALiBi (8 slopes) and of a 33-entry "
              "relative-position table (B = 1, T = S = 1024, N = 8, H = 64, causal, float32). 'default': the ONF "
              "this code derives; 'heads cut only': the same tiles, warps and stages, split over the heads alone "
@@ -59,7 +59,7 @@ def main(argv):
         grid = [a for a in o.axes if a.role == "grid"]
         seq = {a.name: a.tile for a in o.axes if a.role == "sequential"}
         s_tile = seq.get("s_i", seq.get("s", "—"))
-        reps = gpu_report.onf_reports(o, m.arch)
+        reps = ptx.onf_reports(o, m.arch)
         lines.append(f"| {m.name} | {m.arch} | {name} | {what} | {s_tile} × {seq.get('t', '—')} | {o.knobs.num_warps} | "
                      f"{o.knobs.num_stages} | {int(np.prod([a.ntiles for a in grid]))} | "
                      f"{estimate(o, m).time_s * 1e6:.1f} | {reps[0].registers} | "
@@ -108,7 +108,7 @@ def main(argv):
             except ONFError:
                 lines.append(f"| {m.name} | {m.arch} | {name} | {bt} × {bs} | {warps} | {stages} | | does not fit |")
                 continue
-            r = gpu_report.onf_reports(o, m.arch)[0]
+            r = ptx.onf_reports(o, m.arch)[0]
             lines.append(f"| {m.name} | {m.arch} | {name} | {bt} × {bs} | {warps} | {stages} | {r.registers} | "
                          f"{r.spill_stores}/{r.spill_loads} |")
             print(lines[-1], flush=True)

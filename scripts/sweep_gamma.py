@@ -54,12 +54,12 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
-    from moajax import cost, gpu_report, machines, runtime, schedule
+    from moajax import cost, machines, ptx, runtime, schedule
     from moajax.schedule import Preset
     from moajax.timing import alternating, machine_line, write_results
 
     cpu, a100 = machines.local(), machines.load("delta-a100")
-    reason = (gpu_report.compiler_available() or (None if gpu_report.ptxas_path() else "ptxas not found")
+    reason = (ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
               if PTX.value else "--noptx")
     lines = ["# γ: row-major (C) against column-major (F) operands, one DNF, everything else fixed", "",
              machine_line(),
@@ -84,7 +84,7 @@ def main(argv):
             models[g] = (cost.sequence(cost.estimate(o, cpu) for o in onfs),
                          cost.sequence(cost.estimate(o, a100) for o in gonfs))
             if reason is None:
-                reps = [x for o in gonfs for x in gpu_report.onf_reports(o, "sm_80")]
+                reps = [x for o in gonfs for x in ptx.onf_reports(o, "sm_80")]
                 ptx[g] = (max(x.registers for x in reps), sum(x.smem_bytes for x in reps),
                           sum(x.spill_stores + x.spill_loads for x in reps))
         got = {g: f(*arrays) for g, f in fns.items()}

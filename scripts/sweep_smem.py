@@ -45,9 +45,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     jax.config.update("jax_enable_x64", True)
-    from moajax import cost, gpu_report, machines
+    from moajax import cost, gpu_report, machines, ptx
 
-    reason = gpu_report.compiler_available()
+    reason = ptx.compiler_available()
     if reason:
         print(f"sweep_smem: cannot compile offline: {reason}", file=sys.stderr)
         return 2
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             onf = gpu_report.sweep_onf(kernel, dt, h, bt, bs, w, s)
             model = cost.onchip_bytes(onf)
             for arch in ARCHS:
-                r = gpu_report.onf_report(onf, arch)
+                r = ptx.onf_report(onf, arch)
                 rows.append((kernel, dt, h, bt, bs, w, s, arch, r.smem_bytes, model, r.registers, r.spill_stores))
                 print(*rows[-1], flush=True)
     summary = []

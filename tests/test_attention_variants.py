@@ -189,7 +189,7 @@ def test_bad_variant_arguments_are_named():
 
 
 def test_the_cuda_lowering_of_grad_holds_pallas_forward_and_backward_kernels():
-    from moajax.gpu_report import triton_kernels
+    from moajax.ptx import triton_kernels
 
     S = jax.ShapeDtypeStruct
     q, k, ql = S((2, 128, 4, 32), jnp.float32), S((2, 128, 2, 32), jnp.float32), S((2,), jnp.int32)

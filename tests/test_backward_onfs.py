@@ -14,13 +14,13 @@ import pytest
 import moajax
 import references as R
 from helpers import rel_err
-from moajax import compat, cost, gpu_report, machines, schedule
+from moajax import compat, cost, machines, ptx, schedule
 from moajax.kernels.attention import mha_kernel
 from moajax.onf import ONFError
 from moajax.schedule import Preset
 
 F64 = 1e-12
-REASON = gpu_report.compiler_available() or (None if gpu_report.ptxas_path() else "ptxas not found")
+REASON = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
 needs_compiler = pytest.mark.skipif(REASON is not None, reason=f"offline GPU toolchain unavailable: {REASON}")
 A100 = machines.load("delta-a100")
 
@@ -111,7 +111,7 @@ def test_ptxas_counts_atom_instructions_of_each_plan():
     dnf = adj.dnf(*args)
     counts = {}
     for name, plan in [("atomic", "fused"), ("split", (("d_query", "d_key"), ("d_value",))), ("owner", "owner")]:
-        counts[name] = sum(r.atomics for o in _plan(dnf, plan) for r in gpu_report.onf_reports(o, "sm_80"))
+        counts[name] = sum(r.atomics for o in _plan(dnf, plan) for r in ptx.onf_reports(o, "sm_80"))
     assert counts["owner"] == 0 and counts["split"] > 0 and counts["atomic"] > counts["split"], counts
 
 

@@ -15,7 +15,7 @@ import moajax
 import references as R
 from helpers import rel_err
 from moajax import moa
-from moajax.gpu_report import triton_kernels
+from moajax.ptx import triton_kernels
 from moajax.schedule import Preset
 
 F64 = 1e-10

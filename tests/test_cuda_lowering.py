@@ -10,7 +10,7 @@ import moajax
 import pallas_kernels
 from moajax import compat, machines, schedule
 from moajax import rewrites as W
-from moajax.gpu_report import triton_kernels
+from moajax.ptx import triton_kernels
 from moajax.kernels import attention, block, decode, mha, rmsnorm, swiglu
 from moajax.kernels.attention import mha_dnf
 

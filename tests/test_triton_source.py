@@ -131,11 +131,11 @@ def test_the_source_compiles_to_ptx_offline(arch):
     import json
 
     code = ("import json, numpy as np\n"
-            "from moajax import gpu_report, machines, schedule\n"
+            "from moajax import machines, ptx, schedule\n"
             "from moajax.kernels.attention import mha_dnf\n"
             "a100 = machines.load('delta-a100')\n"
             "onf = schedule.derive(mha_dnf(*[(1, 1024, 8, 64)] * 3, np.float32), a100)\n"
-            f"print(json.dumps([r.__dict__ for r in gpu_report.triton_source_reports(onf, {arch!r})]))\n")
+            f"print(json.dumps([r.__dict__ for r in ptx.triton_source_reports(onf, {arch!r})]))\n")
     (r,) = json.loads(_fresh_process(code))
     assert r["registers"] > 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["atomics"] == 0
     assert 0 < r["smem_bytes"] <= A100.shared_memory_per_block

@@ -1,0 +1,226 @@
+"""GPU checks without a GPU: lower for CUDA, compile the Triton IR to PTX, read ptxas' report.
+
+    kernels = triton_kernels(fn, *args)      # the Triton kernels of a CUDA lowering
+    ptx, smem = compile_ptx(kernel, "sm_80")  # needs the jax-cuda12-plugin wheel
+    info = ptxas_info(ptx, "sm_80")           # registers, spill bytes, stack (needs ptxas)
+
+Technique: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` emits a
+``stablehlo.custom_call @__gpu$xla.gpu.triton`` whose backend_config holds the Triton IR;
+jaxlib's Triton ``compile`` (``compat.triton_compiler``) turns it into PTX for a compute capability; ``ptxas -v``
+prints registers and spills; atomics are the ``atom.``/``red.`` instructions of the PTX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+ARCHS = {"sm_80": "8.0", "sm_86": "8.6", "sm_90a": "9.0"}
+
+
+class ToolMissing(RuntimeError):
+    """The offline GPU toolchain (CUDA plugin or ptxas) is not installed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernel:
+    name: str
+    ir: bytes
+    num_warps: int
+    num_stages: int
+    grid: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxReport:
+    kernel: str
+    arch: str
+    smem_bytes: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    atomics: int
+
+
+def triton_kernels(fn, *args) -> list[TritonKernel]:
+    """The Triton kernels in the CUDA lowering of ``fn(*args)`` (args may be ShapeDtypeStructs)."""
+    from moajax import compat
+
+    ir = compat.mlir_ir()
+    mod = compat.trace_lower(fn, *args).compiler_ir("stablehlo")
+    out = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for x in block.operations:
+                    if x.operation.name == "stablehlo.custom_call":
+                        target = ir.StringAttr(x.attributes["call_target_name"]).value
+                        if "triton" in target:
+                            cfg = x.attributes["mhlo.backend_config"]
+                            out.append(TritonKernel(
+                                name=ir.StringAttr(cfg["name"]).value,
+                                ir=ir.StringAttr(cfg["ir"]).value_bytes,
+                                num_warps=ir.IntegerAttr(cfg["num_warps"]).value,
+                                num_stages=ir.IntegerAttr(cfg["num_stages"]).value,
+                                grid=tuple(ir.IntegerAttr(cfg[f"grid_{a}"]).value for a in "xyz"),
+                            ))
+                    walk(x.operation)
+
+    walk(mod.operation)
+    return out
+
+
+def compiler_available() -> str | None:
+    """None if Triton → PTX compilation is available here, else the reason it is not."""
+    from moajax import compat
+
+    try:
+        triton = compat.triton_compiler()
+    except Exception as e:  # pragma: no cover
+        return f"jaxlib's Triton compiler is unavailable ({e})"
+    try:
+        import jax
+
+        jax.devices()  # plugins register their compilation handlers on backend start-up
+        if not triton.has_compilation_handler("CUDA"):
+            return "no CUDA Triton compilation handler: install the `gpu` extra (jax-cuda12-plugin)"
+    except Exception as e:  # pragma: no cover
+        return f"Triton compilation handler check failed ({e})"
+    return None
+
+
+def ptxas_path() -> str | None:
+    """ptxas from the nvidia-cuda-nvcc wheel (matches the plugin's PTX version), else PATH."""
+    try:
+        import nvidia.cuda_nvcc  # type: ignore
+
+        for base in getattr(nvidia.cuda_nvcc, "__path__", []):
+            p = Path(base) / "bin" / "ptxas"
+            if p.exists():
+                if not os.access(p, os.X_OK):
+                    p.chmod(p.stat().st_mode | 0o111)
+                return str(p)
+    except Exception:
+        pass
+    return shutil.which("ptxas")
+
+
+def ptxas_version() -> str:
+    """ptxas' release line (e.g. "release 12.9, V12.9.86"): what a report names instead of a path."""
+    exe = ptxas_path()
+    if exe is None:
+        raise ToolMissing("ptxas not found: install the `gpu` extra (nvidia-cuda-nvcc-cu12) or the CUDA toolkit")
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"release [^\n]*", out)
+    return m.group(0).strip() if m else out.strip().splitlines()[-1]
+
+
+def compile_ptx(kernel: TritonKernel, arch: str) -> tuple[str, int]:
+    """(PTX text, shared memory bytes) of a Triton kernel for ``arch`` (sm_80, sm_86, sm_90a)."""
+    reason = compiler_available()
+    if reason:
+        raise ToolMissing(reason)
+    from moajax import compat
+
+    res = compat.triton_compiler().compile("CUDA", kernel.ir, ARCHS[arch], num_warps=kernel.num_warps, num_ctas=1,
+                         num_stages=kernel.num_stages)
+    asm = res.asm if isinstance(res.asm, str) else res.asm.decode()
+    return asm, int(res.smem_bytes)
+
+
+def ptxas_info(ptx: str, arch: str, exe: str | None = None) -> dict:
+    """registers, spill stores/loads and stack frame bytes from ``ptxas -v`` (``exe``: which)."""
+    exe = exe or ptxas_path()
+    if exe is None:
+        raise ToolMissing("ptxas not found: install the `gpu` extra (nvidia-cuda-nvcc-cu12) or the CUDA toolkit")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        p = subprocess.run([exe, f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                           capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {arch}: {p.stderr.strip()[:2000]}")
+    text = p.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    stores = re.findall(r"(\d+) bytes spill stores", text)
+    loads = re.findall(r"(\d+) bytes spill loads", text)
+    stack = re.findall(r"(\d+) bytes stack frame", text)
+    return dict(registers=int(regs[-1]) if regs else 0, spill_stores=int(stores[-1]) if stores else 0,
+                spill_loads=int(loads[-1]) if loads else 0, stack_bytes=int(stack[-1]) if stack else 0)
+
+
+def count_atomics(ptx: str) -> int:
+    """Atomic instructions (``atom.``/``red.``) in the PTX text; Triton's inline asm puts
+    several instructions on one line (``mov.u32 %r1, 0x0; atom.global.gpu.acq_rel.add.f32 …``)."""
+    code = "\n".join(line.split("//", 1)[0] for line in ptx.splitlines())
+    return len(re.findall(r"(?:^|[\s;])(?:@!?%p\d+\s+)?(?:atom|red)\.[a-z]", code, flags=re.M))
+
+
+def report(kernel: TritonKernel, arch: str) -> PtxReport:
+    ptx, smem = compile_ptx(kernel, arch)
+    info = ptxas_info(ptx, arch)
+    return PtxReport(kernel.name, arch, smem, info["registers"], info["spill_stores"], info["spill_loads"],
+                     info["stack_bytes"], count_atomics(ptx))
+
+
+def onf_reports(onf, arch: str) -> list[PtxReport]:
+    """Compile every kernel of an ONF's Pallas lowering for ``arch`` (in launch order)."""
+    return list(_onf_reports(onf, arch))
+
+
+def spill_bytes(onf, arch: str) -> int:
+    """Spill stores and loads, in bytes, over every kernel of an ONF's Pallas lowering for
+    ``arch`` (what ``schedule.derive``'s spill check asks; 0: ptxas kept it in registers).
+    Raises ToolMissing before lowering anything where the toolchain is not installed."""
+    reason = compiler_available() or (None if ptxas_path() else "ptxas not found")
+    if reason:
+        raise ToolMissing(reason)
+    return sum(r.spill_stores + r.spill_loads for r in _onf_reports(onf, arch))
+
+
+@functools.lru_cache(maxsize=1024)
+def _onf_reports(onf, arch: str) -> tuple:
+    # memoised: the spill check compiles a derived ONF, and gpu-report compiles it again
+    import jax
+
+    import pallas_kernels
+
+    fn = pallas_kernels.lower(onf)
+    args = [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in onf.dnf.inputs]
+    ks = triton_kernels(fn, *args)
+    if not ks:
+        raise RuntimeError(f"{onf.dnf.name}: the CUDA lowering emitted no Triton kernel")
+    return tuple(report(k, arch) for k in ks)
+
+
+def triton_source_reports(onf, arch: str) -> list[PtxReport]:
+    """The same ONF through the other GPU path: its generated Triton source
+    (``pallas_kernels.triton_source``, launched by jax-triton) compiled by Triton for ``arch``,
+    read by Triton's own ptxas."""
+    from pallas_kernels import triton_source
+
+    out = []
+    for k in triton_source.kernels(onf):
+        ptx, smem = triton_source.compile_ptx(k, arch)
+        try:
+            info = ptxas_info(ptx, arch, triton_source.ptxas())
+        except RuntimeError as e:  # a PTX newer than the older ptxas the wheel carries
+            if "Unsupported .version" not in str(e):
+                raise
+            info = ptxas_info(ptx, arch, triton_source.ptxas(newest=True))
+        out.append(PtxReport(k.name, arch, smem, info["registers"], info["spill_stores"], info["spill_loads"],
+                             info["stack_bytes"], count_atomics(ptx)))
+    return out
+
+
+def onf_report(onf, arch: str) -> PtxReport:
+    """Compile the final kernel of an ONF's Pallas lowering for ``arch``."""
+    return onf_reports(onf, arch)[-1]
