@@ -57,18 +57,18 @@ def cmd_gpu_report(args) -> int:
     if reason:
         print(f"moajax gpu-report: cannot compile offline: {reason}", file=sys.stderr)
         return 2
-    archs = tuple(args.arch or ())
     # derived with each GPU's spill check on (gpu_report.gpus): the tilings a GPU runs
-    cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes), archs=archs)
+    targets = gpu_report.gpus(tuple(args.arch or ()))
+    cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes), targets=targets)
     cases += gpu_report.backward_cases(tuple(h for h in args.head_dims if h in (64, 128)) or (64,),
-                                       tuple(args.dtypes), archs=archs)
-    cases += gpu_report.model_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), archs=archs)
-    cases += gpu_report.training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), archs=archs)
-    cases += gpu_report.model_training_cases(tuple(d for d in ("float32",) if d in args.dtypes), archs=archs)
-    cases += gpu_report.score_mod_cases(tuple(d for d in ("float32",) if d in args.dtypes), archs=archs)
+                                       tuple(args.dtypes), targets=targets)
+    cases += gpu_report.model_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), targets=targets)
+    cases += gpu_report.training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), targets=targets)
+    cases += gpu_report.model_training_cases(tuple(d for d in ("float32",) if d in args.dtypes), targets=targets)
+    cases += gpu_report.score_mod_cases(tuple(d for d in ("float32",) if d in args.dtypes), targets=targets)
     reg = _kernels()
     for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
-        for m in gpu_report.gpus(archs):
+        for m in targets:
             cases.append((f"{name} float32 (example sizes)", m, schedule.derive(reg[name].dnf(), m)))
     header = ("| machine | arch | kernel | tiles (rows×keys) | warps | stages | smem B (ptxas) | smem B (model) "
               "| smem limit B | registers | spill st/ld B | atomics | ok |")
@@ -150,10 +150,10 @@ def _two_paths(args, gpu_report) -> list:
 
     from moajax import ptx
 
-    archs = tuple(args.arch or ())
-    cases = [c for c in gpu_report.default_cases((64,), ("float32",), archs=archs)]
-    cases += [c for c in gpu_report.training_cases(("float32",), archs=archs) if "GQA" not in c[0]]
-    cases += gpu_report.backward_cases((64,), ("float32",), archs=archs)
+    targets = gpu_report.gpus(tuple(args.arch or ()))
+    cases = [c for c in gpu_report.default_cases((64,), ("float32",), targets=targets)]
+    cases += [c for c in gpu_report.training_cases(("float32",), targets=targets) if "GQA" not in c[0]]
+    cases += gpu_report.backward_cases((64,), ("float32",), targets=targets)
     lines = ["", "## The two GPU paths for the same ONF", "",
              f"Pallas (jaxlib's Triton, ptxas {ptx.ptxas_version()}) against the ONF's generated Triton source "
              f"(`pallas_kernels.triton_source`, Triton {triton.__version__} and its ptxas; launched by jax-triton). "

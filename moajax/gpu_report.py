@@ -1,9 +1,10 @@
 """The offline GPU report's matrix: every configured GPU × kernel × dtype × size, each case
 (label, machine, default ONF) for ``moajax gpu-report`` to compile (``moajax.ptx``).
 
-The ONFs are derived for each GPU profile with its spill check on (``gpus``): what a GPU
-with the CUDA toolchain derives and runs (``schedule.derive``: the first table tiling that fits
-and that ptxas compiles without spilling).
+By default the ONFs are derived for each GPU profile with its spill check on (``gpus``): what
+a GPU with the CUDA toolchain derives and runs (``schedule.derive``: the first table tiling that
+fits and that ptxas compiles without spilling). ``targets``: other profiles (those of
+``machines.load``, unchecked: the tables' own tilings).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def gpus(archs=()) -> list:
             if m.is_gpu and (not archs or m.arch in archs)]
 
 
-def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", archs=()) -> list:
+def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", targets=None) -> list:
     """(label, machine, default ONF — or the ONFError saying why none fits) for every
     configured GPU × dtype × head dim (or other size: ``size`` names it in the label)."""
     import numpy as np
@@ -29,7 +30,7 @@ def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", arch
     from moajax.onf import ONFError
 
     out = []
-    for m in gpus(archs):
+    for m in (gpus() if targets is None else targets):
         for dt in dtypes:
             for h in head_dims:
                 try:
@@ -40,25 +41,25 @@ def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", arch
     return out
 
 
-def default_cases(head_dims=(64, 72, 128), dtypes=("float16", "bfloat16", "float32", "float64"), archs=()):
+def default_cases(head_dims=(64, 72, 128), dtypes=("float16", "bfloat16", "float32", "float64"), targets=None):
     """The attention forward (jax.nn layout, B=1, T=S=1024, N=8)."""
     from moajax.kernels.attention import mha_dnf
 
     return _cases("mha", lambda dt, h: mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), dt),
-                  head_dims, dtypes, archs=archs)
+                  head_dims, dtypes, targets=targets)
 
 
-def backward_cases(head_dims=(64, 128), dtypes=("bfloat16", "float32", "float64"), archs=()):
+def backward_cases(head_dims=(64, 128), dtypes=("bfloat16", "float32", "float64"), targets=None):
     """The fused forward+backward (one head, T=S=1024): its default ONF scatter-adds dK, dV."""
     import jax
 
     from moajax.kernels import attention_forward_backward
 
     return _cases("fwd+bwd", lambda dt, h: attention_forward_backward.dnf(
-        *[jax.ShapeDtypeStruct((1024, h), dt) for _ in range(4)]), head_dims, dtypes, archs=archs)
+        *[jax.ShapeDtypeStruct((1024, h), dt) for _ in range(4)]), head_dims, dtypes, targets=targets)
 
 
-def model_cases(dtypes=("bfloat16", "float32"), archs=()):
+def model_cases(dtypes=("bfloat16", "float32"), targets=None):
     """Kernels other than plain attention at realistic sizes: RMSNorm fused into a matmul and
     the SwiGLU MLP at n=4096, d=1024, f=4096; a row log-sum-exp over 4096 × 32768; decode of one
     query over a 32768-key cache (split-K: one program would walk it all); attention
@@ -74,20 +75,20 @@ def model_cases(dtypes=("bfloat16", "float32"), archs=()):
     mlp = "n=4096 d=1024 f=4096"
     return (
         _cases("rmsnorm→matmul", lambda dt, _: rmsnorm_matmul.dnf(S((n, d), dt), S((d,), dt), S((d, f), dt)),
-               (mlp,), dtypes, size=str, archs=archs)
+               (mlp,), dtypes, size=str, targets=targets)
         + _cases("swiglu", lambda dt, _: swiglu.dnf(S((n, d), dt), S((d, f), dt), S((d, f), dt), S((f, d), dt)),
-                 (mlp,), dtypes, size=str, archs=archs)
+                 (mlp,), dtypes, size=str, targets=targets)
         + _cases("logsumexp", lambda dt, _: logsumexp.dnf(S((4096, 32768), dt)), ("4096×32768",), dtypes,
-                 size=str, archs=archs)
+                 size=str, targets=targets)
         + _cases("decode", lambda dt, _: decode.dnf(S((128,), dt), S((32768, 128), dt), S((32768, 128), dt)),
-                 ("s=32768 H=128",), dtypes, size=str, archs=archs)
+                 ("s=32768 H=128",), dtypes, size=str, targets=targets)
         + _cases("mha+bias[B N T S]", lambda dt, h: mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), dt,
                                                             bias_shape=(1, 8, 1024, 1024), bias_dtype=dt),
-                 (64,), dtypes, archs=archs)
+                 (64,), dtypes, targets=targets)
     )
 
 
-def model_training_cases(dtypes=("float32",), archs=()):
+def model_training_cases(dtypes=("float32",), targets=None):
     """What ``jax.grad`` of ``rms_norm`` and ``gated_mlp`` runs on a GPU at the seed's block
     (n = 1024 tokens, d = 64, d_ff = 256), and of ``gated_mlp`` at a realistic size (n = 4096,
     d = 1024, d_ff = 4096, where no fused schedule fits and the owner plan stages U, V, G_H):
@@ -107,7 +108,7 @@ def model_training_cases(dtypes=("float32",), archs=()):
         for name, kern, (n, d, f) in cases:
             specs = [S(n, d), S(d)] if f is None else [S(n, d), S(d, f), S(d, f), S(f, d)]
             dnf = kern.adjoint(*specs).dnf(*specs, S(n, d))
-            for m in gpus(archs):
+            for m in (gpus() if targets is None else targets):
                 out += _plan_rows(f"grad {name} adjoint {dt} n={n} d={d}" + (f" f={f}" if f else ""), dnf, m)
     return out
 
@@ -126,7 +127,7 @@ def _plan_rows(label: str, dnf, machine) -> list:
             for onf in (plan if isinstance(plan, tuple) else (plan,))]
 
 
-def training_cases(dtypes=("bfloat16", "float32"), archs=()):
+def training_cases(dtypes=("bfloat16", "float32"), targets=None):
     """What ``jax.grad`` of ``dot_product_attention`` runs on a GPU (jax.nn layout, B=1,
     T=S=1024, N=8, H=64; multi-head K=8, GQA K=2, and causal multi-head, whose loops skip the
     masked tiles: their bounds are computed in the kernel): the saving forward (Out with its
@@ -145,14 +146,14 @@ def training_cases(dtypes=("bfloat16", "float32"), archs=()):
             adj, args = kern.saved_adjoint(*S, is_causal=causal)
             parts = [("saving forward", kern.with_row_statistics().dnf(*S, is_causal=causal)),
                      ("adjoint", adj.dnf(*args, is_causal=causal))]
-            for m in gpus(archs):
+            for m in (gpus() if targets is None else targets):
                 for what, dnf in parts:
                     out += _plan_rows(f"grad {'GQA K=2' if kv != 8 else 'MHA'}{' causal' if causal else ''} {what} "
                                       f"{dt} H=64", dnf, m)
     return out
 
 
-def score_mod_cases(dtypes=("float32",), archs=()):
+def score_mod_cases(dtypes=("float32",), targets=None):
     """``dot_product_attention`` with a ``score_mod`` (jax.nn layout, B=1, T=S=1024, N=8, H=64,
     causal), its forward and the derived adjoint's plan: tanh soft-capping (arithmetic on the
     score), ALiBi (a per-head slope: a table read at the head index) and relative position
@@ -178,7 +179,7 @@ def score_mod_cases(dtypes=("float32",), archs=()):
             consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
             adj, args = kern.saved_adjoint(*S, *consts, is_causal=True)
             parts = [("forward", kern.dnf(*S, *consts, is_causal=True)), ("adjoint", adj.dnf(*args, is_causal=True))]
-            for m in gpus(archs):
+            for m in (gpus() if targets is None else targets):
                 for what, dnf in parts:
                     out += _plan_rows(f"score_mod {name} causal {what} {dt} H=64", dnf, m)
     return out

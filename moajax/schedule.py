@@ -13,9 +13,10 @@ lifting from the DNF's structure:
   query row reuses the same key/value tiles) is the ``grid`` axis with the big tile;
   other output axes (batch, heads) are ``grid`` with tile 1.
 
-Tile sizes come from the machine: on a GPU the largest candidates whose on-chip footprint
-fits shared memory and a register budget (powers of two: Triton's block shapes); on a CPU
-the tiles that keep a score tile inside the last-level cache.
+Tile sizes come from the machine: on a GPU the first candidate of a calibrated table whose
+on-chip footprint fits shared memory (powers of two: Triton's block shapes) — and, where the
+profile's spill check is on, that ptxas compiles without spilling; on a CPU the tiles that keep
+a score tile inside the last-level cache.
 """
 
 from __future__ import annotations
@@ -215,8 +216,9 @@ def _structure(onf: ONF, gpu: bool = False):
 # the held width is the padded extent of what a program holds whole inside its contractions
 # (attention's head dim, SwiGLU's d tile, a row statistic's tile of the last output axis), so
 # one table serves every kernel. Chosen from sweeps compiled to PTX with ptxas (registers,
-# spills, shared memory: bench/results/smem_sweep.md, gpu_report.md); every default is checked
-# for 0 spill bytes by ``moajax gpu-report``. Tables, not a register model: over the 1296
+# spills, shared memory: bench/results/smem_sweep.md, gpu_report.md); where a kernel's tiling
+# spills all the same (a score_mod's extra live values), the spill check steps down the table
+# (``_spill_checked``). Tables, not a register model: over the 1296
 # compilations of smem_sweep.md no count of register-resident words per thread separates the
 # tilings ptxas spills from those it does not (bench/results/register_model.md, from
 # scripts/fit_registers.py: float32 forward spilling from 88 words, spill-free up to 136).
@@ -317,7 +319,8 @@ def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int
 
 
 def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: int = 0):
-    """The first lifting that fits, trying in order: the last output axis whole and every
+    """The first lifting that fits (the ``rank``-th of each table: ``_first_fit``), trying in
+    order: the last output axis whole and every
     nested reduction whole; then the last output axis tiled over the grid (a row statistic
     over many rows, a wide matmul output), widest tile first; then, as well, each nested
     reduction walked in tiles (SwiGLU's Z·W_g inside its Σ_f: a loop inside the loop)."""
@@ -919,7 +922,8 @@ _DERIVED: collections.OrderedDict = collections.OrderedDict()  # (dnf, machine, 
 def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
     """The default ONF of ``dnf`` for ``machine``, with a preset's (or keyword) choices applied.
 
-    A pure function of its arguments (ONFs are immutable values), so it is made once: a
+    A pure function of its arguments (ONFs are immutable values; with a spill check, of the
+    installed ptxas too), so it is made once: a
     plan's derivation (``derive_plan``, ``plan_groups``) and the cost model's comparison of
     residual policies ask for the same ONFs again. The machine is keyed by its ``repr`` (a
     profile holds dicts).
@@ -952,25 +956,28 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
     return hit
 
 
-# How many of a table's tilings the spill check compiles before it keeps the first (each try
-# is one Triton compile and one ptxas run per kernel)
-SPILL_CHECK_TRIES = 4
+# How many of a table's tilings the spill check compiles at most (each try is one Triton
+# compile and one ptxas run per kernel): every entry of the longest table
+SPILL_CHECK_TRIES = max(len(c) for table in (GPU_TILES, GPU_SCATTER_TILES) for c in table.values())
 _SPILLS_WARNED: set = set()
 
 
 def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF) -> ONF:
     """``first`` if its kernels compile without spilling, else the next tiling the tables offer
-    that fits and does (``rank``: the k-th that fits), else ``first``: gpu-report names its spills.
+    that fits and does (``rank``: the k-th that fits), else the one that spills least (the
+    first of equals): gpu-report names its spills. Ranks step within each table; where one
+    tiling alone fits, that is the only try.
 
     Registers are checked, not modelled: over the 1296 compilations of smem_sweep.md no count
     of register-resident words per thread separates the tilings ptxas spills from those it
     does not (bench/results/register_model.md), and a score_mod's tanh or table gather tips
     tilings the tables chose for plain attention (8–224 B of spills on sm_80: gpu_report.md).
     The compiler is the machine's own: jaxlib's Triton and ptxas (``moajax.ptx``); where they
-    are missing the table's first fit stands, with one warning."""
+    are missing, or fail (a ptxas older than the PTX, an arch it does not know), the table's first
+    fit stands, with one warning per profile: a check must never stop a kernel from running."""
     from moajax import ptx
 
-    seen = []
+    tried = []  # (spill bytes, ONF), in rank order
     o = first
     for rank in range(SPILL_CHECK_TRIES):
         if rank:
@@ -978,20 +985,22 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF) -> 
                 o = _derive(dnf, machine, preset, rank)
             except ONFError:
                 break
-        if o in seen:
+        if any(o == t for _, t in tried):
             break  # no further tiling fits
-        seen.append(o)
         try:
-            if ptx.spill_bytes(o, machine.arch) == 0:
-                return o
-        except ptx.ToolMissing as e:
+            spilled = ptx.spill_bytes(o, machine.arch)
+        except Exception as e:  # noqa: BLE001 - any toolchain failure: keep the table's choice
             if machine.name not in _SPILLS_WARNED:
                 _SPILLS_WARNED.add(machine.name)
                 import logging
 
-                logging.getLogger("moajax").warning("moajax: tilings for %s are not spill-checked: %s", machine.name, e)
+                logging.getLogger("moajax").warning("moajax: tilings for %s are not spill-checked: %s: %s",
+                                                    machine.name, type(e).__name__, e)
             return first
-    return first
+        if spilled == 0:
+            return o
+        tried.append((spilled, o))
+    return min(tried, key=lambda t: t[0])[1]
 
 
 def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0) -> ONF:

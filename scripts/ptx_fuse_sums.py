@@ -30,15 +30,17 @@ def main(argv):
     import numpy as np
 
     jax.config.update("jax_enable_x64", True)
-    from moajax import gpu_report, ptx, schedule
+    from moajax import gpu_report, machines, ptx, schedule
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
 
     if ptx.compiler_available():
         raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
-    cases = [c for c in gpu_report.training_cases(("bfloat16", "float32"))
+    # the profiles as loaded (no spill check): the tables' tilings, with fuse_sums off and on
+    gpus = [m for m in machines.available().values() if m.is_gpu]
+    cases = [c for c in gpu_report.training_cases(("bfloat16", "float32"), targets=gpus)
              if c[0].startswith("grad GQA K=2 adjoint") and c[0].endswith(" d_key")]
-    cases += [c for c in gpu_report.score_mod_cases(("float32",)) if "d_score_mod_const" in c[0]]
+    cases += [c for c in gpu_report.score_mod_cases(("float32",), targets=gpus) if "d_score_mod_const" in c[0]]
     lines = [f"# Sibling sums walked once (rewrites.fuse_sums) on the GPU kernels it changes, offline PTX "
              f"({machine_line()}; ptxas {ptx.ptxas_version()}; no GPU used)", "",
              "`python scripts/ptx_fuse_sums.py` — each default GPU ONF (fuse_sums off, the GPU default) against the "

@@ -34,7 +34,7 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import numpy as np
 
-    from moajax import gpu_report, ptx, schedule
+    from moajax import gpu_report, machines, ptx, schedule
     from moajax.cost import estimate
     from moajax.onf import ONFError
     from moajax.schedule import Preset
@@ -42,6 +42,8 @@ def main(argv):
 
     if ptx.compiler_available():
         raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
+    # the profiles as loaded (no spill check): 'default' is the tables' tiling
+    gpus = [m for m in machines.available().values() if m.is_gpu]
     lines = [f"# score_mod table gradients on the GPU: programs, nested-walk tiles and spills, offline PTX "
              f"({machine_line()}; ptxas {ptx.ptxas_version()}; no GPU used)", "",
              "`python scripts/ptx_score_mod_tiles.py` — the table gradient of ALiBi (8 slopes) and of a 33-entry "
@@ -66,7 +68,7 @@ def main(argv):
                      f"{reps[0].spill_stores}/{reps[0].spill_loads} |")
         print(lines[-1], flush=True)
 
-    for label, m, onf in gpu_report.score_mod_cases(("float32",)):
+    for label, m, onf in gpu_report.score_mod_cases(("float32",), targets=gpus):
         if "d_score_mod_const" not in label:
             continue
         name = label.split()[1]
@@ -87,16 +89,17 @@ def main(argv):
             row(m, name, "sweep", o)
     # the attention-shaped kernels of the score_mod cases that spill by default, against the
     # candidates of the float32 tiles table (schedule.GPU_TILES[(4, 64)]) and two more
-    lines += ["", "## The score_mod kernels that still spill, against the float32 tile candidates", "",
-              "Each default ONF that spills in `bench/results/gpu_report.md` (soft-capping's forward and dQ on the "
-              "A100, the relative-position dQ on the A100 and H200), its rows × keys tiles, warps and stages given "
+    lines += ["", "## The score_mod kernels whose table tiling spills, against the float32 tile candidates", "",
+              "Each ONF whose table tiling spills (soft-capping's forward and dQ on the A100, the relative-position "
+              "dQ on the A100 and H200; the spill check of `schedule.derive` steps these down on a GPU and in "
+              "`bench/results/gpu_report.md`), its rows × keys tiles, warps and stages given "
               "(`Preset.of(tiles={'t': rows, 's': keys}, num_warps=…, num_stages=…)`); the first row is the "
-              "default's.", "",
+              "table's.", "",
               "| machine | arch | kernel | rows × keys | warps | stages | registers | spill st/ld B |",
               "|---|---|---|---|---:|---:|---:|---|"]
     spilling = lambda lab, m: (("relpos" in lab and lab.endswith("d_query") and m.name != "delta-a40")  # noqa: E731
                                or ("softcap" in lab and m.name == "delta-a100" and not lab.endswith("d_key_d_value")))
-    for label, m, onf in gpu_report.score_mod_cases(("float32",)):
+    for label, m, onf in gpu_report.score_mod_cases(("float32",), targets=gpus):
         if not spilling(label, m):
             continue
         name = " ".join(label.split()[1:2] + label.split()[3:4] + label.split()[-1:])

@@ -73,7 +73,7 @@ def main(argv):
         r = np.random.default_rng(n)
         arrays = [jnp.asarray(r.standard_normal(i.shape), i.dtype) for i in dnf.inputs]
         order = tuple(o.name for o in dnf.outputs)
-        fns, models, ptx = {}, {}, {}
+        fns, models, compiled = {}, {}, {}
         for g in ("C", "F"):
             pre = Preset.of(gamma={i.name: g for i in dnf.inputs})
             plan = schedule.derive_plan(dnf, cpu, pre)
@@ -85,15 +85,15 @@ def main(argv):
                          cost.sequence(cost.estimate(o, a100) for o in gonfs))
             if reason is None:
                 reps = [x for o in gonfs for x in ptx.onf_reports(o, "sm_80")]
-                ptx[g] = (max(x.registers for x in reps), sum(x.smem_bytes for x in reps),
-                          sum(x.spill_stores + x.spill_loads for x in reps))
+                compiled[g] = (max(x.registers for x in reps), sum(x.smem_bytes for x in reps),
+                               sum(x.spill_stores + x.spill_loads for x in reps))
         got = {g: f(*arrays) for g, f in fns.items()}
         diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got["C"]), jax.tree.leaves(got["F"])))
         times = alternating(fns, arrays, reps=REPS.value)
         med = {g: statistics.median(ts) for g, ts in times.items()}
         for g in ("C", "F"):
             c_cpu, c_gpu = models[g]
-            regs, smem, spills = ptx.get(g, ("—", "—", "—"))
+            regs, smem, spills = compiled.get(g, ("—", "—", "—"))
             lines.append(f"| {label} | {n} | {g} | {1e3 * min(times[g]):.3g} | {1e3 * med[g]:.3g} | "
                          f"{med['C'] / med['F']:.2f} | {c_cpu.flops / 1e9:.3g} | {c_cpu.bytes_moved / 1e6:.3g} | "
                          f"{c_gpu.bytes_moved / 1e6:.3g} | {c_gpu.time_s * 1e6:.3g} | {regs} | {smem} | {spills} |")

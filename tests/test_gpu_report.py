@@ -77,7 +77,7 @@ def test_model_kernels_at_realistic_sizes_fit_without_spills(machine):
     """RMSNorm→matmul and SwiGLU at n=4096, d=1024, f=4096, log-sum-exp over 4096 × 32768,
     decode over a 32768-key cache, attention with a [B N T S] bias: the general scheduler tiles every axis (2-D rows × keys
     tiles, the last output axis over the grid, nested reductions walked), 0 spill bytes."""
-    cases = [c for c in gpu_report.model_cases(("float32",), archs=(machine.arch,))]
+    cases = [c for c in gpu_report.model_cases(("float32",), targets=[machine])]
     assert len(cases) == 5
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -97,7 +97,7 @@ def test_gqa_training_kernels_compile_without_spills(machine):
     """jax.grad of GQA attention on a GPU: the saving forward (one kernel) and the adjoint's
     dQ, dK, dV kernels — the group's query heads walked one at a time inside dK and dV, Δ
     recomputed from dO and O in place — compile with 0 spill bytes."""
-    cases = [c for c in gpu_report.training_cases(("bfloat16",), archs=(machine.arch,)) if "GQA" in c[0]]
+    cases = [c for c in gpu_report.training_cases(("bfloat16",), targets=[machine]) if "GQA" in c[0]]
     assert [c[0].split("bfloat16 H=64")[-1].strip() for c in cases] == ["", "d_query", "d_key", "d_value"]
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -113,7 +113,7 @@ def test_causal_training_kernels_with_skipped_tiles_compile_without_spills(machi
     in the kernel from its program id (the masked tiles skipped). Lowering to Triton IR is not
     enough — jnp's integer floor division and a min over a stack of scalars lowered, but did
     not compile — so each is compiled to PTX: 0 spill bytes, and every walk has its skip."""
-    cases = [c for c in gpu_report.training_cases(("float32",), archs=(machine.arch,)) if "causal" in c[0]]
+    cases = [c for c in gpu_report.training_cases(("float32",), targets=[machine]) if "causal" in c[0]]
     assert [c[0].split("float32 H=64")[-1].strip() for c in cases] == ["", "d_query", "d_key_d_value"]
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -147,7 +147,8 @@ def test_the_seeds_block_gradients_compile_without_spills():
     the A100: the staged first kernel, the weight gradients' split-K parts and the combine that
     sums them — which held every part's [32 × 256] block at once and spilled 9.9 KB until it
     walked the parts one at a time (``Backend.walks_parts``)."""
-    cases = [c for c in gpu_report.model_training_cases(("float32",), archs=("sm_80",)) if "n=1024 d=64" in c[0]]
+    cases = [c for c in gpu_report.model_training_cases(("float32",), targets=[machines.load("delta-a100")])
+             if "n=1024 d=64" in c[0]]
     assert {c[0].split()[1] for c in cases} == {"rmsnorm", "swiglu"} and len(cases) >= 6
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -161,7 +162,8 @@ def test_score_mod_table_reads_are_gathers_on_the_gpu():
     load in the Pallas kernel, not a one-hot Σ over the table: the causal forward and the
     adjoint's dK-with-dV kernel (the owner plan's: P once per tile) compile for the A100 with
     0 spill bytes."""
-    cases = [c for c in gpu_report.score_mod_cases(("float32",), archs=("sm_80",)) if "relpos" in c[0]]
+    cases = [c for c in gpu_report.score_mod_cases(("float32",), targets=[machines.load("delta-a100")])
+             if "relpos" in c[0]]
     wanted = [c for c in cases if c[0].endswith(("forward float32 H=64", "d_key_d_value"))]
     assert len(wanted) == 2, [c[0] for c in cases]
     for label, m, onf in wanted:
@@ -180,7 +182,8 @@ def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine):
     over the heads left 8 (or 16) programs and the 64 × 64 tiles before spilled (820 B on
     sm_90a for ALiBi in gpu_report.md at 2ccdd62; bench/results/score_mod_tiles_gpu.md
     sweeps the tiles now)."""
-    cases = [c for c in gpu_report.score_mod_cases(("float32",), archs=(machine.arch,)) if "d_score_mod_const" in c[0]]
+    cases = [c for c in gpu_report.score_mod_cases(("float32",), targets=[machine])
+             if "d_score_mod_const" in c[0]]
     assert {c[0].split()[1] for c in cases} == {"alibi", "relpos"}
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -230,18 +233,48 @@ def test_the_spill_check_steps_down_the_table_where_ptxas_spills():
 
 
 @needs_compiler
-def test_the_spill_check_keeps_a_clean_tiling_and_a_presets_choice(monkeypatch):
-    """Where the table's first tiling compiles clean the check changes nothing; tiles or knobs a
-    Preset gives are the user's choice and are not checked."""
+def test_the_spill_check_keeps_a_clean_tiling():
+    """Where the table's first tiling compiles clean the check changes nothing."""
     import dataclasses
 
     a100 = dataclasses.replace(machines.load("delta-a100"), spill_check=True)
     dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
     assert schedule.derive(dnf, a100) == schedule.derive(dnf, machines.load("delta-a100"))
+
+
+@pytest.mark.parametrize("preset", [dict(tiles={"t": 64, "s": 32}), dict(num_warps=8, num_stages=3)],
+                         ids=["tiles", "knobs"])
+def test_a_presets_tiles_or_knobs_are_not_spill_checked(monkeypatch, preset):
+    """Tiles or knobs a Preset gives are the user's choice: each alone turns the check off."""
+    import dataclasses
+
     monkeypatch.setattr(ptx, "spill_bytes", lambda *a: pytest.fail("a Preset's tiling was spill-checked"))
     monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
-    o = schedule.derive(_softcap_forward(), a100, tiles={"t": 64, "s": 32}, num_warps=8, num_stages=3)
-    assert _tiling(o)[1:] == (8, 3)
+    a100 = dataclasses.replace(machines.load("delta-a100"), spill_check=True)
+    dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
+    assert schedule.derive(dnf, a100, **preset) == schedule.derive(dnf, machines.load("delta-a100"), **preset)
+
+
+def test_where_every_tiling_spills_the_least_spilling_is_kept(monkeypatch):
+    """No tiling of the table compiles clean (spill bytes given per tiling here): the check keeps
+    the one that spills least, the first of equals, after trying each that fits once."""
+    import dataclasses
+
+    spills = {(64, 32): 16, (64, 16): 8, (32, 16): 24, (16, 16): 8}
+    asked = []
+
+    def fake(onf, arch):
+        asked.append(onf)
+        t = dict(_tiling(onf)[0])
+        return spills[(t["t"], t["s"])]
+
+    monkeypatch.setattr(ptx, "spill_bytes", fake)
+    monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
+    a100 = machines.load("delta-a100")
+    dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
+    got = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True))
+    assert len(asked) == 4 and len(set(asked)) == 4  # each fitting tiling once, then the table ran out
+    assert got == schedule._derive(dnf, a100, schedule.Preset(), rank=1)  # (64, 16): 8 B, before (16, 16)
 
 
 def test_the_table_ranks_are_its_fitting_tilings_in_order():
@@ -256,11 +289,16 @@ def test_the_table_ranks_are_its_fitting_tilings_in_order():
     assert got[0] == schedule.derive(dnf, a100)
 
 
-def test_without_the_toolchain_the_table_stands_with_one_warning(monkeypatch, caplog):
+@pytest.mark.parametrize("failure", [ptx.ToolMissing("ptxas not found (test)"),
+                                     RuntimeError("ptxas failed for sm_80: Unsupported .version 8.8 (test)")],
+                         ids=["missing", "failing"])
+def test_without_a_working_toolchain_the_table_stands_with_one_warning(monkeypatch, caplog, failure):
+    """Missing or failing (an older ptxas than the PTX, an unknown arch), the check never stops a
+    kernel: the table's tiling, one warning per profile."""
     import dataclasses
 
     def missing(*a):
-        raise ptx.ToolMissing("ptxas not found (test)")
+        raise failure
 
     monkeypatch.setattr(ptx, "spill_bytes", missing)
     monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
@@ -305,6 +343,7 @@ def test_inside_jit_the_gpu_branch_is_spill_checked(monkeypatch):
     monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch: seen.append(checked(onf, arch)) or seen[-1])
     monkeypatch.setattr(runtime, "gpu_machine", lambda: dataclasses.replace(machines.load("delta-a100"),
                                                                             spill_check=True))
+    monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
     runtime.schedules.cache_clear()
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 256, 4, 64)), jnp.float32)
     softcap = lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0)  # noqa: E731

@@ -124,3 +124,33 @@ def test_median_seconds_warms_up_then_times_each_run():
 
     t = median_seconds(f, 1.0, reps=3, warmups=2)
     assert len(calls) == 5 and 0.0 <= t < 1.0
+
+
+def test_a_virtual_machines_host_l3_is_capped_at_a_cores_share(monkeypatch):
+    """A cloud VM's sysfs (2 vCPUs, this suite's machine on 2026-12-02) says its L3 is 491,520 KiB,
+    shared by cpus 0-1. Taken whole, the CPU budget held a whole 4096-token sequence per score
+    tile: no row loop, so jit(grad) of attention ran the owner plan with no masked tile
+    skipped. At most 16 MiB a core, it derives what a 32 MiB L3 gives: the fused adjoint, 512
+    key rows per program, walked (``cpu_loop``)."""
+    import dataclasses
+
+    import jax
+
+    from moajax import schedule
+    from moajax.kernels.attention import mha_kernel
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(machines, "_sysfs_cache_bytes", lambda level: {2: 2 << 20, 3: 491520 << 10}[level])
+    topo = machines.topology()
+    assert topo["llc_bytes"] == 2 * machines.LLC_PER_CORE_MAX == 32 << 20
+    monkeypatch.setattr(machines, "_sysfs_cache_bytes", lambda level: {2: 2 << 20, 3: 24 << 20}[level])
+    assert machines.topology()["llc_bytes"] == 24 << 20  # a real share is kept
+
+    specs = [jax.ShapeDtypeStruct((1, 4096, 8, 64), np.float32)] * 3
+    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
+    vm = dataclasses.replace(machines.GENERIC_CPU, cores=2, llc_bytes=topo["llc_bytes"])
+    plan = schedule.derive_plan(adj.dnf(*args), vm)
+    assert not isinstance(plan, tuple), "the fused adjoint: one kernel"
+    assert plan.axis("s").tile == 512 and plan.knobs.cpu_loop == ("s",)
+    whole = schedule.derive_plan(adj.dnf(*args), dataclasses.replace(vm, llc_bytes=491520 << 10))
+    assert isinstance(whole, tuple) and all(not o.knobs.cpu_loop for o in whole)  # what it was
