@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 import references as R
 from exprgen import expressions
-from helpers import inputs_of, rel_err, scaled_err
+from helpers import inputs_of, op_by_op, rel_err, scaled_err
 from moajax import adjoint, moa, reference
 from moajax.adjoint import AdjointError
 from moajax.kernels import attention_backward, rmsnorm_forward_backward, swiglu_forward_backward
@@ -41,11 +41,12 @@ def test_derived_adjoint_equals_jax_grad_of_the_reference(case):
     assert dnf.arrays_read() <= {x.name for x in inputs} | {"d_out"}  # a DNF: inputs only
     g = np.random.default_rng(len(names)).standard_normal(expr.shape)
     args = [values[x.name] for x in inputs]
-    got = reference.to_jax(dnf)(*args, g)
-    got = got if isinstance(got, tuple) else (got,)
     fwd, _ = reduce_to_dnf("forward", inputs, expr, record=False)
-    _, pullback = jax.vjp(reference.to_jax(fwd), *[jnp.asarray(a) for a in args])
-    want = pullback(jnp.asarray(g))
+    with op_by_op():
+        got = reference.to_jax(dnf)(*args, g)
+        got = got if isinstance(got, tuple) else (got,)
+        _, pullback = jax.vjp(reference.to_jax(fwd), *[jnp.asarray(a) for a in args])
+        want = pullback(jnp.asarray(g))
     for name, a, b in zip(names, got, want):
         # the inputs and d_out are standard normals: where a gradient cancels to 0 (d/dx of
         # a − a), its rounding residue is relative to that O(1) scale, not to 0
@@ -128,3 +129,32 @@ def test_bool_and_int_inputs_get_no_cotangent():
     y = moa.where(m, x * moa.cast(n, np.float64), 0.0)
     dx, dm, dn = adjoint.vjp([y], [moa.array("g", (4,), "i", np.float64)], [x, m, n])
     assert dx is not None and dm is None and dn is None
+
+
+def test_a_max_selection_that_the_tie_count_misses_is_finite():
+    """dA of ⌈/ divides dY by #(A = Y): the count and the hit are separate evaluations of A = Y
+    (the DNF keeps no intermediate), and XLA fuses them differently. For (x ×.× x) ⌈.+
+    (x ×.× x) at this x (found by hypothesis in test_identities) the jitted reference counted 0
+    where the hit fired: ±inf. The count is at least 1 now, so the values are finite. The rule
+    itself (the un-reduced adjoint, evaluated op by op in NumPy) and moajax's compiled kernel
+    of the derived DNF give jax.grad's gradient (no ties here)."""
+    from moajax import machines, numpy_eval, runtime, schedule
+
+    x_val = np.array([0.54784675, -0.92085314])
+    x = moa.array("x0", (2,), None, np.float64)
+    A = moa.outer(moa.mul, x, x)
+    expr = moa.inner("max", moa.add, A, A)
+    d_out = moa.array("d_out", expr.shape, expr.dims, expr.dtype)
+    (grad,) = adjoint.vjp([expr], [d_out], [x])
+    adj, _ = reduce_to_dnf("adjoint", [x, d_out], (grad,), ("d_x0",), record=False)
+    g = np.random.default_rng(3).standard_normal(expr.shape)
+
+    def plain(v):  # ⟨i j⟩: max over k of v_i v_k + v_k v_j
+        a = jnp.outer(v, v)
+        return jnp.max(a[:, :, None] + a[None, :, :], axis=1)
+
+    want = np.asarray(jax.grad(lambda v: jnp.sum(plain(v) * g))(jnp.asarray(x_val)))  # float64 (conftest)
+    assert np.all(np.isfinite(np.asarray(reference.to_jax(adj)(x_val, g))))
+    assert rel_err(numpy_eval.evaluate(grad, {"x0": x_val, "d_out": g}), want) <= F64
+    compiled = runtime.lowered(schedule.derive(adj, machines.local()), "xla")(x_val, g)
+    assert rel_err(np.asarray(compiled), want) <= F64
