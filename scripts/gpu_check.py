@@ -37,6 +37,14 @@ def main():
     lines = [f"# GPU check: {getattr(dev, 'device_kind', dev)} — JAX {jax.__version__}, "
              f"{datetime.datetime.now().isoformat(timespec='minutes')}", ""]
     print(lines[0], flush=True)
+    # the GPU's profile derives its tilings with the spill check (machines.for_device): say
+    # whether this machine's toolchain let it run, and with which ptxas
+    from moajax import ptx
+
+    missing = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
+    state = f"off, {missing}" if missing else f"on, ptxas {ptx.ptxas_version()}"
+    lines += [f"Spill check of the derived tilings: {state}.", ""]
+    print(lines[-2], flush=True)
     rng = np.random.default_rng(0)
 
     # ---- correctness
