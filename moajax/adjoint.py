@@ -12,7 +12,7 @@ and ψ-reduces to a DNF (only the inputs and the cotangents indexed):
                                            operand is extended along); where, max/min by selection
     cast            cast(A)                dA = cast(dY) (to A's dtype)
     reductions      +/ A                   dA = Ω-broadcast of dY along the reduced axis
-                    ⌈/ A, ⌊/ A             dA = (A = Y) × dY ÷ (#(A = Y) ⌈ 1)  (selection; ties share, as in JAX)
+                    ⌈/ A, ⌊/ A             dA = (A = Y) × dY ÷ (#(A = Y) ⌈ 1)  (selection; ties share, as JAX)
                     ×/ A                   dAᵢ = dY × ×/ over j ≠ i of Aⱼ
     inner product   A +.× B                dA = dY +.× ⍉B,  dB = ⍉A +.× dY  (reordered reads;
                                            more axes: nested sums); other op₁.op₂ through Ω
