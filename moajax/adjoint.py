@@ -12,7 +12,7 @@ and ψ-reduces to a DNF (only the inputs and the cotangents indexed):
                                            operand is extended along); where, max/min by selection
     cast            cast(A)                dA = cast(dY) (to A's dtype)
     reductions      +/ A                   dA = Ω-broadcast of dY along the reduced axis
-                    ⌈/ A, ⌊/ A             dA = (A = Y) × dY ÷ (#(A = Y) ⌈ 1)  (selection; ties share, as JAX)
+                    ⌈/ A, ⌊/ A             dA = (A = Y) × dY ÷ #(A = Y)  (selection; ties share, as in JAX)
                     ×/ A                   dAᵢ = dY × ×/ over j ≠ i of Aⱼ
     inner product   A +.× B                dA = dY +.× ⍉B,  dB = ⍉A +.× dY  (reordered reads;
                                            more axes: nested sums); other op₁.op₂ through Ω
@@ -224,11 +224,13 @@ def _rule(node, g, need):
         if node.monoid.name == "add":
             return [broadcast_lead(n, dim, g)]
         if node.monoid.name in ("max", "min"):
+            # the hit and its count are separate evaluations of A = Y (a DNF keeps no
+            # intermediate): op by op they agree, but XLA may fuse A into each with different
+            # rounding, and a miss then gives ±inf (jax.grad's own reduce_max rule gives 0/0 on
+            # such a case: test_adjoint). Left loud, not clamped: clamping the count hides the
+            # miss as a wrong finite value. A selection that carries its index would remove it
             hit = moa.eq(A, broadcast_lead(n, dim, node))
-            # at least 1: the count and the hit it divides are two evaluations of A = Y, and
-            # XLA may fuse one with FMAs and not the other (a hit where the count found none
-            # gave ±inf: (x ×.× x) ⌈.+ (x ×.× x), test_adjoint); exact wherever they agree
-            count = moa.maximum(moa.sum(moa.cast(hit, g.dtype), 0), 1.0)
+            count = moa.sum(moa.cast(hit, g.dtype), 0)
             return [moa.where(hit, broadcast_lead(n, dim, g / count), 0.0)]
         if node.monoid.name == "mul":
             return [broadcast_lead(n, dim, g) * products_but_one(A)]

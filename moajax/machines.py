@@ -147,24 +147,33 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-# The most last-level cache one core of a current CPU has (AMD's stacked-cache parts: 8–12 MiB
-# a core). sysfs in a virtual machine reports its host's whole L3 as shared by the guest's few
-# vCPUs (491,520 KiB for 2 on a cloud Xeon: test_machines); CPU tiles sized by that budget
-# hold a whole sequence's rows (no row loop, so no masked tile skipped) where a core's share
-# keeps 512. So a core counts on at most this much.
+# The last-level cache one usable core counts on at most. Server parts share 1.5–6 MiB of L3 a
+# core; a few (AMD's frequency-optimised and stacked-cache SKUs) have 32–48 MiB a core, whose
+# tiles this caps below their cache (smaller, not wrong). sysfs in a virtual machine reports its
+# host's whole L3 as shared by the guest's few vCPUs (491,520 KiB for 2 on a cloud Xeon:
+# test_machines), and CPU tiles sized by that budget hold a whole sequence's rows (no row loop,
+# so no masked tile skipped) where a core's share keeps 512.
 LLC_PER_CORE_MAX = 16 * 2**20
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's, not its host's)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def topology() -> dict:
     """This machine's topology from sysfs and /proc (no timing): the ``Machine`` fields
     ``cores``, ``numa_domains``, ``l2_cache_bytes``, ``llc_bytes`` (sysfs' L3, at most
-    ``LLC_PER_CORE_MAX`` a core), ``arch``, plus ``cpu_model``."""
+    ``LLC_PER_CORE_MAX`` a usable core), ``arch``, plus ``cpu_model``."""
     cores = os.cpu_count() or 1
     return {
         "cores": cores,
         "numa_domains": len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1,
         "l2_cache_bytes": _sysfs_cache_bytes(2),
-        "llc_bytes": min(_sysfs_cache_bytes(3), cores * LLC_PER_CORE_MAX),
+        "llc_bytes": min(_sysfs_cache_bytes(3), min(cores, _usable_cores()) * LLC_PER_CORE_MAX),
         "arch": platform.machine(),
         "cpu_model": cpu_model(),
     }

@@ -9,7 +9,7 @@ and ψ-reduces to a DNF (only the inputs and their tangents indexed):
                                                selection (ties share, as in JAX)
     cast            cast(A)                    Ẏ = cast(Ȧ)
     reductions      +/ A                       Ẏ = +/ Ȧ
-                    ⌈/ A, ⌊/ A                 Ẏ = +/((A = Y) × Ȧ) ÷ (#(A = Y) ⌈ 1)
+                    ⌈/ A, ⌊/ A                 Ẏ = +/((A = Y) × Ȧ) ÷ #(A = Y)
                     ×/ A                       Ẏ = +/(Ȧᵢ × ×/ over j ≠ i of Aⱼ)
     inner product   A +.× B                    Ẏ = Ȧ +.× B + A +.× Ḃ (the same contraction);
                                                other op₁.op₂ through Ω
@@ -148,9 +148,7 @@ def _rule(node, ts):
         if node.monoid.name in ("max", "min"):
             n, dim = A.shape[0], A.dims[0]
             hit = moa.eq(A, broadcast_lead(n, dim, node))
-            # at least 1, as in the adjoint (moajax.adjoint): a count that two fusions of A = Y
-            # make 0 would give 0/0
-            count = moa.maximum(moa.sum(moa.cast(hit, ta.dtype), 0), 1.0)
+            count = moa.sum(moa.cast(hit, ta.dtype), 0)
             return moa.sum(moa.where(hit, ta, 0.0), 0) / count
         if node.monoid.name == "mul":
             return moa.sum(ta * products_but_one(A), 0)

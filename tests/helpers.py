@@ -65,9 +65,9 @@ def op_by_op():
     rules. A selection ((A = Y) for ⌈/, in our rules and in jax.grad's alike) compares A with
     its maximum Y; jitted, XLA fuses the producers of A into each consumer and may evaluate
     them twice with different rounding (a sum inside A, vectorised in one fusion and not in the
-    other), so the hit and its count disagree — 0/0 in jax.grad's own reduce_max rule, a
-    dropped gradient in ours. Op by op every value is computed once: the tests check the rules,
-    not XLA's fusion (test_adjoint: the case hypothesis found)."""
+    other), so the hit and its count disagree — 0/0 in jax.grad's own reduce_max rule, ±inf in
+    ours. Op by op every value is computed once: the tests check the rules, not XLA's fusion
+    (test_adjoint: the case hypothesis found)."""
     import jax
 
     return jax.disable_jit()

@@ -140,9 +140,12 @@ def test_a_virtual_machines_host_l3_is_capped_at_a_cores_share(monkeypatch):
     from moajax.kernels.attention import mha_kernel
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(machines, "_usable_cores", lambda: 2)
     monkeypatch.setattr(machines, "_sysfs_cache_bytes", lambda level: {2: 2 << 20, 3: 491520 << 10}[level])
     topo = machines.topology()
     assert topo["llc_bytes"] == 2 * machines.LLC_PER_CORE_MAX == 32 << 20
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a container of 2 cores on a 64-core host
+    assert machines.topology()["llc_bytes"] == 32 << 20
     monkeypatch.setattr(machines, "_sysfs_cache_bytes", lambda level: {2: 2 << 20, 3: 24 << 20}[level])
     assert machines.topology()["llc_bytes"] == 24 << 20  # a real share is kept
 
