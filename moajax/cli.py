@@ -261,7 +261,8 @@ def main(argv=None) -> int:
                    help="the adjoint that reads the forward's row statistics and outputs (what jax.grad runs "
                         "where saving pays), with the papers' identities (moajax.identities) in its derivation")
     d.set_defaults(func=cmd_derive)
-    g = sub.add_parser("gpu-report", help="compile each kernel's default GPU ONF to PTX offline; print resources")
+    g = sub.add_parser("gpu-report", help="compile each kernel's default GPU ONF (derived with the spill check, "
+                                          "as on a GPU) to PTX offline; print resources")
     g.add_argument("--arch", nargs="*", default=[], help="only these archs (sm_80 sm_86 sm_90a)")
     g.add_argument("--head-dims", nargs="*", type=int, default=[64, 72, 128])
     g.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16", "float32", "float64"])
