@@ -106,10 +106,43 @@ def available() -> dict:
     return out
 
 
+# The shared memory one block may opt into, in bytes, by CUDA compute capability (the CUDA C
+# Programming Guide's technical specifications): what an unlisted GPU's tilings must fit.
+SHARED_MEMORY_BY_CAPABILITY = {"8.0": 166912, "8.6": 101376, "8.7": 166912, "8.9": 101376, "9.0": 232448}
+_GENERIC_GPU_PREFIX = "generic-gpu-"
+
+
+def _capability_arch(cc: str) -> str:
+    """"8.9" → "sm_89" (9.0 → "sm_90a", the arch Hopper kernels are compiled for)."""
+    return "sm_" + cc.replace(".", "") + ("a" if cc == "9.0" else "")
+
+
+def generic_gpu(cc: str, multiprocessors: int = 0, kind: str = "") -> Machine:
+    """An unlisted CUDA GPU of compute capability ``cc``: the default GPU profile's rates and
+    bandwidth (guesses, as the generic CPU's are) with its own arch, shared memory per block
+    and multiprocessors, so that its tilings fit it. Named ``generic-gpu-<arch>``: ``load``
+    rebuilds it from the name (an ONF's target)."""
+    if cc not in SHARED_MEMORY_BY_CAPABILITY:
+        raise ValueError(f"no shared-memory figure for compute capability {cc!r}; known: "
+                         f"{sorted(SHARED_MEMORY_BY_CAPABILITY)} (add a profile to configs/ for this GPU)")
+    base = load(GENERIC_GPU_NAME)
+    arch = _capability_arch(cc)
+    return dataclasses.replace(
+        base, name=_GENERIC_GPU_PREFIX + arch, arch=arch, shared_memory_per_block=SHARED_MEMORY_BY_CAPABILITY[cc],
+        multiprocessors=multiprocessors or base.multiprocessors, device_kinds=(kind,) if kind else (),
+        description=f"unlisted GPU{' ' + kind if kind else ''} (compute capability {cc}; rates and bandwidth "
+                    f"of {base.name}, guessed)")
+
+
 def load(name: str) -> Machine:
-    """The profile called ``name`` (configs/*.toml); "local" is this machine (``local()``)."""
+    """The profile called ``name`` (configs/*.toml); "local" is this machine (``local()``);
+    ``generic-gpu-sm_XY`` an unlisted GPU of that arch (``generic_gpu``)."""
     if name == "local":
         return local()
+    if name.startswith(_GENERIC_GPU_PREFIX):
+        cc = {_capability_arch(c): c for c in SHARED_MEMORY_BY_CAPABILITY}.get(name[len(_GENERIC_GPU_PREFIX):])
+        if cc is not None:
+            return generic_gpu(cc)
     profs = available()
     if name not in profs:
         raise ValueError(f"no machine profile {name!r}; profiles are {sorted(profs)} (configs/*.toml) or 'local'")
@@ -218,8 +251,9 @@ def local() -> Machine:
 
 
 def for_device(device=None) -> Machine:
-    """The profile for a JAX device (GPUs matched by device kind, their tilings spill-checked:
-    ``Machine.spill_check``; the local CPU otherwise)."""
+    """The profile for a JAX device: a GPU matched by device kind, else an unlisted one by its
+    compute capability (``generic_gpu``), its tilings spill-checked (``Machine.spill_check``);
+    the local CPU otherwise."""
     if device is None:
         import jax
 
@@ -229,5 +263,14 @@ def for_device(device=None) -> Machine:
         for m in available().values():
             if m.is_gpu and any(k.lower() in kind.lower() for k in m.device_kinds):
                 return dataclasses.replace(m, spill_check=True)
-        return dataclasses.replace(load(GENERIC_GPU_NAME), spill_check=True)
+        # unlisted: its own arch and shared memory (the A100's 163 KB would not fit an L40S's
+        # 99 KB), else the default GPU profile, with a warning
+        cc = str(getattr(device, "compute_capability", "") or "")
+        try:
+            m = generic_gpu(cc, int(getattr(device, "core_count", 0) or 0), kind)
+        except ValueError as e:
+            logging.getLogger("moajax").warning("moajax: GPU %r has no profile: using %s's (%s)", kind,
+                                                GENERIC_GPU_NAME, e)
+            m = load(GENERIC_GPU_NAME)
+        return dataclasses.replace(m, spill_check=True)
     return local()

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-ARCHS = {"sm_80": "8.0", "sm_86": "8.6", "sm_90a": "9.0"}
+ARCHS = {"sm_80": "8.0", "sm_86": "8.6", "sm_87": "8.7", "sm_89": "8.9", "sm_90a": "9.0"}
 
 
 class ToolMissing(RuntimeError):

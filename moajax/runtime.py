@@ -80,7 +80,10 @@ def schedules(dnf, onf_key=None) -> tuple:
                 f"{[str(i) for i in onf_key.dnf.inputs]}); these arguments give inputs {[str(i) for i in dnf.inputs]}"
             )
         onf_key.validate()
-        kind = machines.available().get(onf_key.target, machines.local()).kind
+        try:  # a configured profile, or an unlisted GPU's (machines.generic_gpu)
+            kind = machines.load(onf_key.target).kind
+        except ValueError:
+            kind = machines.local().kind
         if kind == "gpu":
             return derive(dnf, machines.local()), onf_key
         return onf_key, derive(dnf, gpu_machine())

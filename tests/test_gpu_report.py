@@ -351,3 +351,15 @@ def test_inside_jit_the_gpu_branch_is_spill_checked(monkeypatch):
     runtime.schedules.cache_clear()
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
     assert seen[0] > 0 and seen[-1] == 0, seen
+
+
+@needs_compiler
+def test_an_unlisted_gpus_tilings_compile_for_its_own_arch():
+    """An unlisted sm_89 GPU (``machines.generic_gpu``): the attention forward derived with its
+    spill check compiles for sm_89 within its 99 KB of shared memory, without spilling."""
+    import dataclasses
+
+    m = dataclasses.replace(machines.load("generic-gpu-sm_89"), spill_check=True)
+    onf = schedule.derive(mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32), m)
+    (r,) = ptx.onf_reports(onf, "sm_89")
+    assert r.spill_stores == r.spill_loads == 0 and 0 < r.smem_bytes <= m.shared_memory_per_block == 101376

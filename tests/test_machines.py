@@ -157,3 +157,37 @@ def test_a_virtual_machines_host_l3_is_capped_at_a_cores_share(monkeypatch):
     assert plan.axis("s").tile == 512 and plan.knobs.cpu_loop == ("s",)
     whole = schedule.derive_plan(adj.dnf(*args), dataclasses.replace(vm, llc_bytes=491520 << 10))
     assert isinstance(whole, tuple) and all(not o.knobs.cpu_loop for o in whole)  # what it was
+
+
+def test_an_unlisted_gpu_gets_its_own_arch_and_shared_memory(caplog):
+    """A CUDA device no profile names (an L40S: compute capability 8.9, 99 KB of shared memory
+    a block, 142 multiprocessors) is not given the A100's 163 KB, which its tilings would not
+    fit: its own arch and limit, spill-checked; ``load`` rebuilds it from its name (an ONF's
+    target). An unknown capability keeps the default profile, with a warning."""
+    import logging
+
+    from moajax import schedule
+    from moajax.kernels.attention import mha_dnf
+
+    class L40S:
+        platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA L40S", "8.9", 142
+
+    m = machines.for_device(L40S())
+    assert (m.name, m.arch, m.shared_memory_per_block, m.multiprocessors) == ("generic-gpu-sm_89", "sm_89", 101376, 142)
+    assert m.spill_check and m.is_gpu
+    assert machines.load("generic-gpu-sm_89").shared_memory_per_block == 101376
+    onf = schedule.derive(mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32),
+                          machines.load("generic-gpu-sm_89"))
+    a40 = schedule.derive(mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32),
+                          machines.load("delta-a40"))
+    assert [(a.name, a.tile) for a in onf.axes] == [(a.name, a.tile) for a in a40.axes]  # the A40's fit
+
+    class Future:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA Future", "13.0"
+
+    with caplog.at_level(logging.WARNING, logger="moajax"):
+        f = machines.for_device(Future())
+    assert f.name == machines.GENERIC_GPU_NAME and f.spill_check
+    assert any("has no profile" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="compute capability"):
+        machines.generic_gpu("7.5")
