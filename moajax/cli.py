@@ -53,7 +53,7 @@ def cmd_gpu_report(args) -> int:
     jax.config.update("jax_enable_x64", True)  # float64 kernels are compiled as float64
     from moajax import gpu_report, ptx, schedule
 
-    reason = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
+    reason = ptx.toolchain_missing()
     if reason:
         print(f"moajax gpu-report: cannot compile offline: {reason}", file=sys.stderr)
         return 2

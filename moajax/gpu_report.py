@@ -21,6 +21,10 @@ def gpus(archs=()) -> list:
             if m.is_gpu and (not archs or m.arch in archs)]
 
 
+def _targets(targets) -> list:
+    return gpus() if targets is None else targets
+
+
 def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", targets=None) -> list:
     """(label, machine, default ONF — or the ONFError saying why none fits) for every
     configured GPU × dtype × head dim (or other size: ``size`` names it in the label)."""
@@ -30,7 +34,7 @@ def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", targ
     from moajax.onf import ONFError
 
     out = []
-    for m in (gpus() if targets is None else targets):
+    for m in _targets(targets):
         for dt in dtypes:
             for h in head_dims:
                 try:
@@ -108,7 +112,7 @@ def model_training_cases(dtypes=("float32",), targets=None):
         for name, kern, (n, d, f) in cases:
             specs = [S(n, d), S(d)] if f is None else [S(n, d), S(d, f), S(d, f), S(f, d)]
             dnf = kern.adjoint(*specs).dnf(*specs, S(n, d))
-            for m in (gpus() if targets is None else targets):
+            for m in _targets(targets):
                 out += _plan_rows(f"grad {name} adjoint {dt} n={n} d={d}" + (f" f={f}" if f else ""), dnf, m)
     return out
 
@@ -146,7 +150,7 @@ def training_cases(dtypes=("bfloat16", "float32"), targets=None):
             adj, args = kern.saved_adjoint(*S, is_causal=causal)
             parts = [("saving forward", kern.with_row_statistics().dnf(*S, is_causal=causal)),
                      ("adjoint", adj.dnf(*args, is_causal=causal))]
-            for m in (gpus() if targets is None else targets):
+            for m in _targets(targets):
                 for what, dnf in parts:
                     out += _plan_rows(f"grad {'GQA K=2' if kv != 8 else 'MHA'}{' causal' if causal else ''} {what} "
                                       f"{dt} H=64", dnf, m)
@@ -179,7 +183,7 @@ def score_mod_cases(dtypes=("float32",), targets=None):
             consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
             adj, args = kern.saved_adjoint(*S, *consts, is_causal=True)
             parts = [("forward", kern.dnf(*S, *consts, is_causal=True)), ("adjoint", adj.dnf(*args, is_causal=True))]
-            for m in (gpus() if targets is None else targets):
+            for m in _targets(targets):
                 for what, dnf in parts:
                     out += _plan_rows(f"score_mod {name} causal {what} {dt} H=64", dnf, m)
     return out

@@ -112,9 +112,15 @@ SHARED_MEMORY_BY_CAPABILITY = {"8.0": 166912, "8.6": 101376, "8.7": 166912, "8.9
 _GENERIC_GPU_PREFIX = "generic-gpu-"
 
 
-def _capability_arch(cc: str) -> str:
+def capability_arch(cc: str) -> str:
     """"8.9" → "sm_89" (9.0 → "sm_90a", the arch Hopper kernels are compiled for)."""
     return "sm_" + cc.replace(".", "") + ("a" if cc == "9.0" else "")
+
+
+def arch_capability(arch: str) -> str | None:
+    """The inverse of ``capability_arch`` over the capabilities moajax knows ("sm_89" → "8.9"),
+    else None."""
+    return {capability_arch(c): c for c in SHARED_MEMORY_BY_CAPABILITY}.get(arch)
 
 
 def generic_gpu(cc: str, multiprocessors: int = 0, kind: str = "") -> Machine:
@@ -126,7 +132,7 @@ def generic_gpu(cc: str, multiprocessors: int = 0, kind: str = "") -> Machine:
         raise ValueError(f"no shared-memory figure for compute capability {cc!r}; known: "
                          f"{sorted(SHARED_MEMORY_BY_CAPABILITY)} (add a profile to configs/ for this GPU)")
     base = load(GENERIC_GPU_NAME)
-    arch = _capability_arch(cc)
+    arch = capability_arch(cc)
     return dataclasses.replace(
         base, name=_GENERIC_GPU_PREFIX + arch, arch=arch, shared_memory_per_block=SHARED_MEMORY_BY_CAPABILITY[cc],
         multiprocessors=multiprocessors or base.multiprocessors, device_kinds=(kind,) if kind else (),
@@ -140,7 +146,7 @@ def load(name: str) -> Machine:
     if name == "local":
         return local()
     if name.startswith(_GENERIC_GPU_PREFIX):
-        cc = {_capability_arch(c): c for c in SHARED_MEMORY_BY_CAPABILITY}.get(name[len(_GENERIC_GPU_PREFIX):])
+        cc = arch_capability(name[len(_GENERIC_GPU_PREFIX):])
         if cc is not None:
             return generic_gpu(cc)
     profs = available()

@@ -21,9 +21,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-ARCHS = {"sm_80": "8.0", "sm_86": "8.6", "sm_87": "8.7", "sm_89": "8.9", "sm_90a": "9.0"}
-
-
 class ToolMissing(RuntimeError):
     """The offline GPU toolchain (CUDA plugin or ptxas) is not installed."""
 
@@ -97,6 +94,11 @@ def compiler_available() -> str | None:
     return None
 
 
+
+def toolchain_missing() -> str | None:
+    """None if Triton → PTX compilation and ptxas are both here, else why not."""
+    return compiler_available() or (None if ptxas_path() else "ptxas not found")
+
 def ptxas_path() -> str | None:
     """ptxas from the nvidia-cuda-nvcc wheel (matches the plugin's PTX version), else PATH."""
     try:
@@ -129,8 +131,12 @@ def compile_ptx(kernel: TritonKernel, arch: str) -> tuple[str, int]:
     if reason:
         raise ToolMissing(reason)
     from moajax import compat
+    from moajax.machines import arch_capability
 
-    res = compat.triton_compiler().compile("CUDA", kernel.ir, ARCHS[arch], num_warps=kernel.num_warps, num_ctas=1,
+    cc = arch_capability(arch)
+    if cc is None:
+        raise ValueError(f"compile_ptx: unknown arch {arch!r} (machines.SHARED_MEMORY_BY_CAPABILITY lists the known)")
+    res = compat.triton_compiler().compile("CUDA", kernel.ir, cc, num_warps=kernel.num_warps, num_ctas=1,
                          num_stages=kernel.num_stages)
     asm = res.asm if isinstance(res.asm, str) else res.asm.decode()
     return asm, int(res.smem_bytes)
@@ -180,7 +186,7 @@ def spill_bytes(onf, arch: str) -> int:
     """Spill stores and loads, in bytes, over every kernel of an ONF's Pallas lowering for
     ``arch`` (what ``schedule.derive``'s spill check asks; 0: ptxas kept it in registers).
     Raises ToolMissing before lowering anything where the toolchain is not installed."""
-    reason = compiler_available() or (None if ptxas_path() else "ptxas not found")
+    reason = toolchain_missing()
     if reason:
         raise ToolMissing(reason)
     return sum(r.spill_stores + r.spill_loads for r in _onf_reports(onf, arch))

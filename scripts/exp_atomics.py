@@ -75,7 +75,7 @@ def main(argv):
             lines.append("")
     lines += ["The seed's ncu counts at N = 2048: 1,073,741,824 (fused) and 536,870,912 (backward alone): 2.00×.", ""]
     if PTX.value:
-        reason = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
+        reason = ptx.toolchain_missing()
         lines += ["## atom instructions in the PTX (sm_80, float32, B = 1, N = 512, default tiles)", ""]
         if reason:
             lines.append(f"Not compiled: {reason}.")

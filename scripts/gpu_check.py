@@ -41,7 +41,7 @@ def main():
     # whether this machine's toolchain let it run, and with which ptxas
     from moajax import ptx
 
-    missing = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
+    missing = ptx.toolchain_missing()
     state = f"off, {missing}" if missing else f"on, ptxas {ptx.ptxas_version()}"
     lines += [f"Spill check of the derived tilings: {state}.", ""]
     print(lines[-2], flush=True)

@@ -59,8 +59,7 @@ def main(argv):
     from moajax.timing import alternating, machine_line, write_results
 
     cpu, a100 = machines.local(), machines.load("delta-a100")
-    reason = (ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
-              if PTX.value else "--noptx")
+    reason = ptx.toolchain_missing() if PTX.value else "--noptx"
     lines = ["# γ: row-major (C) against column-major (F) operands, one DNF, everything else fixed", "",
              machine_line(),
              "Run: `python scripts/sweep_gamma.py` — float32; CPU times alternate in one process (best and median of "

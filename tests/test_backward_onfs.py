@@ -20,7 +20,7 @@ from moajax.onf import ONFError
 from moajax.schedule import Preset
 
 F64 = 1e-12
-REASON = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
+REASON = ptx.toolchain_missing()
 needs_compiler = pytest.mark.skipif(REASON is not None, reason=f"offline GPU toolchain unavailable: {REASON}")
 A100 = machines.load("delta-a100")
 

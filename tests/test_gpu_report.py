@@ -9,7 +9,7 @@ from moajax import compat, gpu_report, machines, ptx, schedule
 from moajax.cost import onchip_bytes
 from moajax.kernels.attention import mha_dnf
 
-REASON = ptx.compiler_available() or (None if ptx.ptxas_path() else "ptxas not found")
+REASON = ptx.toolchain_missing()
 needs_compiler = pytest.mark.skipif(REASON is not None, reason=f"offline GPU toolchain unavailable: {REASON}")
 
 GPUS = [m for m in machines.available().values() if m.is_gpu]
