@@ -4,7 +4,8 @@ For a DNF scheduled by an ONF (the shapes and dtypes are the DNF's) it counts
 
 * ``flops`` (a multiply-add is 2; ``matmul_flops`` of them are in contractions) and
   ``transcendentals`` (exp, log, √, … evaluations), stage by stage, each subexpression over
-  exactly the index points it is evaluated on (so recomputation across passes shows); a
+  exactly the index points it is evaluated on (so recomputation across passes shows), once
+  for the stages that share a loop (``_loop_groups``: a tile computes what they share once); a
   stage whose masked tiles are skipped (``ONF.skips``) counts the share of tiles it visits;
 * the papers' element counts: ``input_elements`` (each input element once),
   ``output_elements``, ``intermediate_elements`` (every stage placed in main memory, once) —
@@ -158,11 +159,11 @@ def _itemsize(dtype) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _scatters(target: str) -> bool:
-    """Does the backend that runs an ONF for ``target`` scatter-add a table's gradient
-    (``dnf.one_hot_write``, one add per element): XLA, which runs the CPU ONFs, does; the
-    Pallas/Triton kernels bin by a loop over the table's entries (``Backend.bin_sum``), |c|
-    selects and adds per element — what the one-hot Σ counts."""
+def _on_xla(target: str) -> bool:
+    """Does XLA run an ONF made for ``target`` (a CPU profile; Pallas/Triton run a GPU's)?
+    It decides how a table's gradient is counted: XLA scatter-adds it (``dnf.one_hot_write``,
+    one add per element), the Pallas/Triton kernels bin by a loop over the table's entries
+    (``Backend.bin_sum``), |c| selects and adds per element — what the one-hot Σ counts."""
     from moajax import machines
 
     try:
@@ -172,14 +173,16 @@ def _scatters(target: str) -> bool:
 
 
 class _Counter:
-    """Flops of one stage: each distinct subexpression once per index point it is evaluated on."""
+    """Flops of one stage: each distinct subexpression once per index point it is evaluated on.
+    ``seen``: the subexpressions already counted by the stages that share this one's loop
+    (``_loop_groups``), which a tile computes once for them all."""
 
-    def __init__(self, onf: ONF):
+    def __init__(self, onf: ONF, seen: dict | None = None):
         self.onf = onf
         self.flops = 0.0
         self.matmul = 0.0
         self.trans = 0.0
-        self.seen: dict = {}
+        self.seen: dict = {} if seen is None else seen
 
     def expr(self, e: D.Expr, extra=()):
         # a subexpression is evaluated over exactly its own free variables (the evaluator
@@ -207,7 +210,7 @@ class _Counter:
             self.reduction(e.monoid, e.var, e.body, extra)
 
     def reduction(self, monoid, v: Var, body: D.Expr, extra=()):
-        hot = D.one_hot_write(v, body) if monoid == "add" and _scatters(self.onf.target) else None
+        hot = D.one_hot_write(v, body) if monoid == "add" and _on_xla(self.onf.target) else None
         if hot is not None:  # a table's gradient, scatter-added: X once, one add per element
             c, i, x = hot
             self.expr(x, extra)
@@ -232,8 +235,8 @@ class _Counter:
             self.flops += pts
 
 
-def _stage_flops(onf: ONF, st) -> tuple[float, float, float]:
-    c = _Counter(onf)
+def _stage_flops(onf: ONF, st, seen: dict | None = None) -> tuple[float, float, float]:
+    c = _Counter(onf, seen)
     if isinstance(st, Stage):
         c.expr(st.body, tuple(st.vars))
     else:
@@ -255,6 +258,64 @@ def _stage_flops(onf: ONF, st) -> tuple[float, float, float]:
                 c.matmul += 2 * pts
             c.flops += 2 * ntiles * _points(onf, vs)  # acc·α + contribution
     return c.flops, c.matmul, c.trans
+
+
+def _loop_groups(onf: ONF) -> dict:
+    """stage name → the sequential variable v whose loop it shares with other stages, as the
+    tile evaluator groups them (``tiles.stages.together``): the local stages whose top
+    reduction walks v (v in more than one tile; none scatter-added, none reading another of
+    them), and the scatter-added stages written tile by tile over v — on XLA only where the
+    programs walk their row tiles (the cpu_loop knob: ``lower_xla._one_pass``). The values
+    their bodies share (attention's P and dP in dQ, dK and dV: 5 contractions, not 8) are
+    computed once per tile; a stage alone in its loop shares nothing."""
+    defs = {n: st for st in onf.program.stages for n in st.defines}
+
+    def reads(name):
+        seen, todo = set(), [name]
+        while todo:
+            st = defs.get(todo.pop())
+            if st is None or st.name in seen:
+                continue
+            seen.add(st.name)
+            todo += [x.stage for e in st.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Ref)]
+        return seen - {name}
+
+    xla = _on_xla(onf.target)
+    loops: dict = {}
+    for st in onf.program.stages:
+        if not isinstance(st, Stage) or st.place == "memory":
+            continue
+        scatter = onf.scatter_var(st)
+        if scatter is not None:
+            walked = _walked(onf, st)
+            if walked is not None and (not xla or scatter.name in onf.knobs.cpu_loop):
+                loops.setdefault(walked, []).append(st)
+            continue
+        red = st.reduction
+        if red is None or onf.accumulation(st.name) is not None:
+            continue
+        a = onf.axis_of(red.var)
+        if a.role == "sequential" and a.ntiles > 1:
+            group = loops.setdefault(red.var, [])
+            mine = reads(st.name)
+            if not any(m.name in mine or st.name in reads(m.name) for m in group):
+                group.append(st)
+    return {st.name: v for v, sts in loops.items() if len(sts) > 1 for st in sts}
+
+
+def _walk_skip(onf: ONF, st):
+    """The masked tiles a stage's walk leaves out: its top reduction's, or for a scatter-added
+    stage (its reduction runs over the programs' grid axis) its tile-by-tile writes over the
+    sequential axis it walks."""
+    if isinstance(st, Stage) and onf.scatter_var(st) is not None:
+        walked = _walked(onf, st)
+        return None if walked is None else onf.skip_of(st.name, walked)
+    return onf.skip_of(st.name)
+
+
+def _walked(onf: ONF, st: Stage) -> Var | None:
+    """The sequential axis a scatter-added stage's partials are written over, tile by tile."""
+    return next((v for v in st.vars if onf.axis_of(v).role == "sequential"), None)
 
 
 def _kernel_stages(onf: ONF):
@@ -461,9 +522,12 @@ def estimate(onf: ONF, machine=None) -> Cost:
     """Predict the cost of running ``onf`` (on ``machine``, for the roofline time)."""
     dnf = onf.dnf
     flops = matmul = trans = 0.0
+    loops = _loop_groups(onf)
+    shared: dict = {}  # v → the subexpressions counted by the stages in v's loop so far
     for st in onf.program.stages:
-        f, m, t = _stage_flops(onf, st)
-        sk = onf.skip_of(st.name)
+        v = loops.get(st.name)
+        f, m, t = _stage_flops(onf, st, None if v is None else shared.setdefault(v, {}))
+        sk = _walk_skip(onf, st)
         if sk is not None:  # the masked tiles its loop leaves out (``ONF.skips``)
             from moajax.masked import visited_fraction
 

@@ -238,7 +238,11 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
     # a row variable that a later stage reduces this one's results over is no row of the
     # softmax: split-K's part index s_o, whose parts the monoid combine joins. The kept key
     # is then sought over the whole walk (a part with no key contributes 0 to the combine)
+    # — where the walk is over keys: a split of the walk over a statistic's own rows (dV's
+    # Σ_t split into parts t = t_i + c·t_o, its statistic read at that t) keeps t_o a row
     combined = _combined_over(onf, st)
+    if any(w in rows for rows in shifts):
+        combined = set()
     shifts = [rows - combined for rows in shifts]
     guard = _guard(exprs, body, shifts) if any(kept) else None
     if guard is None and any(kept):  # no closed-form guard: keep the exact bounds only

@@ -500,6 +500,15 @@ def split_k(onf: ONF, var: str, parts: int) -> ONF:
     if found is None:
         raise ONFError(f"{onf.dnf.name}: split_k: no stage reduces over {var!r}")
     old = {a.name: a for a in onf.axes}
+    # the axis of var is replaced by its parts, and a variable with no axis is taken whole: a
+    # stage also indexed by var would lose var's grid tiles, its programs each writing all
+    # of var (the rows of a plan's other outputs: dQ's t beside dK's Σ_t, which a preset's
+    # split cuts in every kernel of the plan)
+    if var in old and old[var].role == "grid":
+        for s in stages:
+            if found in s.index_vars or any(e is not None and found in e.free for e in s.exprs()):
+                raise ONFError(f"{onf.dnf.name}: split_k of {var!r}: stage {s.name!r} is indexed by {var!r}, a grid "
+                               f"axis, so it cannot be split into parts")
     base = old.get(var, Axis(var, found.extent, found.extent, "whole"))
     axes = [a for a in onf.axes if a.name != var]
     axes.append(Axis(outer.name, parts, 1, "grid"))

@@ -72,6 +72,40 @@ def test_the_cost_model_counts_the_seeds_atomics():
     assert [[o.name for o in p.dnf.outputs] for p in owner] == [["d_query"], ["d_key", "d_value"]]
 
 
+def test_the_cost_model_counts_what_a_shared_loop_computes_once():
+    # a tile computes what the stages of one loop share once (tiles.stages.together), so the
+    # model counts it once (cost._loop_groups): in units of T·S·H multiply-adds, the atomic
+    # kernel's 5 contractions (S, dP, dV, dK, dQ), split's dQ with dK (S, dP, dK, dQ) and dV
+    # alone (S, dV), owner's dQ (S, dP, dQ) and dK with dV (S, dP, dV, dK). Counted per stage
+    # they were 8 in every plan: the model could not tell the seed's fused kernel from owner
+    dnf = _seed_adjoint_dnf()
+    unit = 2 * 2048 * 2048 * 64
+
+    def units(plan):
+        return [round(cost.estimate(o).matmul_flops / unit, 2) for o in _plan(dnf, plan)]
+
+    assert units("fused") == [5.0]
+    assert units((("d_query", "d_key"), ("d_value",))) == [4.0, 2.0]
+    assert units("owner") == [3.0, 4.0]
+
+
+def test_a_shared_loop_counts_the_tiles_its_mask_leaves_out():
+    # a CPU's fused plan, causal: programs own key tiles and walk the query tiles, skipping
+    # those above the diagonal; dQ's partials (its Σ_s runs over the programs' grid axis) are
+    # written over the same walk, so its share is that walk's, like dK's and dV's
+    from moajax.masked import visited_fraction
+
+    specs = [jax.ShapeDtypeStruct((1, 4096, 8, 64), np.float32)] * 3
+    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs, is_causal=True)
+    onf = schedule.derive(adj.dnf(*args, is_causal=True), machines.load("anvil-epyc-7543"),
+                          Preset.of(tiles={"s": 512, "t": 256}, cpu_loop="s"))
+    assert onf.accumulate == (("d_query", "atomic"),) and onf.knobs.cpu_loop == ("s",)
+    shares = {visited_fraction(onf, sk) for sk in onf.skips if sk.var.name == "t"}
+    assert shares == {0.5625}  # 512-row key tiles, 256-row query tiles: 1/2 + 1/16
+    share = visited_fraction(onf, onf.skip_of("d_value"))
+    assert cost.estimate(onf).matmul_flops / (2 * 4096 * 4096 * 8 * 64) == pytest.approx(5 * share, rel=1e-3)
+
+
 def test_the_seeds_onf_gives_the_seeds_ncu_counts_exactly():
     # the seed's kernels gave each program one query row (t tiled by 1): the cost model's
     # atomics for that ONF at B = 2 are ncu's counts, 1,073,741,824 and 536,870,912

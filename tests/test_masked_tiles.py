@@ -23,7 +23,7 @@ import pytest
 
 import moajax
 import references as R
-from moajax import cost, machines, masked, schedule
+from moajax import cost, machines, masked, runtime, schedule
 from moajax.kernels.attention import mha_kernel
 from moajax.onf import ONFError, OnlineStage
 from moajax.schedule import Preset
@@ -231,6 +231,52 @@ def test_tile_spans_cover_exactly_the_kept_tiles(window, causal, length):
             assert (int(first), int(count)) == want
         else:  # a row keeping no key: walk every tile (jax.nn averages V over all keys)
             assert (int(first), int(count)) == (0, Sn // 4)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("case", ["causal", "causal, kv lengths, one empty", "rows past every key"])
+def test_a_walk_split_over_the_statistics_rows_still_skips(case, impl):
+    # split-K of dV = Σ_t P × dO (programs too few for the GPU: t = t_i + c·t_o, the parts
+    # added after) reads the row statistics at that t, so t_o is a row of theirs. It was taken
+    # for a key (as in the forward's split over the keys, whose parts the softmax monoid
+    # joins): no guard was found and every masked tile was walked. Fully masked rows (an empty
+    # length; rows past every key) still need the guard: there P is uniform, not 0
+    kw = dict(CASES[case])
+    shape = dict(T=kw.pop("T", 16), S=kw.pop("S", 16))  # whole 16-row blocks for Pallas' dots
+    q, k, v, g = _qkv(**shape)
+    lengths = [kw.pop("key_value_seq_lengths")] if "key_value_seq_lengths" in kw else []
+    kern = mha_kernel(None, None, True, False, bool(lengths))
+    out, m, l = kern.with_row_statistics()(q, k, v, *lengths, implementation="xla", **kw)
+    specs = [SDS(np.shape(x), np.asarray(x).dtype) for x in (q, k, v, *lengths)]
+    adj, aspecs = kern.saved_adjoint(*specs, **kw)
+    dnf = adj.dnf(*aspecs, **kw)
+    (dv_dnf,) = [d for d in schedule.split_outputs(dnf) if d.outputs[0].name == "d_value"]
+    machine = machines.load("delta-a100") if impl == "pallas_interpret" else machines.local()
+    arrays = [q, k, v, *lengths, g, np.asarray(m), np.asarray(l), np.asarray(out)]
+    got = {}
+    for skip in (None, False):
+        onf = schedule.derive(dv_dnf, machine, Preset.of(tiles={"t": 4, "s": 4}, split={"t": 2}, skip=skip))
+        assert any(a.name == "t_o" for a in onf.axes)
+        if skip is None:
+            (sk,) = onf.skips
+            assert sk.var.name == "t_i" and any(sk.kept) and sk.guard is not None
+            assert masked.visited_fraction(onf, sk) < 1
+        got[skip] = np.asarray(runtime.lowered(onf, "pallas_interpret" if impl == "pallas_interpret" else "xla")(*arrays))
+    assert np.array_equal(got[None], got[False])
+    want = R.mha_variants(q, k, v, dout=g, **kw, **({"key_value_seq_lengths": lengths[0]} if lengths else {}))[2]
+    assert float(np.max(np.abs(got[None] - want))) <= 1e-12 * max(float(np.max(np.abs(want))), 1.0)
+
+
+def test_split_k_refuses_an_axis_another_stage_runs_over():
+    # the owner plan's dQ-and-dK kernel has t as its rows: splitting t (a preset's split
+    # applies to every kernel of a plan) would leave dQ's stages (Δ = Σ_e dO·O first) with no
+    # axis for t
+    kern, specs, _ = _dnf(is_causal=True)
+    adj, aspecs = kern.saved_adjoint(*specs, is_causal=True)
+    dnf = adj.dnf(*aspecs, is_causal=True)
+    with pytest.raises(ONFError, match="split_k of 't': stage 'sum_e_' is indexed by 't', a grid axis"):
+        schedule.derive_plan(dnf, machines.load("delta-a100"),
+                             Preset.of(plan=(("d_query", "d_key"), ("d_value",)), split={"t": 2}))
 
 
 def test_the_cost_model_counts_the_skipped_tiles():
