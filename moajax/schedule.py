@@ -839,8 +839,11 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         # a plan named by the preset is those kernels, each recomputing what it needs (the
         # seed's atomics experiment compares exactly them): no shared first kernel
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf, groups))
+    # the fused candidate decides the plan by its structure, which the spill check (it only
+    # steps the tiling down) does not change: probe it unchecked, and compile only what is kept
+    probe = dataclasses.replace(machine, spill_check=False) if machine.spill_check and len(dnf.outputs) > 1 else machine
     try:
-        onf = derive(dnf, machine, preset)
+        onf = derive(dnf, probe, preset)
     except ONFError:
         if len(dnf.outputs) == 1:
             raise
@@ -874,7 +877,7 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         # faster there too
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) == 1:
-            return onf
+            return derive(dnf, machine, preset)
         for parts in (staged_parts(dnf, groups), split_outputs(dnf, groups)):
             try:  # (a shared first kernel that does not fit: each recomputes instead)
                 plan = tuple(derive(d, machine, preset) for d in parts)
@@ -884,8 +887,7 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
                     and plan_work((onf,)) < plan_work(plan)):
                 return onf
             return plan
-        return onf
-    return onf
+    return derive(dnf, machine, preset)
 
 
 def plan_work(onfs) -> int:

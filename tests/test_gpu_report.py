@@ -277,6 +277,28 @@ def test_where_every_tiling_spills_the_least_spilling_is_kept(monkeypatch):
     assert got == schedule._derive(dnf, a100, schedule.Preset(), rank=1)  # (64, 16): 8 B, before (16, 16)
 
 
+def test_a_plan_compiles_only_the_kernels_it_keeps(monkeypatch):
+    """The attention adjoint's fused candidate decides the plan (it scatter-adds: owner on a
+    GPU) by its structure, which the check does not change: it is probed unchecked, and only the
+    owner plan's two kernels are compiled (before, the discarded fused one was too)."""
+    import dataclasses
+
+    import jax
+
+    from moajax.kernels.attention import mha_kernel
+
+    asked = []
+    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch: asked.append(onf.dnf.name) or 0)
+    monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
+    specs = [jax.ShapeDtypeStruct((1, 1024, 8, 64), np.float32)] * 3
+    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
+    dnf = adj.dnf(*args)
+    a100 = machines.load("delta-a100")
+    plan = schedule.derive_plan(dnf, dataclasses.replace(a100, spill_check=True))
+    assert isinstance(plan, tuple) and sorted(asked) == sorted(o.dnf.name for o in plan)
+    assert plan == schedule.derive_plan(dnf, a100)  # 0 spills given: the table's tilings
+
+
 def test_the_table_ranks_are_its_fitting_tilings_in_order():
     """``rank`` k takes the (k+1)-th table tiling that fits shared memory, the last that fits
     once they run out (the spill check stops there): for float32 H=64 attention on an A100,
