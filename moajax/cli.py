@@ -95,6 +95,11 @@ def cmd_gpu_report(args) -> int:
     return 1 if bad else 0
 
 
+def _tiles_text(onf) -> str:
+    """An ONF's tiles as the report prints them: its tiled grid and sequential axes, in order."""
+    return "×".join(str(a.tile) for a in onf.axes if a.role in ("grid", "sequential") and a.tile > 1) or "1"
+
+
 def report_rows(cases, archs=()) -> tuple:
     """The gpu-report's table rows for (label, machine, ONF) cases (only ``archs`` if given),
     one per compiled kernel, and how many are not clean (spills, shared-memory overflow,
@@ -116,7 +121,7 @@ def report_rows(cases, archs=()) -> tuple:
             lines.append(f"| {m.name} | {m.arch} | {label} | — | — | — | — | — | — | — | — | — | FAILED: {str(e)[:120]} |")
             print(lines[-1], flush=True)
             continue
-        tiles = "×".join(str(a.tile) for a in onf.axes if a.role in ("grid", "sequential") and a.tile > 1) or "1"
+        tiles = _tiles_text(onf)
         # one row per kernel of a multi-kernel ONF (memory stages, split-K partials and combine,
         # the backward's scatter-add kernels): each is compiled, each must be free of spills
         distinct = len({r.kernel for r in reports}) == len(reports)
@@ -150,28 +155,49 @@ def _two_paths(args, gpu_report) -> list:
 
     from moajax import ptx
 
+    import dataclasses
+
+    def attention_cases(targets):
+        cases = [c for c in gpu_report.default_cases((64,), ("float32",), targets=targets)]
+        cases += [c for c in gpu_report.training_cases(("float32",), targets=targets) if "GQA" not in c[0]]
+        return cases + gpu_report.backward_cases((64,), ("float32",), targets=targets)
+
     targets = gpu_report.gpus(tuple(args.arch or ()))
-    cases = [c for c in gpu_report.default_cases((64,), ("float32",), targets=targets)]
-    cases += [c for c in gpu_report.training_cases(("float32",), targets=targets) if "GQA" not in c[0]]
-    cases += gpu_report.backward_cases((64,), ("float32",), targets=targets)
+    # what implementation="triton" runs: the ONF its spill check derives through the source
+    own = {(label, m.name): onf for label, m, onf in
+           attention_cases([dataclasses.replace(m, gpu_path="triton") for m in targets])}
     lines = ["", "## The two GPU paths for the same ONF", "",
              f"Pallas (jaxlib's Triton, ptxas {ptx.ptxas_version()}) against the ONF's generated Triton source "
              f"(`pallas_kernels.triton_source`, Triton {triton.__version__} and its ptxas; launched by jax-triton). "
-             "Per kernel: shared memory B, registers, spill stores/loads B, atomics.", "",
+             "Per kernel: shared memory B, registers, spill stores/loads B, atomics. The ONF is the one Pallas runs "
+             "(spill-checked through Pallas). The last two columns: the ONF `implementation=\"triton\"` runs, "
+             "spill-checked through the source (`Machine.gpu_path`), where its tiling differs (tiles as above, "
+             "warps, stages), and its spill stores/loads B through the source.", "",
              "| machine | arch | kernel | Pallas smem | Pallas regs | Pallas spills | Pallas atomics | Triton smem | "
-             "Triton regs | Triton spills | Triton atomics |", "|" + "---|" * 11]
-    for label, m, onf in cases:
+             "Triton regs | Triton spills | Triton atomics | Triton path's ONF | its Triton spills |", "|" + "---|" * 13]
+    for label, m, onf in attention_cases(targets):
         if (args.arch and m.arch not in args.arch) or isinstance(onf, Exception):
             continue
         try:
-            pairs = zip(ptx.onf_reports(onf, m.arch), ptx.triton_source_reports(onf, m.arch))
-            for a, b in pairs:
+            pairs = list(zip(ptx.onf_reports(onf, m.arch), ptx.triton_source_reports(onf, m.arch)))
+            mine = own.get((label, m.name))
+            same = mine == onf
+            theirs = [] if same or isinstance(mine, Exception) else ptx.triton_source_reports(mine, m.arch)
+            for i, (a, b) in enumerate(pairs):
+                if same:
+                    alt = "same | —"
+                elif isinstance(mine, Exception):
+                    alt = f"FAILED: {str(mine)[:80]} | —"
+                else:
+                    c = theirs[i] if i < len(theirs) else None
+                    alt = (f"{_tiles_text(mine)}, {mine.knobs.num_warps} warps, {mine.knobs.num_stages} stages | "
+                           + ("—" if c is None else f"{c.spill_stores}/{c.spill_loads}"))
                 lines.append(f"| {m.name} | {m.arch} | {label} {a.kernel.removeprefix('moajax_')} | {a.smem_bytes} | "
                              f"{a.registers} | {a.spill_stores}/{a.spill_loads} | {a.atomics} | {b.smem_bytes} | "
-                             f"{b.registers} | {b.spill_stores}/{b.spill_loads} | {b.atomics} |")
+                             f"{b.registers} | {b.spill_stores}/{b.spill_loads} | {b.atomics} | {alt} |")
                 print(lines[-1], flush=True)
         except Exception as e:  # a failure is a finding
-            lines.append(f"| {m.name} | {m.arch} | {label} | FAILED: {str(e)[:120]} |" + " |" * 7)
+            lines.append(f"| {m.name} | {m.arch} | {label} | FAILED: {str(e)[:120]} |" + " |" * 9)
             print(lines[-1], flush=True)
     return lines
 

@@ -45,6 +45,14 @@ class Machine:
     # steps down the tile table where it spills (``schedule.derive``); on for the GPU a process
     # runs on (``for_device``) and in ``moajax gpu-report``, off where a GPU is only a target
     spill_check: bool = False
+    # the GPU path whose kernels the check compiles: "pallas" (the default backend) or
+    # "triton" (the ONF's Triton source, implementation="triton"): the same tiling can spill
+    # through one compiler and not the other
+    gpu_path: str = "pallas"
+
+    def __post_init__(self):
+        if self.gpu_path not in ("pallas", "triton"):
+            raise ValueError(f"Machine {self.name!r}: gpu_path must be 'pallas' or 'triton', got {self.gpu_path!r}")
 
     @property
     def is_gpu(self) -> bool:

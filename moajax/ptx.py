@@ -182,14 +182,22 @@ def onf_reports(onf, arch: str) -> list[PtxReport]:
     return list(_onf_reports(onf, arch))
 
 
-def spill_bytes(onf, arch: str) -> int:
-    """Spill stores and loads, in bytes, over every kernel of an ONF's Pallas lowering for
-    ``arch`` (what ``schedule.derive``'s spill check asks; 0: ptxas kept it in registers).
-    Raises ToolMissing before lowering anything where the toolchain is not installed."""
-    reason = toolchain_missing()
-    if reason:
-        raise ToolMissing(reason)
-    return sum(r.spill_stores + r.spill_loads for r in _onf_reports(onf, arch))
+def spill_bytes(onf, arch: str, path: str = "pallas") -> int:
+    """Spill stores and loads, in bytes, over every kernel of an ONF for ``arch`` through one
+    GPU path (what ``schedule.derive``'s spill check asks; 0: ptxas kept it in registers):
+    "pallas", its Pallas lowering (jaxlib's Triton and the CUDA wheel's ptxas), or "triton",
+    its generated Triton source (Triton's compiler and the ptxas its wheel carries). Raises
+    ToolMissing before compiling anything where that path's toolchain is not installed."""
+    if path == "triton":
+        reports = _triton_source_reports(onf, arch)
+    elif path == "pallas":
+        reason = toolchain_missing()
+        if reason:
+            raise ToolMissing(reason)
+        reports = _onf_reports(onf, arch)
+    else:
+        raise ValueError(f"spill_bytes: path must be 'pallas' or 'triton', got {path!r}")
+    return sum(r.spill_stores + r.spill_loads for r in reports)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -211,8 +219,18 @@ def triton_source_reports(onf, arch: str) -> list[PtxReport]:
     """The same ONF through the other GPU path: its generated Triton source
     (``pallas_kernels.triton_source``, launched by jax-triton) compiled by Triton for ``arch``,
     read by Triton's own ptxas."""
-    from pallas_kernels import triton_source
+    return list(_triton_source_reports(onf, arch))
 
+
+@functools.lru_cache(maxsize=1024)
+def _triton_source_reports(onf, arch: str) -> tuple:
+    # memoised as _onf_reports: the check (gpu_path "triton") and gpu-report's table ask alike
+    try:
+        from pallas_kernels import triton_source
+    except ImportError as e:  # no triton: the path cannot run here
+        raise ToolMissing(f"the Triton source path needs triton: {e}") from None
+    if triton_source.ptxas() is None:
+        raise ToolMissing("the Triton source path: no ptxas in the triton wheel")
     out = []
     for k in triton_source.kernels(onf):
         ptx, smem = triton_source.compile_ptx(k, arch)
@@ -224,7 +242,7 @@ def triton_source_reports(onf, arch: str) -> list[PtxReport]:
             info = ptxas_info(ptx, arch, triton_source.ptxas(newest=True))
         out.append(PtxReport(k.name, arch, smem, info["registers"], info["spill_stores"], info["spill_loads"],
                              info["stack_bytes"], count_atomics(ptx)))
-    return out
+    return tuple(out)
 
 
 def onf_report(onf, arch: str) -> PtxReport:

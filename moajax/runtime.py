@@ -26,14 +26,25 @@ IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_interpret", "triton", "triton_
 GPU_BACKENDS = ("pallas", "pallas_interpret", "triton", "triton_interpret")
 
 
-def gpu_machine():
-    """The profile of this process's GPU, else the default GPU profile (to lower for CUDA)."""
+def gpu_machine(path: str = "pallas"):
+    """The profile of this process's GPU, else the default GPU profile (to lower for CUDA);
+    ``path``: the GPU path its kernels run through (``gpu_path``), which its spill check
+    compiles."""
+    import dataclasses
+
     import jax
 
     for d in jax.devices():
         if d.platform in ("gpu", "cuda"):
-            return machines.for_device(d)
+            m = machines.for_device(d)
+            return m if path == m.gpu_path else dataclasses.replace(m, gpu_path=path)
     return machines.load(machines.GENERIC_GPU_NAME)
+
+
+def gpu_path(implementation) -> str:
+    """The GPU path an implementation runs the GPU ONF through: the ONF's Triton source for
+    "triton" and "triton_interpret", else Pallas."""
+    return "triton" if implementation in ("triton", "triton_interpret") else "pallas"
 
 
 def check_onf_argument(onf, who: str) -> None:
@@ -65,9 +76,11 @@ def check_implementation(implementation, who: str) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def schedules(dnf, onf_key=None) -> tuple:
+def schedules(dnf, onf_key=None, path: str = "pallas") -> tuple:
     """(CPU ONF, GPU ONF) for a DNF: derived for this machine and the GPU, or from an explicit
     ONF (it runs on the kind of machine it names; the other kind gets its default) or Preset.
+    ``path`` (``gpu_path``): the GPU path the GPU ONF runs through, whose compiler a GPU's
+    spill check asks.
     Where no fused ONF fits a multi-output DNF, that side is a tuple of ONFs: the owner plan's
     kernels, else one per output (``schedule.derive_plan``)."""
     if isinstance(onf_key, ONF):
@@ -86,11 +99,11 @@ def schedules(dnf, onf_key=None) -> tuple:
             kind = machines.local().kind
         if kind == "gpu":
             return derive(dnf, machines.local()), onf_key
-        return onf_key, derive(dnf, gpu_machine())
+        return onf_key, derive(dnf, gpu_machine(path))
     preset = onf_key if isinstance(onf_key, Preset) else Preset()
     cpu = derive_plan(dnf, machines.local(), preset)
     try:
-        gpu = derive_plan(dnf, gpu_machine(), preset)
+        gpu = derive_plan(dnf, gpu_machine(path), preset)
     except ONFError as err:
         if has_gpu():
             raise
@@ -271,4 +284,4 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
     return jax.jit(f)
 
 
-__all__ = ["schedules", "lowered", "dispatch", "differentiable", "gpu_machine", "has_gpu", "zero_cotangent"]
+__all__ = ["schedules", "lowered", "dispatch", "differentiable", "gpu_machine", "gpu_path", "has_gpu", "zero_cotangent"]

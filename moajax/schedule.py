@@ -974,7 +974,8 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF) -> 
     of register-resident words per thread separates the tilings ptxas spills from those it
     does not (bench/results/register_model.md), and a score_mod's tanh or table gather tips
     tilings the tables chose for plain attention (8–224 B of spills on sm_80: gpu_report.md).
-    The compiler is the machine's own: jaxlib's Triton and ptxas (``moajax.ptx``); where they
+    The compiler is that of the path the kernels run through (``Machine.gpu_path``): jaxlib's
+    Triton and ptxas for Pallas, Triton's own for the ONF's Triton source (``moajax.ptx``); where they
     are missing, or fail (a ptxas older than the PTX, an arch it does not know), the table's first
     fit stands, with one warning per profile: a check must never stop a kernel from running."""
     from moajax import ptx
@@ -990,14 +991,14 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF) -> 
         if any(o == t for _, t in tried):
             break  # no further tiling fits
         try:
-            spilled = ptx.spill_bytes(o, machine.arch)
+            spilled = ptx.spill_bytes(o, machine.arch, machine.gpu_path)
         except Exception as e:  # noqa: BLE001 - any toolchain failure: keep the table's choice
-            if machine.name not in _SPILLS_WARNED:
-                _SPILLS_WARNED.add(machine.name)
+            if (machine.name, machine.gpu_path) not in _SPILLS_WARNED:
+                _SPILLS_WARNED.add((machine.name, machine.gpu_path))
                 import logging
 
-                logging.getLogger("moajax").warning("moajax: tilings for %s are not spill-checked: %s: %s",
-                                                    machine.name, type(e).__name__, e)
+                logging.getLogger("moajax").warning("moajax: tilings for %s (%s) are not spill-checked: %s: %s",
+                                                    machine.name, machine.gpu_path, type(e).__name__, e)
             return first
         if spilled == 0:
             return o

@@ -351,7 +351,7 @@ def test_a_gpu_onf_that_does_not_fit_does_not_break_cpu_calls(monkeypatch):
     if runtime.has_gpu():
         pytest.skip("this process has a GPU: a GPU ONF that does not fit is an error there, not a fallback")
     tiny = dataclasses.replace(machines.load("delta-a100"), shared_memory_per_block=64)
-    monkeypatch.setattr(runtime, "gpu_machine", lambda: tiny)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": tiny)
     runtime.schedules.cache_clear()
     try:
         q, k, v, b = _args([(5, 4), (7, 4), (7, 3), (5, 7)], 11)

@@ -263,7 +263,7 @@ def test_where_every_tiling_spills_the_least_spilling_is_kept(monkeypatch):
     spills = {(64, 32): 16, (64, 16): 8, (32, 16): 24, (16, 16): 8}
     asked = []
 
-    def fake(onf, arch):
+    def fake(onf, arch, path):
         asked.append(onf)
         t = dict(_tiling(onf)[0])
         return spills[(t["t"], t["s"])]
@@ -288,7 +288,7 @@ def test_a_plan_compiles_only_the_kernels_it_keeps(monkeypatch):
     from moajax.kernels.attention import mha_kernel
 
     asked = []
-    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch: asked.append(onf.dnf.name) or 0)
+    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch, path: asked.append(onf.dnf.name) or 0)
     monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
     specs = [jax.ShapeDtypeStruct((1, 1024, 8, 64), np.float32)] * 3
     adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
@@ -362,9 +362,9 @@ def test_inside_jit_the_gpu_branch_is_spill_checked(monkeypatch):
 
     seen = []
     checked = ptx.spill_bytes
-    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch: seen.append(checked(onf, arch)) or seen[-1])
-    monkeypatch.setattr(runtime, "gpu_machine", lambda: dataclasses.replace(machines.load("delta-a100"),
-                                                                            spill_check=True))
+    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch, path: seen.append(checked(onf, arch, path)) or seen[-1])
+    monkeypatch.setattr(runtime, "gpu_machine",
+                        lambda path="pallas": dataclasses.replace(machines.load("delta-a100"), spill_check=True))
     monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
     runtime.schedules.cache_clear()
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 256, 4, 64)), jnp.float32)

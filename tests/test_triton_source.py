@@ -141,6 +141,55 @@ def test_the_source_compiles_to_ptx_offline(arch):
     assert 0 < r["smem_bytes"] <= A100.shared_memory_per_block
 
 
+@pytest.mark.skipif(triton_source.ptxas() is None, reason="the triton wheel carries no ptxas here")
+def test_the_spill_check_compiles_the_path_that_runs():
+    """One tiling can spill through one compiler and not the other: the papers' fused forward +
+    backward (float32, H = 64) on the A100. Checked through Pallas (the default path) its
+    tiling spills 0 there and 40 B through the Triton source; checked through the source
+    (``gpu_path="triton"``, what implementation="triton" derives with) no table tiling is clean
+    on sm_80 and the least-spilling one is kept."""
+    import json
+
+    from moajax import ptx
+
+    if ptx.toolchain_missing():
+        pytest.skip(f"offline GPU toolchain unavailable: {ptx.toolchain_missing()}")
+    code = ("import dataclasses, json, jax, numpy as np\n"
+            "from moajax import machines, ptx, schedule\n"
+            "from moajax.kernels import attention_forward_backward\n"
+            "dnf = attention_forward_backward.dnf(*[jax.ShapeDtypeStruct((1024, 64), np.float32)] * 4)\n"
+            "a100 = dataclasses.replace(machines.load('delta-a100'), spill_check=True)\n"
+            "p = schedule.derive(dnf, a100)\n"
+            "t = schedule.derive(dnf, dataclasses.replace(a100, gpu_path='triton'))\n"
+            "table = schedule.derive(dnf, machines.load('delta-a100'))\n"
+            "print(json.dumps([p == table, t == table, ptx.spill_bytes(p, 'sm_80'), ptx.spill_bytes(p, 'sm_80', 'triton'),\n"
+            "                  ptx.spill_bytes(t, 'sm_80', 'triton')]))\n")
+    pallas_is_table, triton_is_table, pallas_spills, pallas_via_triton, triton_spills = json.loads(_fresh_process(code))
+    assert pallas_is_table and pallas_spills == 0  # (ptxas 12.9; gpu_report.md)
+    assert not triton_is_table and 0 < triton_spills < pallas_via_triton
+
+
+def test_implementation_triton_derives_for_the_triton_path(monkeypatch):
+    """The GPU ONF of a call with implementation="triton" is derived on a profile whose spill
+    check compiles the Triton source (``runtime.gpu_path``); None and "pallas" on Pallas'."""
+    from moajax import runtime
+    from moajax.kernels import rmsnorm
+
+    paths = []
+
+    def gpu_machine(path="pallas"):
+        paths.append(path)
+        return A100
+
+    monkeypatch.setattr(runtime, "gpu_machine", gpu_machine)
+    x, w = jnp.ones((3, 8)), jnp.ones(8)
+    for impl in ("triton", "pallas", "triton_interpret", None):
+        rmsnorm.onf(x, w, implementation=impl, eps=1e-3 + len(paths))  # a fresh DNF per call: no cache hit
+    assert paths == ["triton", "pallas", "triton", "pallas"]
+    assert [runtime.gpu_path(i) for i in runtime.IMPLEMENTATIONS] == ["pallas", "pallas", "pallas", "pallas", "triton",
+                                                                    "triton"]
+
+
 def test_implementation_names():
     with pytest.raises(ValueError, match="'triton' or 'triton_interpret'"):
         moajax.rms_norm(jnp.ones((2, 4)), jnp.ones(4), implementation="jax_triton")
