@@ -261,46 +261,38 @@ def _stage_flops(onf: ONF, st, seen: dict | None = None) -> tuple[float, float, 
 
 
 def _loop_groups(onf: ONF) -> dict:
-    """stage name → the sequential variable v whose loop it shares with other stages, as the
-    tile evaluator groups them (``tiles.stages.together``): the local stages whose top
-    reduction walks v (v in more than one tile; none scatter-added, none reading another of
-    them), and the scatter-added stages written tile by tile over v — on XLA only where the
-    programs walk their row tiles (the cpu_loop knob: ``lower_xla._one_pass``). The values
-    their bodies share (attention's P and dP in dQ, dK and dV: 5 contractions, not 8) are
-    computed once per tile; a stage alone in its loop shares nothing."""
-    defs = {n: st for st in onf.program.stages for n in st.defines}
-
-    def reads(name):
-        seen, todo = set(), [name]
-        while todo:
-            st = defs.get(todo.pop())
-            if st is None or st.name in seen:
-                continue
-            seen.add(st.name)
-            todo += [x.stage for e in st.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Ref)]
-        return seen - {name}
-
+    """stage name → (its kernel, the sequential variable v) of the loop it shares with other
+    stages, grouped as the tile evaluator groups them (``tiles.stages.together``): in each
+    kernel, the local stages whose top reduction walks v (``ONF.shared_walk``; none reading
+    another), and with them the scatter-added stages written tile by tile over v — on XLA only
+    where the programs walk their row tiles (the cpu_loop knob: ``lower_xla._one_pass``). The
+    values their bodies share (attention's P and dP in dQ, dK and dV: 5 contractions, not 8)
+    are computed once per tile; a stage alone in its loop shares nothing."""
     xla = _on_xla(onf.target)
-    loops: dict = {}
-    for st in onf.program.stages:
-        if not isinstance(st, Stage) or st.place == "memory":
-            continue
-        scatter = onf.scatter_var(st)
-        if scatter is not None:
-            walked = _walked(onf, st)
-            if walked is not None and (not xla or scatter.name in onf.knobs.cpu_loop):
-                loops.setdefault(walked, []).append(st)
-            continue
-        red = st.reduction
-        if red is None or onf.accumulation(st.name) is not None:
-            continue
-        a = onf.axis_of(red.var)
-        if a.role == "sequential" and a.ntiles > 1:
-            group = loops.setdefault(red.var, [])
-            mine = reads(st.name)
-            if not any(m.name in mine or st.name in reads(m.name) for m in group):
-                group.append(st)
-    return {st.name: v for v, sts in loops.items() if len(sts) > 1 for st in sts}
+    out: dict = {}
+    for k, (_, stages) in enumerate(_kernel_stages(onf)):
+        local = {n for st in stages if st.place != "memory" for n in st.defines}
+        loops: dict = {}
+        written: dict = {}
+        for st in stages:
+            if not isinstance(st, Stage) or st.place == "memory" or st.name in out:
+                continue
+            scatter = onf.scatter_var(st)
+            if scatter is not None:
+                walked = _walked(onf, st)
+                if walked is not None and (not xla or scatter.name in onf.knobs.cpu_loop):
+                    written.setdefault(walked, []).append(st)
+                continue
+            v = onf.shared_walk(st)
+            if v is not None:
+                group = loops.setdefault(v, [])
+                if not any(onf.program.apart(st, m, local) for m in group):
+                    group.append(st)
+        for v, sts in loops.items():  # written partials join a loop that walks v anyway
+            sts = sts + written.get(v, [])
+            if len(sts) > 1:
+                out.update({st.name: (k, v) for st in sts})
+    return out
 
 
 def _walk_skip(onf: ONF, st):
@@ -521,19 +513,26 @@ def _coalesced(onf: ONF, r, perms: dict, machine) -> float:
 def estimate(onf: ONF, machine=None) -> Cost:
     """Predict the cost of running ``onf`` (on ``machine``, for the roofline time)."""
     dnf = onf.dnf
+    from moajax.masked import visited_fraction
+
     flops = matmul = trans = 0.0
     loops = _loop_groups(onf)
-    shared: dict = {}  # v → the subexpressions counted by the stages in v's loop so far
-    for st in onf.program.stages:
-        v = loops.get(st.name)
-        f, m, t = _stage_flops(onf, st, None if v is None else shared.setdefault(v, {}))
-        sk = _walk_skip(onf, st)
-        if sk is not None:  # the masked tiles its loop leaves out (``ONF.skips``)
-            from moajax.masked import visited_fraction
+    shared: dict = {}  # loop → the subexpressions its stages have counted so far
 
-            share = visited_fraction(onf, sk)
-            f, m, t = f * share, m * share, t * share
-        flops, matmul, trans = flops + f, matmul + m, trans + t
+    def share(st):  # the masked tiles its walk leaves out (``ONF.skips``)
+        sk = _walk_skip(onf, st)
+        return 1.0 if sk is None else visited_fraction(onf, sk)
+
+    # a loop visits the union of its stages' tiles: at least the largest share
+    loop_share: dict = {}
+    for st in onf.program.stages:
+        if st.name in loops:
+            loop_share[loops[st.name]] = max(loop_share.get(loops[st.name], 0.0), share(st))
+    for st in onf.program.stages:
+        key = loops.get(st.name)
+        f, m, t = _stage_flops(onf, st, None if key is None else shared.setdefault(key, {}))
+        s = share(st) if key is None else loop_share[key]
+        flops, matmul, trans = flops + f * s, matmul + m * s, trans + t * s
     in_el = sum(math.prod(i.shape) for i in dnf.inputs)
     out_el = sum(math.prod(o.shape) for o in dnf.outputs)
     inter_el = 0

@@ -243,6 +243,27 @@ class Program:
     def names(self) -> list[str]:
         return [n for s in self.stages for n in s.defines]
 
+    def reads(self, names, within=None) -> set:
+        """The names of the stages ``names`` read, directly or not, ``names`` among them (those
+        defined here; with ``within``, only through the names it holds)."""
+        defs = {n: s for s in self.stages for n in s.defines}
+        keep = defs if within is None else {n: s for n, s in defs.items() if n in within}
+        seen, todo = set(), [n for n in names if n in keep]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for e in keep[n].exprs():
+                if e is not None:
+                    todo += [x.stage for x in D.walk(e) if isinstance(x, D.Ref) and x.stage in keep]
+        return seen
+
+    def apart(self, a, b, within=None) -> bool:
+        """Must stages ``a`` and ``b`` run in loops of their own: does one read the other
+        (through the stages ``within``)?"""
+        return b.name in self.reads([a.name], within) - {a.name} or a.name in self.reads([b.name], within) - {b.name}
+
     def exprs(self) -> Iterable[D.Expr]:
         for s in self.stages:
             yield from (e for e in s.exprs() if e is not None)
@@ -453,6 +474,17 @@ class ONF:
 
     def gamma_of(self, name: str) -> str:
         return dict(self.gamma).get(name, "C")
+
+    def shared_walk(self, st) -> Var | None:
+        """The sequential variable a local stage's top reduction walks in more than one tile,
+        where the stage can share that loop with its siblings (``tiles.stages.together``: a
+        tile computes what their bodies share once), else None: an online pass, a stage in
+        memory, or one whose programs add their partials (those join as written outputs)."""
+        red = st.reduction if isinstance(st, Stage) else None
+        if red is None or st.place == "memory" or self.accumulation(st.name) is not None:
+            return None
+        a = self.axis_of(red.var)
+        return red.var if a.role == "sequential" and a.ntiles > 1 else None
 
     def accumulation(self, stage: str) -> str | None:
         """How programs combine their partials of ``stage`` ("atomic"), or None (one owner)."""

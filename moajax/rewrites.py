@@ -508,7 +508,8 @@ def split_k(onf: ONF, var: str, parts: int) -> ONF:
         for s in stages:
             if found in s.index_vars or any(e is not None and found in e.free for e in s.exprs()):
                 raise ONFError(f"{onf.dnf.name}: split_k of {var!r}: stage {s.name!r} is indexed by {var!r}, a grid "
-                               f"axis, so it cannot be split into parts")
+                               f"axis, so it cannot be split into parts (a plan's preset splits every kernel: "
+                               f"derive the kernel to split with a preset of its own)")
     base = old.get(var, Axis(var, found.extent, found.extent, "whole"))
     axes = [a for a in onf.axes if a.name != var]
     axes.append(Axis(outer.name, parts, 1, "grid"))

@@ -1,6 +1,6 @@
 """A DNF run as compiled code: an ONF per platform, one platform dispatch, the backward tied in.
 
-    cpu_onf, gpu_onf = schedules(dnf, onf)         # derived for this machine / the GPU, or given
+    cpu_onf, gpu_onf = schedules(dnf, onf, path)   # derived for this machine / the GPU, or given
     run = dispatch(cpu_onf, gpu_onf)               # XLA loops on CPU, a Pallas kernel on CUDA
 
 Inside one jitted function only the target platform's branch is compiled
@@ -34,11 +34,9 @@ def gpu_machine(path: str = "pallas"):
 
     import jax
 
-    for d in jax.devices():
-        if d.platform in ("gpu", "cuda"):
-            m = machines.for_device(d)
-            return m if path == m.gpu_path else dataclasses.replace(m, gpu_path=path)
-    return machines.load(machines.GENERIC_GPU_NAME)
+    m = next((machines.for_device(d) for d in jax.devices() if d.platform in ("gpu", "cuda")), None)
+    m = m or machines.load(machines.GENERIC_GPU_NAME)
+    return m if path == m.gpu_path else dataclasses.replace(m, gpu_path=path)
 
 
 def gpu_path(implementation) -> str:

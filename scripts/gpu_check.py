@@ -135,7 +135,8 @@ def main():
         # the masked tiles walked and masked (Preset skip=False): what skipping them buys
         "moajax no skip": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c,
                                                                           onf=Preset.of(skip=False)),
-        # the same ONF through the second GPU path: its Triton source launched by jax-triton
+        # the second GPU path: the ONF's Triton source launched by jax-triton, its tiling
+        # spill-checked through that compiler (Machine.gpu_path; it can differ from Pallas')
         "moajax triton": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c,
                                                                          implementation="triton"),
         "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla"),

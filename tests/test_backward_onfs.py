@@ -81,12 +81,22 @@ def test_the_cost_model_counts_what_a_shared_loop_computes_once():
     dnf = _seed_adjoint_dnf()
     unit = 2 * 2048 * 2048 * 64
 
+    import pallas_kernels
+
     def units(plan):
         return [round(cost.estimate(o).matmul_flops / unit, 2) for o in _plan(dnf, plan)]
 
-    assert units("fused") == [5.0]
-    assert units((("d_query", "d_key"), ("d_value",))) == [4.0, 2.0]
-    assert units("owner") == [3.0, 4.0]
+    def dots(plan):  # what the Pallas lowering computes per tile: the model must not drift from it
+        out = []
+        for o in _plan(dnf, plan):
+            with compat.enable_x64_context(True):
+                fn = pallas_kernels.lower(o, interpret=True)
+                text = str(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in o.dnf.inputs]))
+            out.append(float(text.count("dot_general")))
+        return out
+
+    for plan, want in (("fused", [5.0]), ((("d_query", "d_key"), ("d_value",)), [4.0, 2.0]), ("owner", [3.0, 4.0])):
+        assert units(plan) == want == dots(plan)
 
 
 def test_a_shared_loop_counts_the_tiles_its_mask_leaves_out():

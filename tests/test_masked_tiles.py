@@ -268,9 +268,10 @@ def test_a_walk_split_over_the_statistics_rows_still_skips(case, impl):
 
 
 def test_split_k_refuses_an_axis_another_stage_runs_over():
-    # the owner plan's dQ-and-dK kernel has t as its rows: splitting t (a preset's split
-    # applies to every kernel of a plan) would leave dQ's stages (Δ = Σ_e dO·O first) with no
-    # axis for t
+    # the (dQ, dK) kernel of this plan has t as its rows: splitting t (a preset's split applies
+    # to every kernel of a plan) left dQ's stages (Δ = Σ_e dO·O first) with no axis for t, so
+    # t was taken whole in every part's program: each computed all of dQ (wasted work), and at
+    # uneven sizes the Pallas lowering read past the padded inputs (a crash deep in JAX)
     kern, specs, _ = _dnf(is_causal=True)
     adj, aspecs = kern.saved_adjoint(*specs, is_causal=True)
     dnf = adj.dnf(*aspecs, is_causal=True)

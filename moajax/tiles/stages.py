@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from moajax import dnf as D
 from moajax.onf import OnlineStage, Stage
 from moajax.reference import Named
 from moajax.tiles import online
@@ -58,16 +57,7 @@ def run(ev, roots) -> None:
 
 def _needed(ev, roots) -> list:
     """The local plain stages the stages ``roots`` read, directly or not, in program order."""
-    defs = ev.state.defs
-    need, todo = set(), [n for n in roots if n in defs]
-    while todo:
-        n = todo.pop()
-        if n in need:
-            continue
-        need.add(n)
-        for e in defs[n].exprs():
-            if e is not None:
-                todo += [x.stage for x in D.walk(e) if isinstance(x, D.Ref) and x.stage in defs]
+    need = ev.onf.program.reads(roots, within=ev.state.defs)
     return [st for st in ev.onf.program.stages if st.name in need]
 
 
@@ -82,20 +72,14 @@ def together(ev, roots, emits=None) -> None:
     onf = ev.onf
     groups: dict = {}
     for st in _needed(ev, roots):
-        if isinstance(st, OnlineStage):
+        v = onf.shared_walk(st)
+        if v is None or v in ev.ranges or ev.stage_value(st.name, st.result_vars(st.name)) is not None:
             continue
-        body = st.body
-        if (not isinstance(body, D.Red) or st.place == "memory"
-                or onf.accumulation(st.name) is not None or ev.stage_value(st.name, st.result_vars(st.name)) is not None):
-            continue
-        a = onf.axis_of(body.var)
-        if a.role == "sequential" and a.ntiles > 1 and body.var not in ev.ranges:
-            # one that reads another of the group (RMSNorm's Σ_d x·w ÷ rms after rms = Σ_d x²)
-            # needs that one whole first: it stays a loop of its own
-            group = groups.setdefault(body.var, [])
-            reads = {x.name for x in _needed(ev, [st.name])} - {st.name}
-            if not any(m.name in reads or st.name in {x.name for x in _needed(ev, [m.name])} for m in group):
-                group.append(st)
+        # one that reads another of the group (RMSNorm's Σ_d x·w ÷ rms after rms = Σ_d x²)
+        # needs that one whole first: it stays a loop of its own
+        group = groups.setdefault(v, [])
+        if not any(onf.program.apart(st, m, ev.state.defs) for m in group):
+            group.append(st)
     emits = emits if emits is not None else {}
     for v, sts in groups.items():
         mine = emits.pop(v, [])
