@@ -279,7 +279,7 @@ def _loop_groups(onf: ONF) -> dict:
                 continue
             scatter = onf.scatter_var(st)
             if scatter is not None:
-                walked = _walked(onf, st)
+                walked = onf.written_over(st.vars)
                 if walked is not None and (not xla or scatter.name in onf.knobs.cpu_loop):
                     written.setdefault(walked, []).append(st)
                 continue
@@ -300,33 +300,19 @@ def _walk_skip(onf: ONF, st):
     stage (its reduction runs over the programs' grid axis) its tile-by-tile writes over the
     sequential axis it walks."""
     if isinstance(st, Stage) and onf.scatter_var(st) is not None:
-        walked = _walked(onf, st)
+        walked = onf.written_over(st.vars)
         return None if walked is None else onf.skip_of(st.name, walked)
     return onf.skip_of(st.name)
 
 
-def _walked(onf: ONF, st: Stage) -> Var | None:
-    """The sequential axis a scatter-added stage's partials are written over, tile by tile."""
-    return next((v for v in st.vars if onf.axis_of(v).role == "sequential"), None)
-
-
 def _kernel_stages(onf: ONF):
     """Kernels: one per memory stage (with the local stages it needs), and the final program."""
-    defs = {n: st for st in onf.program.stages for n in st.defines}
     memory = [st for st in onf.program.stages if st.place == "memory"]
+    local = {n for st in onf.program.stages if st.place != "memory" for n in st.defines}
 
-    def closure(roots):
-        need, stack = [], list(roots)
-        while stack:
-            n = stack.pop()
-            st = defs.get(n)
-            if st is None or st in need or st.place == "memory":
-                continue
-            need.append(st)
-            for e in st.exprs():
-                if e is not None:
-                    stack.extend(x.stage for x in D.walk(e) if isinstance(x, D.Ref))
-        return [s for s in onf.program.stages if s in need]
+    def closure(roots):  # the local stages they need (a memory stage is another kernel's)
+        need = onf.program.reads(roots, within=local)
+        return [s for s in onf.program.stages if any(n in need for n in s.defines)]
 
     kernels = []
     for st in memory:

@@ -281,7 +281,6 @@ def _one_pass_pairs(onf: ONF, groups: dict) -> list:
     """(plain group, scattered group) pairs one walk can compute: outputs scatter-added over
     the grid axis r the cpu_loop walks, written tile by tile over their sequential axis v, and
     outputs owned per tile of r whose stages reduce over v (the fused backward's dK, dV and dQ)."""
-    defs = {n: st for st in onf.program.stages for n in st.defines}
     out = []
     for (loops, scatter), members in groups.items():
         if scatter is None or scatter.name not in onf.knobs.cpu_loop or len(loops) != 1:
@@ -289,16 +288,10 @@ def _one_pass_pairs(onf: ONF, groups: dict) -> list:
         v, key = loops[0], ((scatter,), None)
         if key not in groups or onf.axis_of(v).role != "sequential":
             continue
-        seen, todo = set(), [name for _, _, name in groups[key]]
-        while todo:
-            st = defs.get(todo.pop())
-            if st is None or st.name in seen:
-                continue
-            seen.add(st.name)
-            if isinstance(st, Stage) and st.reduction is not None and st.reduction.var == v:
-                out.append((key, (loops, scatter)))
-                break
-            todo += [x.stage for e in st.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Ref)]
+        need = onf.program.reads([name for _, _, name in groups[key]])
+        if any(isinstance(st, Stage) and st.reduction is not None and st.reduction.var == v
+               for st in onf.program.stages if st.name in need):
+            out.append((key, (loops, scatter)))
     return out
 
 

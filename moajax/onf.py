@@ -475,6 +475,11 @@ class ONF:
     def gamma_of(self, name: str) -> str:
         return dict(self.gamma).get(name, "C")
 
+    def written_over(self, vars_) -> Var | None:
+        """The axis a program writes a result indexed by ``vars_`` over, tile by tile: the
+        first sequential one (a scatter-added stage's partials), else None (written whole)."""
+        return next((v for v in vars_ if self.axis_of(v).role == "sequential"), None)
+
     def shared_walk(self, st) -> Var | None:
         """The sequential variable a local stage's top reduction walks in more than one tile,
         where the stage can share that loop with its siblings (``tiles.stages.together``: a

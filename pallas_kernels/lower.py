@@ -330,8 +330,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
                     else:
                         oref[_out_index(ctx, tvars, oref.shape)] = data
 
-                seq = [v for v in tvars if onf.axis_of(v).role == "sequential"]
-                v = seq[0] if seq else None
+                v = onf.written_over(tvars)
                 skip = onf.skip_of(tname, v) if sst is not None and v is not None else None
                 writes.append((emit, tvars, v, skip, body))
                 if sst is not None and v is not None:
