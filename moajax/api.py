@@ -40,7 +40,7 @@ def _check_broadcast(name, shape, target):
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                          score_mod=None, onf=None, implementation=None, residuals="auto"):
+                          implementation=None, return_residual=False, score_mod=None, onf=None, residuals="auto"):
     """softmax(scale · Q Kᵀ + bias, masked) V — jax.nn.dot_product_attention's contract.
 
     query [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] / [B, S, K, E] with
@@ -50,7 +50,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     ``key_value_seq_lengths`` (int [B]) keep t < its query length and s < its key length (the
     rows past the query length are 0); ``local_window_size`` (an int w, or (left, right)) keeps
     t − left ≤ s ≤ t + right. A row with no key kept averages V (jax.nn's result; its
-    gradients are finite). ``score_mod(score, batch, head, q_idx, kv_idx) -> score``
+    gradients are finite). ``return_residual``: also return the rows' log-sum-exp of the
+    masked scores, lse [B, T, N] (or [T, N]) in the inputs' dtype, held constant under
+    differentiation (jax.nn's residual: FlashAttention-2's L; a row with no key kept gives
+    jax.nn's large negative + log S); the kernel computes it in the same pass as Out, from
+    the same row max and sum. ``score_mod(score, batch, head, q_idx, kv_idx) -> score``
     (FlexAttention's contract, written with jax.numpy on scalars) rewrites each score after
     the bias and before the masks; it is traced into the kernel's array expression
     (``moajax.trace``), so both backends run it and its derivative is derived with the rest
@@ -127,8 +131,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             raise TypeError(f"dot_product_attention: scale must be a static Python number, got {type(scale).__name__}")
         if not math.isfinite(float(scale)):
             raise ValueError(f"dot_product_attention: scale must be finite, got {scale}")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"dot_product_attention: is_causal must be a static bool, got {type(is_causal).__name__}")
+    for flag, given in (("is_causal", is_causal), ("return_residual", return_residual)):
+        if not isinstance(given, (bool, np.bool_)):
+            raise TypeError(f"dot_product_attention: {flag} must be a static bool, got {type(given).__name__}")
     window = _check_window(local_window_size)
     mod = _check_score_mod(score_mod, qd)
     if mod is not None:
@@ -153,21 +158,24 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
         mesh, axes = lifted
         return ring.ring_attention(query, key, value, mesh=mesh, is_causal=bool(is_causal), scale=scale,
-                                   implementation=implementation, **axes)
+                                   implementation=implementation, return_residual=bool(return_residual), **axes)
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
     kern = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
                       None if mask_shape is None else broadcast_dims(mask_shape), K != N,
-                      lengths[0] is not None, lengths[1] is not None, mod)
+                      lengths[0] is not None, lengths[1] is not None, mod, bool(return_residual))
     if bias is None and mask is None and mod is None and not any(x is not None for x in lengths) and window is None:
         from moajax import ring
 
-        kern = ring.sequence_lift(kern)  # the sequence split over devices runs the ring (under jit too)
+        # the sequence split over devices runs the ring (under jit too), each device the plain kernel
+        kern = ring.sequence_lift(kern, mha_kernel(None, None, K != N) if return_residual else None)
     # a kernel like any other: compiled per platform, its gradient the compiled adjoint kernel
     # derived in the algebra (moajax.adjoint), reading the forward's saved row statistics
     out = kern(*args, onf=onf, implementation=implementation, residuals=residuals,
                scale=None if scale is None else float(scale), is_causal=bool(is_causal),
                **({} if window is None else {"local_window_size": window}))
+    if return_residual:  # (held constant in the kernel's own definition: no cotangent flows back)
+        return (out[0], out[1]) if batched else (out[0][0], out[1][0])
     return out if batched else out[0]
 
 

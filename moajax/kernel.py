@@ -333,8 +333,8 @@ class Kernel:
         """(outputs', statistics): the values a backward may read saved from the forward
         instead of recomputing — the labelled (``moa.name``) or held-constant
         (``moa.stop_gradient``) subexpressions that contain a reduction and have fewer axes
-        and elements than any output, such as a softmax's max and denominator or an RMS, in a
-        fixed order; then each output cast to a narrower dtype, before the cast; then the
+        and elements than an output they serve (one whose expression holds them), such as a
+        softmax's max and denominator or an RMS, in a fixed order; then each output cast to a narrower dtype, before the cast; then the
         values labelled by ``labels`` (a residual policy's choice, any size), in that order. One
         inside an Ω body (smaller than the body's cell) is first lifted out over the Ω's frame
         (``moa.lift_from_omega``): ``outputs'`` are the same arrays with the statistics as
@@ -344,10 +344,12 @@ class Kernel:
         before = {x.uid for x in moa.postorder(outputs)}
         outputs = moa.lift_from_omega(
             outputs, lambda y, node: self._is_statistic(y) and y.rank < node.body.rank and y.size < node.body.size)
-        smallest = min(o.size for o in outputs)
-        fewest = min(o.rank for o in outputs)
-        stats = [x for x in moa.postorder(outputs) if self._is_statistic(x) and x.size < smallest
-                 and (x.rank < fewest or x.uid not in before)]  # (lifted out of an Ω: its cell's)
+        # smaller than the output it serves, not than every output: attention's log-sum-exp
+        # output (jax.nn's return_residual) has the rows' size, and its max and sum still serve Out
+        served = [(o, {y.uid for y in moa.postorder((o,))}) for o in outputs]
+        stats = [x for x in moa.postorder(outputs) if self._is_statistic(x) and any(
+            x.uid in held and x.size < o.size and (x.rank < o.rank or x.uid not in before)  # (lifted: its cell's)
+            for o, held in served)]
         # an output rounded to a narrower dtype (bfloat16 attention accumulates in float32): its
         # value before rounding, which the papers' identities read back (Δ = +/(dO × O) with O
         # as computed; reading the rounded O would change Δ by the rounding)

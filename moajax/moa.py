@@ -925,10 +925,28 @@ def softmax(A: Array, axis: int = -1) -> Array:
         perm = tuple(i for i in range(A.rank) if i != a) + (a,)
         inv = tuple(np.argsort(perm))
         return transpose(softmax(transpose(A, perm), -1), inv)
+    m, e, den = _softmax_parts(A)
+    return name("probs", omega(div, (1, 0))(e, den))
+
+
+def _softmax_parts(A: Array) -> tuple:
+    """(⌈/A, exp(A − ⌈/A), +/exp(A − ⌈/A)) along the last axis, labelled as ``softmax`` reads them."""
     m = stop_gradient(amax(A, -1))  # the result is the same for any shift: no cotangent
     e = name("num", exp(omega(sub, (1, 0))(A, m)))
-    den = name("den", sum(e, -1))
-    return name("probs", omega(div, (1, 0))(e, den))
+    return m, e, name("den", sum(e, -1))
+
+
+def softmax_lse(A: Array, axis: int = -1) -> Array:
+    """⌈/A + log den along ``axis``, den the softmax's own denominator: ``logsumexp`` built of
+    the very nodes ``softmax`` is, so that a kernel computing both sums each row once
+    (attention's Out and its log-sum-exp, jax.nn's ``return_residual``)."""
+    A = as_array(A)
+    a = _axis(axis, A.rank, "softmax_lse", A.shape)
+    if a != A.rank - 1:
+        perm = tuple(i for i in range(A.rank) if i != a) + (a,)
+        return softmax_lse(transpose(A, perm), -1)
+    m, _, den = _softmax_parts(A)
+    return m + log(den)
 
 
 def logsumexp(A: Array, axis: int = -1) -> Array:
@@ -949,7 +967,7 @@ __all__ = [
     "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne", "logical_and",
     "logical_or", "logical_not", "neg", "abs_", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid",
     "silu", "where", "outer", "reduce", "inner", "dot", "omega", "sum", "amax", "amin", "mean",
-    "square", "softmax", "logsumexp", "stop_gradient",
+    "square", "softmax", "softmax_lse", "logsumexp", "stop_gradient",
 ]
 
 

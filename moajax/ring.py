@@ -238,22 +238,27 @@ def _in_order(ring: Ring, f, *xs):
     return tuple(from_zigzag(r, ring) for r in res) if isinstance(res, tuple) else from_zigzag(res, ring)
 
 
-def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementation):
-    """The per-device ring attention (inside ``shard_map``), with its ring backward."""
+def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementation, residual: bool = False):
+    """The per-device ring attention (inside ``shard_map``), with its ring backward; with
+    ``residual``, (Out, lse = m + log l): the rows' log-sum-exp, held constant (no cotangent)."""
     import jax
+    import jax.numpy as jnp
 
     kw = dict(is_causal=is_causal, scale=scale, implementation=implementation)
 
+    def result(q, out, m, l):
+        return (out, (m + jnp.log(l)).astype(q.dtype)) if residual else out
+
     @jax.custom_vjp
     def attend(q, k, v):
-        return forward_local(kern, ring, q, k, v, **kw)[0]
+        return result(q, *forward_local(kern, ring, q, k, v, **kw))
 
     def attend_fwd(q, k, v):
         out, m, l = forward_local(kern, ring, q, k, v, **kw)
-        return out, (q, k, v, out, m, l)
+        return result(q, out, m, l), (q, k, v, out, m, l)
 
-    def attend_bwd(res, d_out):
-        return backward_local(kern, ring, *res, d_out, **kw)
+    def attend_bwd(res, cts):
+        return backward_local(kern, ring, *res, cts[0] if residual else cts, **kw)
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
@@ -264,8 +269,9 @@ class SequenceLift:
     sharded inputs: its forward, saving forward and adjoints each run their ring
     (``moajax.shard.partitioned`` calls ``for_dnf`` for each kernel's DNF)."""
 
-    def __init__(self, kern):
+    def __init__(self, kern, local=None):
         self.kern = kern
+        self.local = kern if local is None else local
 
     def for_dnf(self, dnf, options, onf=None):
         """The lift of one of the kernel's DNFs (its forward, saving forward or adjoints), or
@@ -274,28 +280,35 @@ class SequenceLift:
         outs = tuple(o.name for o in dnf.outputs)
         if ins[:3] != ("query", "key", "value"):
             return None
-        if ins == ins[:3] and outs == ("out",):
+        # the kernel with the rows' log-sum-exp as a second output (return_residual): its
+        # adjoints take lse's cotangent (held constant: unread) and read lse as an output
+        res = ("lse",) if outs[-1:] == ("lse",) or "d_lse" in ins else ()
+        cts = ("d_out",) + tuple(f"d_{o}" for o in res)
+        if ins == ins[:3] and outs == ("out",) + res:
             role = "forward"
-        elif ins == ins[:3] and len(outs) == 3 and outs[2] == "out":
-            role = "saving"  # (row max, row sum, Out)
-        elif ins[3:] == ("d_out",) and outs == ("d_query", "d_key", "d_value"):
+        elif ins == ins[:3] and len(outs) == 3 + len(res) and outs[2:] == ("out",) + res:
+            role = "saving"  # (row max, row sum, Out[, lse])
+        elif ins[3:] == cts and outs == ("d_query", "d_key", "d_value"):
             role = "adjoint"
-        elif ins[3:] == ("d_out", "saved0", "saved1", "out") and outs == ("d_query", "d_key", "d_value"):
+        elif ins[3:] == cts + ("saved0", "saved1", "out") + res and outs == ("d_query", "d_key", "d_value"):
             role = "adjoint_saved"
         else:
             return None
-        return _Lifted(self.kern, role, dict(options), getattr(onf, "ring", None))
+        return _Lifted(self.local, role, dict(options), getattr(onf, "ring", None), bool(res))
 
 
 class _Lifted:
-    def __init__(self, kern, role: str, options: dict, balance: str | None = None):
+    def __init__(self, kern, role: str, options: dict, balance: str | None = None, residual: bool = False):
         self.kern, self.role, self.options, self.balance = kern, role, options, balance
+        self.residual = residual
 
     def classes(self, rule) -> frozenset:
         """The classes of the queries' and the keys' sequence axes (axis 1 of query and key)."""
         return frozenset(rule.inputs[i][2][1].cls for i in (0, 1)) - {None}
 
     def per_device(self, axis_name: str, devices: int, local_in, local_out):
+        import jax.numpy as jnp
+
         causal = bool(self.options.get("is_causal", False))
         # each kernel (forward, saving forward, adjoint) reorders its own blocks from the
         # inputs' contiguous split and back, so each may take either balance
@@ -309,21 +322,28 @@ class _Lifted:
         kw = dict(is_causal=causal, scale=scale)
         kern, rows = self.kern, tuple(local_in[0][:3])
         fwd = lambda q, k, v: forward_local(kern, ring, q, k, v, **kw)  # noqa: E731
+        # the kernel's (Out[, lse]): lse = m + log l in its declared layout and dtype
+        results = lambda q, out, m, l: (out,) + (  # noqa: E731
+            ((m + jnp.log(l)).reshape(local_out[-1]).astype(q.dtype),) if self.residual else ())
 
         if self.role == "forward":
-            return lambda q, k, v: _in_order(ring, lambda *x: fwd(*x)[0], q, k, v)
+            def forward(q, k, v):
+                got = results(q, *_in_order(ring, fwd, q, k, v))
+                return got if self.residual else got[0]
+            return forward
         if self.role == "saving":
             def saving(q, k, v):
                 out, m, l = _in_order(ring, fwd, q, k, v)
-                return m.reshape(local_out[0]), l.reshape(local_out[1]), out
+                return (m.reshape(local_out[0]), l.reshape(local_out[1])) + results(q, out, m, l)
             return saving
         if self.role == "adjoint_saved":
-            def adjoint_saved(q, k, v, g, m, l, out):
+            def adjoint_saved(q, k, v, g, *rest):  # (lse's cotangent and lse: held constant, unread)
+                m, l, out = rest[self.residual:self.residual + 3]
                 body = lambda q, k, v, g, m, l, o: backward_local(kern, ring, q, k, v, o, m, l, g, **kw)  # noqa: E731
                 return _in_order(ring, body, q, k, v, g, m.reshape(rows), l.reshape(rows), out)
             return adjoint_saved
 
-        def adjoint(q, k, v, g):
+        def adjoint(q, k, v, g, *_):
             def body(q, k, v, g):
                 out, m, l = fwd(q, k, v)
                 return backward_local(kern, ring, q, k, v, out, m, l, g, **kw)
@@ -331,11 +351,13 @@ class _Lifted:
         return adjoint
 
 
-def sequence_lift(kern):
+def sequence_lift(kern, local=None):
     """``kern`` (a plain attention kernel: no bias, mask, lengths or score_mod) with its
-    sequence lifted by the ring where it is split over devices."""
+    sequence lifted by the ring where it is split over devices; ``local``: the kernel each
+    device runs on its chunk pairs (the plain one where ``kern`` also outputs lse, which the
+    ring takes from its combined max and sum)."""
     if kern.mesh_lift is None:
-        kern.mesh_lift = SequenceLift(kern)
+        kern.mesh_lift = SequenceLift(kern, local)
     return kern
 
 
@@ -384,7 +406,8 @@ def from_zigzag(x, ring: Ring):
 
 
 def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool = False, scale=None,
-                   balance: str | None = None, batch_axis=None, head_axis=None, implementation=None):
+                   balance: str | None = None, batch_axis=None, head_axis=None, implementation=None,
+                   return_residual: bool = False):
     """softmax(scale · Q +.× ⍉K [causal]) +.× V with the sequence split over ``axis_name`` of
     ``mesh`` — jax.nn.dot_product_attention's layout ([B, T, N, H], key and value [B, S, K, H],
     GQA when K < N), T = S.
@@ -397,6 +420,8 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
     work) or "contiguous"; ``batch_axis`` and ``head_axis``: mesh axes that also split the
     batch and the heads (each device then holds its heads' blocks). Differentiable by
     ``jax.grad``; jit-compatible; the compiled program moves K/V by collective-permute only.
+    ``return_residual``: also the rows' log-sum-exp [B, T, N] from the combined (max, sum),
+    held constant under differentiation (as ``dot_product_attention``'s).
     """
     import jax
     from jax.sharding import PartitionSpec as P
@@ -421,8 +446,9 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
         raise ValueError(f"{who}: the ring splits one sequence: query length {T} must equal key length {S}")
     if N % K:
         raise ValueError(f"{who}: query has {N} heads, not a multiple of the {K} key/value heads")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"{who}: is_causal must be a static bool, got {type(is_causal).__name__}")
+    for flag, given in (("is_causal", is_causal), ("return_residual", return_residual)):
+        if not isinstance(given, (bool, np.bool_)):
+            raise TypeError(f"{who}: {flag} must be a static bool, got {type(given).__name__}")
     if axis_name not in mesh.shape:
         raise ValueError(f"{who}: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     for name, ax in (("batch_axis", batch_axis), ("head_axis", head_axis)):
@@ -441,14 +467,15 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
     from moajax.kernels.attention import mha_kernel
 
     attend = _local_attention(mha_kernel(None, None, K != N, False, False, None), ring, bool(is_causal), scale,
-                              implementation)
+                              implementation, bool(return_residual))
 
     def per_device(q, k, v):
         # the differentiable reorder outside the custom_vjp: its transpose reorders the gradients
         return _in_order(ring, attend, q, k, v)
 
     spec = P(batch_axis, axis_name, head_axis, None)
-    return compat.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(query, key, value)
+    out_specs = (spec, P(batch_axis, axis_name, head_axis)) if return_residual else spec
+    return compat.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec), out_specs=out_specs)(query, key, value)
 
 
 __all__ = ["Ring", "ring_attention", "sequence_lift", "forward_local", "backward_local", "to_zigzag", "from_zigzag",

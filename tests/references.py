@@ -303,6 +303,33 @@ def mha_variants(query, key, value, *, bias=None, mask=None, scale=None, is_caus
                         is_causal=is_causal, return_dbias=True)
 
 
+def mha_lse(query, key, value, *, bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
+            query_seq_lengths=None, key_value_seq_lengths=None):
+    """jax.nn's residual (return_residual=True), float64: the log-sum-exp over the keys of the
+    scores [B,T,N], each masked score (mask, causal, window, lengths: query rows past their
+    length too) replaced by the inputs' dtype's large negative, as jax.nn does (a fully masked
+    row: large negative + log S)."""
+    fill = large_negative(np.asarray(query).dtype)
+    query, key, value = _f64(query), _f64(key), _f64(value)
+    B, T, N, H, S, K = _check_mha_args(query, key, value)
+    keep, _ = variant_keep(B, N, T, S, mask=mask, local_window_size=local_window_size,
+                           query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+    b_full, _ = _mha_extras(bias, None, B, N, T, S)
+    out = np.zeros((B, T, N))
+    for b in range(B):
+        for n in range(N):
+            kv = n // (N // K)
+            s = _scale(scale, H) * (query[b, :, n] @ key[b, :, kv].T)
+            if b_full is not None:
+                s = s + b_full[b, n]
+            k_ = _keep_mask(T, S, None if keep is None else keep[b, n], is_causal)
+            if k_ is not None:
+                s = np.where(k_, s, fill)
+            m = s.max(axis=1)
+            out[b, :, n] = m + np.log(np.exp(s - m[:, None]).sum(axis=1))
+    return out
+
+
 # --------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------

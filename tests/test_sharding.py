@@ -248,6 +248,31 @@ def test_ring_attention_with_batch_and_head_axes(balance):
         assert rel_err(a, b) <= 1e-12
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_sequence_split_returns_the_residual(causal):
+    """return_residual under the ring: lse = m + log l of the combined (max, sum), each device
+    its rows' — under jit (the lifted kernel with lse), of concrete arrays (ring_attention),
+    and with batch and head axes; the gradient holds lse constant (float64)."""
+    q, k, v = _attn_inputs(np.float64, B=2, T=32, N=4, K=2)
+    kw = dict(is_causal=causal, return_residual=True)
+    want_out, want_lse = moajax.dot_product_attention(q, k, v, **kw)
+    f = lambda q, k, v: moajax.dot_product_attention(q, k, v, **kw)  # noqa: E731
+    mesh = _mesh((2, 4), ("data", "seq"))
+    args = [_put(x, mesh, "data", "seq") for x in (q, k, v)]
+    loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)[0])) + jnp.sum(f(q, k, v)[1] ** 2)  # noqa: E731
+    want_grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    jg = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    for got in (jax.jit(f)(*args), f(*args),
+                ring_attention(q, k, v, mesh=_mesh((2, 2, 2), ("data", "model", "seq")), axis_name="seq",
+                               batch_axis="data", head_axis="model", is_causal=causal, return_residual=True)):
+        assert rel_err(got[0], want_out) <= 1e-12 and rel_err(got[1], want_lse) <= 1e-12
+        assert got[1].shape == (2, 32, 4) and got[1].dtype == np.float64
+    for a, b in zip(jg(*args), want_grads):
+        assert rel_err(a, b) <= 1e-12
+    text = _hlo(jg, *args)
+    assert "collective-permute" in text and "all-gather" not in text
+
+
 def test_sequence_split_of_concrete_arrays_picks_the_ring():
     mesh = _mesh((8,), ("seq",))
     q, k, v = _attn_inputs(np.float64, B=1, T=128)

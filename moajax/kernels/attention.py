@@ -56,11 +56,12 @@ def scored(score: moa.Array, score_mod, batch, head) -> moa.Array:
     return out if out.dtype == score.dtype else moa.cast(out, score.dtype)
 
 
-def attention_probs(q, k, *, scale: float, is_causal: bool, bias=None, bias_axes=(), mask=None, mask_axes=(),
-                    window=None, q_length=None, kv_length=None, score_mod=None, batch=None, head=None):
-    """P = softmax(scale · Q +.× ⍉K [+ bias] [score_mod] [masked]) for q [t h], k [s h]
-    (accumulation dtype); masked: a bool ``mask``, causal, a local ``window`` (left, right),
-    the lengths (scalars); ``score_mod`` (``scored``) with this cell's batch and head indices."""
+def attention_scores(q, k, *, scale: float, is_causal: bool, bias=None, bias_axes=(), mask=None, mask_axes=(),
+                     window=None, q_length=None, kv_length=None, score_mod=None, batch=None, head=None):
+    """scale · Q +.× ⍉K [+ bias] [score_mod] [masked] for q [t h], k [s h] (accumulation
+    dtype); masked (set to jax.nn's large negative): a bool ``mask``, causal, a local
+    ``window`` (left, right), the lengths (scalars); ``score_mod`` (``scored``) with this
+    cell's batch and head indices."""
     score = moa.name("score", (q @ moa.transpose(k)) * scale)
     if bias is not None:
         score = _with_cell(score, bias, bias_axes, moa.add)
@@ -79,7 +80,19 @@ def attention_probs(q, k, *, scale: float, is_causal: bool, bias=None, bias_axes
     for length, axes, n, d in ((q_length, ("t",), t, dims[0]), (kv_length, ("s",), s, dims[1])):
         if length is not None:
             score = _with_cell(score, moa.lt(moa.iota(n, d), length), axes, lambda x, m: moa.where(m, x, big))
-    return moa.softmax(score, axis=-1)
+    return score
+
+
+def attention_probs(q, k, **scores):
+    """P = softmax(``attention_scores``) along the keys."""
+    return moa.softmax(attention_scores(q, k, **scores), axis=-1)
+
+
+def attention_lse(q, k, **scores):
+    """stop_gradient(⌈/S + log +/exp(S − ⌈/S)) of S = ``attention_scores`` along the keys
+    (``moa.softmax_lse``: the softmax's own max and sum): the log-normaliser per row, held constant under differentiation (jax.nn's
+    ``return_residual``; a fully masked row gives its large negative + log S, as jax.nn does)."""
+    return moa.stop_gradient(moa.softmax_lse(attention_scores(q, k, **scores), axis=-1))
 
 
 def attention_cell(q, k, v, *, scale: float, is_causal: bool, q_length=None, **extras):
@@ -186,11 +199,12 @@ def _split_heads_levels(x: moa.Array, shape4, N: int, K: int, dims_ts=("t", "s")
 
 
 def mha_expression(query, key, value, bias=None, mask=None, q_lengths=None, kv_lengths=None, *, scale: float,
-                   is_causal: bool, window=None, score_mod=None):
+                   is_causal: bool, window=None, score_mod=None, residual: bool = False):
     """Multi-head attention in jax.nn's layout, as an array expression over moa inputs:
     query [b t n h], key [b s n_kv h], value [b s n_kv e], bias/mask broadcastable to [b n t s],
     the sequence lengths [b] (int), a local ``window`` (left, right) or None, a ``score_mod``
-    (fn, its constants as moa inputs) or None."""
+    (fn, its constants as moa inputs) or None. With ``residual``: (Out, lse [b t n]), lse the
+    rows' ``attention_lse`` (jax.nn's ``return_residual``), built from the same scores."""
     B, T, N, H = query.shape
     _, S, K, _ = key.shape
     E = value.shape[-1]
@@ -222,7 +236,7 @@ def mha_expression(query, key, value, bias=None, mask=None, q_lengths=None, kv_l
         ops_ += [(moa.iota(B, "b"), ("b",)), (moa.iota(K, "n_kv"), ("kv",)), (moa.iota(G, "g"), ("g",))]
         ops_ += [(c, ()) for c in consts]
 
-    def cell(*cells):
+    def cell(*cells, of=attention_cell):
         kw = {}
         if "bias" in extra:
             i, cax = extra["bias"]
@@ -235,28 +249,33 @@ def mha_expression(query, key, value, bias=None, mask=None, q_lengths=None, kv_l
             i, n = extra["score_mod"]
             kw.update(score_mod=(score_mod[0], cells[i + 3:i + 3 + n]), batch=cells[i],
                       head=cells[i + 1] * G + cells[i + 2])  # n = kv·G + g
+        if of is attention_lse:
+            return attention_lse(cells[0], cells[1], scale=scale, is_causal=is_causal, window=window, **kw)
         return attention_cell(cells[0], cells[1], cells[2], scale=scale, is_causal=is_causal, window=window, **kw)
 
     # Ω over the levels b, kv, g, outermost first: an operand joins a level's frame only if it
     # varies along it (so K and V are shared by the G query heads of their kv head)
-    def nest(level_idx, arrays_levels):
+    def nest(level_idx, arrays_levels, of=attention_cell):
         levels = ("b", "kv", "g")
         if level_idx == len(levels):
-            return cell(*[a for a, _ in arrays_levels])
+            return cell(*[a for a, _ in arrays_levels], of=of)
         lev = levels[level_idx]
         ranks = []
         for a, lv in arrays_levels:
             ranks.append(a.rank - 1 if lev in lv else a.rank)
 
         def inner(*cells):
-            return nest(level_idx + 1, [(c, lv) for c, (_, lv) in zip(cells, arrays_levels)])
+            return nest(level_idx + 1, [(c, lv) for c, (_, lv) in zip(cells, arrays_levels)], of)
 
         return moa.omega(inner, tuple(ranks))(*[a for a, _ in arrays_levels])
 
     out = nest(0, ops_)  # [b kv g t e]
     out = moa.transpose(out, (0, 3, 1, 2, 4))  # [b t kv g e]
-    out = moa.reshape(out, (B, T, N, E), dims=("b", "t", "n", "e"))
-    return moa.cast(out, query.dtype)
+    out = moa.cast(moa.reshape(out, (B, T, N, E), dims=("b", "t", "n", "e")), query.dtype)
+    if not residual:
+        return out
+    lse = moa.transpose(nest(0, ops_, attention_lse), (0, 3, 1, 2))  # [b kv g t] → [b t kv g]
+    return out, moa.cast(moa.reshape(lse, (B, T, N), dims=("b", "t", "n")), query.dtype)
 
 
 def broadcast_dims(shape) -> str:
@@ -268,13 +287,14 @@ def broadcast_dims(shape) -> str:
 
 
 def _mha(query, key, value, bias=None, mask=None, q_lengths=None, kv_lengths=None, *, scale: float | None = None,
-         is_causal: bool = False, local_window_size=None, score_mod=None):
+         is_causal: bool = False, local_window_size=None, score_mod=None, residual: bool = False):
     B, T, N, H = query.shape
     if N % key.shape[2]:
         raise moa.MoAShapeError(f"mha: {N} query heads are not a multiple of {key.shape[2]} kv heads")
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
     return mha_expression(query, key, value, bias, mask, q_lengths, kv_lengths, scale=scale,
-                          is_causal=bool(is_causal), window=local_window_size, score_mod=score_mod)
+                          is_causal=bool(is_causal), window=local_window_size, score_mod=score_mod,
+                          residual=residual)
 
 
 @kernel(example=dict(b=2, t=8, n=4, s=12, n_kv=2, h=4, e=4))
@@ -287,20 +307,21 @@ def mha(query: "b t n h", key: "b s n_kv h", value: "b s n_kv e", *, scale: floa
 
 @functools.lru_cache(maxsize=64)
 def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, grouped: bool = True,
-               q_lengths: bool = False, kv_lengths: bool = False, score_mod=None):
+               q_lengths: bool = False, kv_lengths: bool = False, score_mod=None, residual: bool = False):
     """``mha`` with a bias and/or a mask of these dims (``broadcast_dims``) and/or the query and
     key/value sequence lengths (int [b]) and/or a ``score_mod`` (a ``moajax.trace.ScalarFn``,
     whose constants are further arguments): one kernel per pattern, each compiled and
     differentiated like any kernel — what ``moajax.dot_product_attention`` calls. Without
     ``grouped`` (as many kv heads as query heads) key and value name their head axis ``n`` like
     the query: dQ, dK and dV then share it, so one program per head computes all three and the
-    row statistics are shared."""
+    row statistics are shared. With ``residual`` it has a second output, lse [b t n] (jax.nn's
+    ``return_residual``: ``attention_lse``, held constant under differentiation)."""
     import inspect
 
     from moajax.kernel import Kernel
 
     if (bias_dims is None and mask_dims is None and grouped and not q_lengths and not kv_lengths
-            and score_mod is None):
+            and score_mod is None and not residual):
         return mha
     consts = [] if score_mod is None else [f"score_mod_const{i}" for i in range(len(score_mod.consts))]
     names = ["query", "key", "value"] + (["bias"] if bias_dims is not None else []) + (
@@ -313,7 +334,7 @@ def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, group
         extra = {as_arg.get(nm, nm): a for nm, a in zip(names[3:n], arrays[3:n])}
         mod = None if score_mod is None else (score_mod, arrays[n:])
         return _mha(*arrays[:3], **extra, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
-                    score_mod=mod)
+                    score_mod=mod, residual=residual)
 
     P = inspect.Parameter
     mha_masked.__signature__ = inspect.Signature(
@@ -327,8 +348,9 @@ def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, group
         dims[nm] = " ".join(f"c{i}_{a}" for a in range(np.ndim(c)))
     tag = {"query_seq_lengths": "qlen", "key_value_seq_lengths": "kvlen"}
     suffix = "".join(f"_{tag.get(n, n)}" for n in names[3:] if n not in consts) + (
-        "_score_mod" if score_mod is not None else "") + ("" if grouped else "_mh")
-    return Kernel(mha_masked, example=mha.example, name=f"mha{suffix}", dims=dims)
+        "_score_mod" if score_mod is not None else "") + ("" if grouped else "_mh") + ("_lse" if residual else "")
+    return Kernel(mha_masked, example=mha.example, name=f"mha{suffix}", dims=dims,
+                  outputs=("out", "lse") if residual else None)
 
 
 def mha_dnf(qshape, kshape, vshape, dtype, bias_shape=None, bias_dtype=None, mask_shape=None,

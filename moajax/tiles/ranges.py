@@ -105,13 +105,17 @@ def broadcast_to_vars(x: Named, vars_: tuple, ranges: Mapping) -> Any:
         raise AssertionError(f"value over {x.vars} has variables {extra} outside {order}")
     present = [v for v in order if v in x.vars]
     d = x.data
+    full = tuple(ranges[v].size for v in order)
+    if isinstance(d, np.ndarray) and d.ndim == 0:
+        # a literal of the DNF (an output that is a constant: the tangent of a held-constant
+        # value): filled from the scalar, so that a kernel's trace captures no array constant
+        return jnp.full(full, d[()], d.dtype)
     perm = [x.vars.index(v) for v in present]
     if perm != list(range(len(perm))):
         d = jnp.transpose(d, perm)
     shape = [ranges[v].size if v in x.vars else 1 for v in order]
     if d.ndim != len(shape):
         d = jnp.reshape(d, shape)
-    full = tuple(ranges[v].size for v in order)
     if tuple(d.shape) != full:
         d = jnp.broadcast_to(d, full)
     return d

@@ -1,0 +1,134 @@
+"""jax.nn's ``return_residual``: ``moajax.dot_product_attention`` returns (Out, lse), lse the
+rows' log-sum-exp of the masked scores [B, T, N], held constant under differentiation — for
+every variant, against the independent float64 reference (tests/references.py: ``mha_lse``),
+and against jax.nn itself in float32 (the drop-in contract: shape, dtype, the fully masked
+rows' value).
+
+Tolerances: float64 rel ≤ 1e-12 and float32 rel ≤ 1e-5, as in test_attention_variants.py (a
+row of ≤ 16 keys summed in another order: a few ulps); lse is compared relative to max(|lse|,
+1) over the rows that keep a key, and a fully masked row (jax.nn's large negative + log S,
+−1.3e308 in float64) on its own, relative to itself."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moajax
+import references as R
+from helpers import rel_err, scaled_err
+from test_attention_variants import CASES, F32, F64, IMPLS, _extras, _qkv
+
+
+def _lse_close(got, want, tol):
+    """The kept rows within tol of max(|lse|, 1); the fully masked rows within tol of themselves."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    masked = want < 1e30 * -1.0  # the large negative fill (−2.4e38 in float32), not a score
+    ok = np.all(np.abs(got[masked] - want[masked]) <= tol * np.abs(want[masked]))
+    return ok and scaled_err(got[~masked], want[~masked]) <= tol
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_variant_returns_out_and_its_lse_float64(case, impl):
+    K, kw = CASES[case]
+    q, k, v, _ = _qkv(K, 11)
+    bias, kw = _extras(kw, 12)
+    out, lse = moajax.dot_product_attention(q, k, v, bias, implementation=impl, return_residual=True, **kw)
+    assert lse.shape == q.shape[:3] and lse.dtype == q.dtype
+    assert rel_err(out, R.mha_variants(q, k, v, bias=bias, **kw)) <= F64
+    assert _lse_close(lse, R.mha_lse(q, k, v, bias=bias, **kw), F64)
+
+
+@pytest.mark.parametrize("case", ["MQA, causal, lengths, window", "bias, mask, lengths, window",
+                                  "kv lengths, one empty"])
+def test_float32_matches_jax_nn_return_residual(case):
+    K, kw = CASES[case]
+    q, k, v, _ = _qkv(K, 13, np.float32)
+    bias, kw = _extras(kw, 14)
+    bias = None if bias is None else bias.astype(np.float32)
+    out, lse = moajax.dot_product_attention(q, k, v, bias, return_residual=True, **kw)
+    want_out, want_lse = jax.nn.dot_product_attention(q, k, v, bias, return_residual=True, **kw)
+    assert lse.dtype == want_lse.dtype == np.float32 and lse.shape == want_lse.shape
+    assert rel_err(out, want_out) <= F32
+    assert _lse_close(lse, want_lse, F32)
+    assert _lse_close(lse, R.mha_lse(q, k, v, bias=bias, **kw), F32)
+
+
+def test_the_residual_is_held_constant_and_out_differentiates_as_without_it():
+    # jax.nn stops the gradient at its residual: a loss that reads lse gets the gradient of
+    # the loss without it, and the tangent of lse is 0
+    K, kw = CASES["GQA with lengths"]
+    q, k, v, g = _qkv(K, 15)
+
+    def loss(q, k, v, with_lse):
+        out, lse = moajax.dot_product_attention(q, k, v, is_causal=True, return_residual=True, **kw)
+        return jnp.sum(out * g) + (jnp.sum(jnp.sin(lse)) if with_lse else 0.0)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, True)
+    want = R.mha_variants(q, k, v, dout=g, is_causal=True, **kw)
+    for a, b in zip(got, want):
+        assert scaled_err(a, b) <= F64
+    _, (_, lse_dot) = jax.jvp(lambda q: moajax.dot_product_attention(q, k, v, return_residual=True, **kw),
+                              (q,), (np.ones_like(q),))
+    assert np.all(np.asarray(lse_dot) == 0.0)
+
+
+def test_the_forward_computes_lse_in_the_pass_that_computes_out():
+    # one kernel, one online loop: lse reads the softmax's own row max and sum
+    from moajax import cost, machines, schedule
+    from moajax.kernels.attention import mha_kernel
+
+    q, k, v, _ = _qkv(2, 16)
+    dnf = mha_kernel(None, None, True, residual=True).dnf(q, k, v, is_causal=True)
+    assert [o.name for o in dnf.outputs] == ["out", "lse"]
+    for machine in ("delta-epyc-7763", "delta-a100"):
+        onf = schedule.derive(dnf, machines.load(machine))
+        defined = [d for st in onf.program.stages for d in st.defines]
+        # the row max, the row sum, the sum against V, then the two outputs: no second row sum
+        assert len(defined) == 5 and cost.estimate(onf).launches == 1, onf
+
+
+def test_unbatched_vmapped_and_jitted():
+    q, k, v, _ = _qkv(2, 17)
+    out, lse = moajax.dot_product_attention(q[0], k[0], v[0], return_residual=True, local_window_size=1)
+    assert out.shape == q.shape[1:] and lse.shape == q.shape[1:3]
+    assert _lse_close(lse, R.mha_lse(q[:1], k[:1], v[:1], local_window_size=1)[0], F64)
+    f = jax.jit(jax.vmap(lambda q, k, v: moajax.dot_product_attention(q, k, v, return_residual=True)))
+    outs, lses = f(q, k, v)
+    for b in range(q.shape[0]):
+        assert _lse_close(lses[b], R.mha_lse(q[b:b + 1], k[b:b + 1], v[b:b + 1])[0], F64)
+        assert rel_err(outs[b], R.mha_variants(q[b:b + 1], k[b:b + 1], v[b:b + 1])[0]) <= F64
+
+
+def test_a_non_bool_return_residual_is_named():
+    q, k, v, _ = _qkv(2, 18)
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="return_residual"):
+            moajax.dot_product_attention(q, k, v, return_residual=bad)
+
+
+def test_the_cuda_lowering_holds_the_pallas_kernel_with_lse_and_compiles_without_spills():
+    # lowered for CUDA offline: the forward that outputs lse is one Pallas kernel, and the
+    # gradient runs the derived adjoint kernels (lse held constant: its cotangent unread)
+    from moajax import machines, schedule
+    from moajax.kernels.attention import mha_kernel
+    from moajax.ptx import spill_bytes, toolchain_missing, triton_kernels
+
+    S = jax.ShapeDtypeStruct
+    q, k = S((2, 256, 4, 64), jnp.float32), S((2, 256, 2, 64), jnp.float32)
+
+    def loss(q, k, v):
+        out, lse = moajax.dot_product_attention(q, k, v, is_causal=True, return_residual=True)
+        return jnp.sum(out ** 2) + jnp.sum(lse)
+
+    names = [x.name for x in triton_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)]
+    assert any(n.startswith("moajax_mha_lse") and "adjoint" not in n for n in names), names
+    assert any(n.startswith("moajax_mha_lse_adjoint") for n in names), names
+    missing = toolchain_missing()
+    if missing:
+        pytest.skip(f"no offline PTX toolchain: {missing}")
+    onf = schedule.derive(mha_kernel(None, None, True, residual=True).dnf(q, k, k, is_causal=True),
+                          machines.load("delta-a100"))
+    assert spill_bytes(onf, "sm_80") == 0, onf
