@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import moajax
 import references as R
@@ -54,6 +56,40 @@ def test_float32_matches_jax_nn_return_residual(case):
     assert rel_err(out, want_out) <= F32
     assert _lse_close(lse, want_lse, F32)
     assert _lse_close(lse, R.mha_lse(q, k, v, bias=bias, **kw), F32)
+
+
+_FORWARDS: dict = {}
+
+
+def _forward(window, causal):
+    """jit(out, lse) per static configuration, the lengths runtime arguments; tiles of 2, so the
+    online loop walks several key tiles and skips the masked ones (lse reads what it kept)."""
+    key = (window, causal)
+    if key not in _FORWARDS:
+        tiles = moajax.Preset.of(tiles={"t": 2, "s": 2})
+        _FORWARDS[key] = jax.jit(lambda q, k, v, ql, kvl: moajax.dot_product_attention(
+            q, k, v, is_causal=causal, local_window_size=window, query_seq_lengths=ql, key_value_seq_lengths=kvl,
+            return_residual=True, implementation="xla", onf=tiles))
+    return _FORWARDS[key]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 4, 6, 2, 1), (2, 5, 5, 2, 2), (1, 6, 3, 4, 2)]),  # (B, T, S, N, K)
+    window=st.sampled_from([None, 0, (0, 2)]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_windows_lengths_and_groupings(shape, window, causal, seed):
+    Bh, Th, Sh, Nh, Kh = shape
+    r = np.random.default_rng(seed)
+    q, k, v = (r.standard_normal(s) for s in ((Bh, Th, Nh, 2), (Bh, Sh, Kh, 2), (Bh, Sh, Kh, 2)))
+    ql = r.integers(0, Th + 1, Bh).astype(np.int32)
+    kvl = r.integers(0, Sh + 1, Bh).astype(np.int32)
+    kw = dict(is_causal=causal, local_window_size=window, query_seq_lengths=ql, key_value_seq_lengths=kvl)
+    out, lse = _forward(window, causal)(q, k, v, ql, kvl)
+    assert scaled_err(out, R.mha_variants(q, k, v, **kw)) <= F64
+    assert _lse_close(lse, R.mha_lse(q, k, v, **kw), F64)
 
 
 def test_the_residual_is_held_constant_and_out_differentiates_as_without_it():
