@@ -237,7 +237,7 @@ class Kernel:
 
         ``residuals`` (or a ``Preset``'s ``residuals``): "save" saves the forward's row
         statistics (``row_statistics``: a labelled or held-constant reduction with fewer axes
-        and elements than any output, e.g. a softmax's max and denominator) and its outputs
+        and elements than an output it serves, e.g. a softmax's max and denominator) and its outputs
         for the backward to read (the papers' identities read them: ``moajax.identities``);
         "auto" does so where the cost model counts fewer flops for forward and backward
         together; "none" saves only the inputs (the backward recomputes); a tuple of labels

@@ -9,14 +9,14 @@ reduces to the identity (Σ: 0; ⌈ and the online softmax: the mask fill), a pr
 the tiles of w between the least lower and the greatest upper bound over its rows — causal,
 local-window and length masks skip whole tiles instead of computing and masking them.
 
-The mask fill m₀ (``large_negative``: −0.7·max, jax.nn's) is not −∞: a row whose every key is
+The mask fill m₀ (``large_negative``: −0.7·max, the max capped at float32's, jax.nn's) is not −∞: a row whose every key is
 masked averages V over all keys. exp(m₀ − X), with X a row statistic (the row max or log-sum),
 is 0 only for a row that keeps a key, and a ⌈ or online pass leaves out m₀ only then. A bound
 that needs this is marked *kept*, and the skip carries a ``Guard`` — ∀ rows ∃ key: every
 masking condition of the row holds — that each program checks from the same affine
 conditions; where it fails, every tile is walked, and the fully masked row gets jax.nn's
-result. (It takes every score a kept key has to exceed m₀ by more than exp's range: true
-of any finite score not itself within 10⁻³⁶ of −max.)
+result. (It takes every score a kept key has to exceed m₀ by more than exp's range, ≈ 104
+in float32 and 745 in float64: true of any score above −2.4·10³⁸ + 745.)
 """
 
 from __future__ import annotations

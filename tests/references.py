@@ -32,12 +32,12 @@ __all__ = [
 
 
 def large_negative(dtype):
-    """Finite fill value for masked scores: -0.7 * finfo(dtype).max.
+    """Finite fill value for masked scores: -0.7 * min(finfo(dtype).max, finfo(float32).max).
 
-    Mirrors jax.nn.dot_product_attention, so a fully masked row softmaxes to
-    the uniform distribution (i.e. returns the mean of v).
+    Mirrors jax.nn.dot_product_attention (which caps the max at float32's), so a fully
+    masked row softmaxes to the uniform distribution (i.e. returns the mean of v).
     """
-    return -0.7 * float(np.finfo(dtype).max)
+    return -0.7 * min(float(np.finfo(dtype).max), float(np.finfo(np.float32).max))
 
 
 def _f64(x):

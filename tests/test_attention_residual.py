@@ -168,3 +168,33 @@ def test_the_cuda_lowering_holds_the_pallas_kernel_with_lse_and_compiles_without
     onf = schedule.derive(mha_kernel(None, None, True, residual=True).dnf(q, k, k, is_causal=True),
                           machines.load("delta-a100"))
     assert spill_bytes(onf, "sm_80") == 0, onf
+
+
+def test_fully_masked_rows_give_jax_nns_value_in_every_dtype():
+    # jax.nn fills masked scores with −0.7·max capped at float32's (float64 too) and takes its
+    # softmax in float32: a row with no key kept has lse −2.4e38 in float32 and float64, −inf in
+    # float16 and bfloat16's (−2.4e38 rounds to −3.4e38 there); rows that keep a key agree to the
+    # float32 softmax jax.nn takes (rel 1e-5), and 16-bit to their dtype's rounding (2⁻⁷, 2⁻¹⁰)
+    kw = dict(key_value_seq_lengths=np.array([0, 4], np.int32), is_causal=True)
+    for dtype, tol in ((np.float64, F32), (np.float32, F32), (jnp.bfloat16, 2.0**-7), (np.float16, 2.0**-10)):
+        q, k, v = (x.astype(dtype) for x in _qkv(2, 19, np.float32)[:3])
+        got = moajax.dot_product_attention(q, k, v, return_residual=True, **kw)[1]
+        want = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)[1]
+        assert got.dtype == want.dtype == dtype
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        # batch 0 keeps no key: the fill's value (float64: jax.nn's rounded to its float32 softmax)
+        with np.errstate(invalid="ignore"):  # (−inf − −inf in float16)
+            assert np.all((got[0] == want[0]) | (np.abs(got[0] - want[0]) <= 2.0**-24 * np.abs(want[0]))), dtype
+        assert scaled_err(got[1], want[1]) <= tol, dtype
+
+
+def test_the_saving_forward_saves_the_row_max_and_sum_and_one_kernel_per_pattern():
+    # lse is an output the size of the rows, yet the softmax's max and sum still serve Out: the
+    # forward jax.grad runs saves them (the ring's and the identities' residuals)
+    from moajax.kernels.attention import mha_kernel
+
+    q, k, v, _ = _qkv(2, 20)
+    kern = mha_kernel(None, None, True, residual=True)
+    names = [o.name for o in kern.with_row_statistics().dnf(q, k, v).outputs]
+    assert names == ["saved0", "saved1", "out", "lse"], names
+    assert mha_kernel(None, None, False) is mha_kernel(None, None, False, False, False, None, False)

@@ -76,7 +76,7 @@ def check_fd(forward, backward_grads, args, cotangent, names):
 
 def test_large_negative_values():
     assert ref.large_negative(np.float32) == -0.7 * float(np.finfo(np.float32).max)
-    assert ref.large_negative(np.float64) == -0.7 * float(np.finfo(np.float64).max)
+    assert ref.large_negative(np.float64) == -0.7 * float(np.finfo(np.float32).max)  # jax.nn's cap
     assert np.isfinite(ref.large_negative(np.float64))
 
 

@@ -305,7 +305,6 @@ def mha(query: "b t n h", key: "b s n_kv h", value: "b s n_kv e", *, scale: floa
     return _mha(query, key, value, scale=scale, is_causal=is_causal, local_window_size=local_window_size)
 
 
-@functools.lru_cache(maxsize=64)
 def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, grouped: bool = True,
                q_lengths: bool = False, kv_lengths: bool = False, score_mod=None, residual: bool = False):
     """``mha`` with a bias and/or a mask of these dims (``broadcast_dims``) and/or the query and
@@ -315,7 +314,14 @@ def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, group
     ``grouped`` (as many kv heads as query heads) key and value name their head axis ``n`` like
     the query: dQ, dK and dV then share it, so one program per head computes all three and the
     row statistics are shared. With ``residual`` it has a second output, lse [b t n] (jax.nn's
-    ``return_residual``: ``attention_lse``, held constant under differentiation)."""
+    ``return_residual``: ``attention_lse``, held constant under differentiation). One kernel
+    object per pattern, however the call spells it (its compile caches are the kernel's)."""
+    return _mha_kernel(bias_dims, mask_dims, bool(grouped), bool(q_lengths), bool(kv_lengths), score_mod,
+                       bool(residual))
+
+
+@functools.lru_cache(maxsize=64)
+def _mha_kernel(bias_dims, mask_dims, grouped, q_lengths, kv_lengths, score_mod, residual):
     import inspect
 
     from moajax.kernel import Kernel

@@ -13,7 +13,9 @@ def accumulation_dtype(dtype) -> np.dtype:
 
 
 def large_negative(dtype) -> float:
-    """The finite fill jax.nn uses for masked logits (−0.7·max): a fully masked row averages V."""
+    """The finite fill jax.nn uses for masked logits, −0.7·max, the max capped at float32's (as
+    jax.nn caps it: float64 fills with −2.4e38 too, which its log-sum-exp residual shows): a
+    fully masked row averages V."""
     import jax.numpy as jnp
 
-    return float(-0.7 * jnp.finfo(dtype).max)
+    return float(-0.7 * min(float(jnp.finfo(dtype).max), float(jnp.finfo(np.float32).max)))
