@@ -146,6 +146,10 @@ class XlaBackend(Backend):
         import jax.numpy as jnp
 
         da, db = self.operands(a, b, out_dtype)
+        if da.dtype == db.dtype and da.dtype.itemsize < np.dtype(out_dtype).itemsize:
+            # two 16-bit operands, a wider sum: XLA CPU's dot runtime takes no mixed dtypes
+            # (BF16 × BF16 = F32 fails to dispatch where no pass widens it): widened here, exactly
+            da, db = da.astype(out_dtype), db.astype(out_dtype)
         allv = list(a.vars) + [x for x in b.vars if x not in a.vars]
         letters = {x: string.ascii_letters[i] for i, x in enumerate(allv)}
         rank = self.rank

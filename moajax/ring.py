@@ -87,40 +87,47 @@ def _ring_step(ring: Ring):
 @functools.lru_cache(maxsize=64)
 def _kernels(kern, shapes, dtype, scale: float, implementation):
     """(forward(causal), adjoint(causal)) of the attention kernel ``kern`` (jax.nn's layout)
-    for one chunk pair: its saving forward (Out, row max, row sum; the statistics in the rows'
-    layout [b t n]) and its adjoint reading the saved statistics and Out."""
+    for one chunk pair: its saving forward (Out in the accumulation dtype, row max, row sum;
+    the statistics in the rows' layout [b t n]) and its adjoint reading the saved statistics
+    and Out. A 16-bit kernel's saving forward also saves Out before its rounding (what the
+    papers' identities read back): the accumulation-dtype Out the ring merges and passes."""
     import jax
 
     qs = shapes[0]
     specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     rows = qs[:3]  # [b t n]: the statistics' rows in the jax.nn layout
 
-    def stats_shape(opts):
-        """The saved statistics' shape: their rows' layout [b t n], axes of extent 1 dropped."""
-        outs = kern.with_row_statistics(()).dnf(*specs, **opts).outputs
-        dims = tuple(d for d, n in zip(("b", "t", "n"), rows) if n > 1)
-        if any(tuple(o.dims) != dims and o.shape != rows for o in outs[:2]):
-            raise NotImplementedError(f"ring attention: the saved statistics' layout {outs[0].dims} is not the "
-                                      "rows' [b t n]")
-        return outs[0].shape
+    def saved_shapes(opts):
+        """The saved values' shapes: the statistics in their rows' layout [b t n] (a 16-bit
+        kernel's unrounded Out in [b t n e]), axes of extent 1 dropped."""
+        outs = [o for o in kern.with_row_statistics(()).dnf(*specs, **opts).outputs if o.name.startswith("saved")]
+        full = [rows, rows, rows + (shapes[2][-1],)][:len(outs)]
+        for o, shape in zip(outs, full):
+            dims = tuple(d for d, n in zip(("b", "t", "n", "e"), shape) if n > 1)
+            if tuple(o.dims) != dims and o.shape != shape:
+                raise NotImplementedError(f"ring attention: the saved {o.name}'s layout {o.dims} is not the "
+                                          f"rows' {list(dims)}")
+        return [o.shape for o in outs]
 
     def forward(causal: bool):
         opts = dict(scale=scale, is_causal=causal)
         run = kern.with_row_statistics(()).compiled(*specs, implementation=implementation, **opts)
 
         def f(*a):
-            out, m, l = run(*a)
-            return out, m.reshape(rows), l.reshape(rows)
+            res = run(*a)  # (Out, max, sum[, Out before rounding])
+            out = res[3].reshape(res[0].shape) if len(res) > 3 else res[0]
+            return out, res[1].reshape(rows), res[2].reshape(rows)
         return f
 
     def adjoint(causal: bool):
         opts = dict(scale=scale, is_causal=causal)
         adj = kern._adjoint_for(kern._key(specs, opts), opts, True)
-        shape = stats_shape(opts)
+        shape = saved_shapes(opts)
 
-        def f(q, k, v, g, m, l, out):
-            return adj(q, k, v, g, m.reshape(shape), l.reshape(shape), out, implementation=implementation,
-                       residuals="none", **opts)
+        def f(q, k, v, g, m, l, out):  # out: in the accumulation dtype
+            unrounded = tuple(out.reshape(s) for s in shape[2:])  # (16-bit: saved2)
+            return adj(q, k, v, g, m.reshape(shape[0]), l.reshape(shape[1]), *unrounded, out.astype(q.dtype),
+                       implementation=implementation, residuals="none", **opts)
         return f
 
     return forward, adjoint
@@ -139,7 +146,8 @@ def _merge(state, part):
 
 def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, implementation=None):
     """One device's share of the ring forward (inside a mesh context: ``shard_map`` or a
-    partitioned kernel), its blocks in ``ring`` order: (Out, row max, row sum) of its queries."""
+    partitioned kernel), its blocks in ``ring`` order: (Out, row max, row sum) of its queries,
+    Out in the accumulation dtype (rounded to the inputs' by the caller)."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -179,7 +187,7 @@ def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, i
     # P − 1 sends: the last block to visit is not passed on
     states, kc, vc = lax.fori_loop(0, P - 1, step, (states, kc, vc))
     states = visit(P - 1, states, kc, vc)
-    out = jnp.concatenate([(a / l[..., None]).astype(q.dtype) for _, l, a in states], axis=1)
+    out = jnp.concatenate([a / l[..., None] for _, l, a in states], axis=1)
     m = jnp.concatenate([s[0] for s in states], axis=1)
     l = jnp.concatenate([s[1] for s in states], axis=1)
     return out, m, l
@@ -188,7 +196,8 @@ def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, i
 def backward_local(kern, ring: Ring, q, k, v, out, m, l, d_out, *, is_causal: bool, scale: float,
                    implementation=None):
     """One device's share of the ring backward, its blocks in ``ring`` order: (dQ, dK, dV) of
-    its blocks, from the global row max ``m``, sum ``l`` and ``out`` of its queries."""
+    its blocks, from the global row max ``m``, sum ``l`` and ``out`` (accumulation dtype) of
+    its queries."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -247,6 +256,7 @@ def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementa
     kw = dict(is_causal=is_causal, scale=scale, implementation=implementation)
 
     def result(q, out, m, l):
+        out = out.astype(q.dtype)
         return (out, (m + jnp.log(l)).astype(q.dtype)) if residual else out
 
     @jax.custom_vjp
@@ -284,13 +294,15 @@ class SequenceLift:
         # adjoints take lse's cotangent (held constant: unread) and read lse as an output
         res = ("lse",) if outs[-1:] == ("lse",) or "d_lse" in ins else ()
         cts = ("d_out",) + tuple(f"d_{o}" for o in res)
-        if ins == ins[:3] and outs == ("out",) + res:
-            role = "forward"
-        elif ins == ins[:3] and len(outs) == 3 + len(res) and outs[2:] == ("out",) + res:
-            role = "saving"  # (row max, row sum, Out[, lse])
+        # the saved: row max, row sum[, a 16-bit kernel's Out before rounding]
+        saved = tuple(n for n in outs + ins if n.startswith("saved"))
+        if saved not in ((), ("saved0", "saved1"), ("saved0", "saved1", "saved2")):
+            return None
+        if ins == ins[:3] and outs == saved + ("out",) + res:
+            role = "saving" if saved else "forward"
         elif ins[3:] == cts and outs == ("d_query", "d_key", "d_value"):
             role = "adjoint"
-        elif ins[3:] == cts + ("saved0", "saved1", "out") + res and outs == ("d_query", "d_key", "d_value"):
+        elif ins[3:] == cts + saved + ("out",) + res and saved and outs == ("d_query", "d_key", "d_value"):
             role = "adjoint_saved"
         else:
             return None
@@ -323,7 +335,7 @@ class _Lifted:
         kern, rows = self.kern, tuple(local_in[0][:3])
         fwd = lambda q, k, v: forward_local(kern, ring, q, k, v, **kw)  # noqa: E731
         # the kernel's (Out[, lse]): lse = m + log l in its declared layout and dtype
-        results = lambda q, out, m, l: (out,) + (  # noqa: E731
+        results = lambda q, out, m, l: (out.astype(q.dtype),) + (  # noqa: E731
             ((m + jnp.log(l)).reshape(local_out[-1]).astype(q.dtype),) if self.residual else ())
 
         if self.role == "forward":
@@ -334,11 +346,12 @@ class _Lifted:
         if self.role == "saving":
             def saving(q, k, v):
                 out, m, l = _in_order(ring, fwd, q, k, v)
-                return (m.reshape(local_out[0]), l.reshape(local_out[1])) + results(q, out, m, l)
+                unrounded = (out,) if len(local_out) - self.residual > 3 else ()  # (16-bit: saved2)
+                return (m.reshape(local_out[0]), l.reshape(local_out[1])) + unrounded + results(q, out, m, l)
             return saving
         if self.role == "adjoint_saved":
             def adjoint_saved(q, k, v, g, *rest):  # (lse's cotangent and lse: held constant, unread)
-                m, l, out = rest[self.residual:self.residual + 3]
+                m, l, out = rest[self.residual:self.residual + 3]  # (16-bit: saved2, Out unrounded)
                 body = lambda q, k, v, g, m, l, o: backward_local(kern, ring, q, k, v, o, m, l, g, **kw)  # noqa: E731
                 return _in_order(ring, body, q, k, v, g, m.reshape(rows), l.reshape(rows), out)
             return adjoint_saved

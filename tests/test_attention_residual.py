@@ -197,4 +197,7 @@ def test_the_saving_forward_saves_the_row_max_and_sum_and_one_kernel_per_pattern
     kern = mha_kernel(None, None, True, residual=True)
     names = [o.name for o in kern.with_row_statistics().dnf(q, k, v).outputs]
     assert names == ["saved0", "saved1", "out", "lse"], names
+    # bfloat16: also Out before its rounding (the identities read it), not lse's (held constant)
+    names = [o.name for o in kern.with_row_statistics().dnf(*(x.astype(jnp.bfloat16) for x in (q, k, v))).outputs]
+    assert names == ["saved0", "saved1", "saved2", "out", "lse"], names
     assert mha_kernel(None, None, False) is mha_kernel(None, None, False, False, False, None, False)

@@ -403,3 +403,22 @@ def test_a_table_read_is_a_gather_not_a_one_hot_sum():
     i.expr(D.selection(sels[0])[2])  # the index arithmetic, counted by both
     pts = cost._points(onf, set(sels[0].free))
     assert g.flops - i.flops == pts and c.flops - i.flops >= 2 * 7 * pts
+
+
+def test_bfloat16_grouped_gradient_runs_eager_and_jitted():
+    # both operands of a contraction bfloat16, its sum float32: XLA CPU's dot runtime takes no
+    # mixed dtypes, so the CPU lowering widens them (exactly) — an eager jax.grad of a small
+    # causal GQA call failed to dispatch before. Against the float64 reference of the same
+    # (rounded) inputs: bfloat16's rounding of the outputs and gradients, 2⁻⁸, with margin 2⁻⁶
+    r = np.random.default_rng(21)
+    q, k, v, g = (jnp.asarray(r.standard_normal(s), jnp.bfloat16) for s in ((1, 8, 4, 8), (1, 8, 2, 8),
+                                                                           (1, 8, 2, 8), (1, 8, 4, 8)))
+
+    def loss(q, k, v):
+        return jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32) * g)
+
+    want = R.mha_variants(*(np.asarray(x, np.float64) for x in (q, k, v)), dout=np.asarray(g, np.float64),
+                          is_causal=True)
+    for grads in (jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)):
+        for a, b in zip(grads, want):
+            assert a.dtype == jnp.bfloat16 and scaled_err(np.asarray(a, np.float64), b) <= 2.0**-6

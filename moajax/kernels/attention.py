@@ -275,7 +275,8 @@ def mha_expression(query, key, value, bias=None, mask=None, q_lengths=None, kv_l
     if not residual:
         return out
     lse = moa.transpose(nest(0, ops_, attention_lse), (0, 3, 1, 2))  # [b kv g t] → [b t kv g]
-    return out, moa.cast(moa.reshape(lse, (B, T, N), dims=("b", "t", "n")), query.dtype)
+    # held constant outside its cast too: a 16-bit lse's value before rounding is no residual
+    return out, moa.stop_gradient(moa.cast(moa.reshape(lse, (B, T, N), dims=("b", "t", "n")), query.dtype))
 
 
 def broadcast_dims(shape) -> str:
