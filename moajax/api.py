@@ -293,8 +293,9 @@ def _check_lengths(name, x, B, n, batched):
 
 
 def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, machine=None,
-                  preset: Preset | None = None) -> ONF:
-    """The ONF ``dot_product_attention`` would use for these arguments (for inspection/tuning)."""
+                  preset: Preset | None = None, return_residual=False) -> ONF:
+    """The ONF ``dot_product_attention`` would use for these arguments (for inspection/tuning;
+    ``return_residual``: of the kernel that also outputs lse)."""
     from moajax.kernels.attention import mha_dnf
 
     qs, qd = _shape_dtype(query, "query")
@@ -309,7 +310,8 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
     if mask is not None:
         ms, _ = _shape_dtype(mask, "mask")
         ms = (1,) * (4 - len(ms)) + ms
-    dnf = mha_dnf(qs, ks, vs, qd, bs, bd, ms, None if scale is None else float(scale), bool(is_causal))
+    dnf = mha_dnf(qs, ks, vs, qd, bs, bd, ms, None if scale is None else float(scale), bool(is_causal),
+                  residual=bool(return_residual))
     m = machine if machine is not None else machines.local()
     if isinstance(m, str):
         m = machines.load(m)

@@ -86,10 +86,14 @@ def schedules(dnf, onf_key=None, path: str = "pallas") -> tuple:
                 and all(a.body is b.body for a, b in zip(onf_key.dnf.outputs, dnf.outputs))
                 and onf_key.dnf.inputs == dnf.inputs)
         if not same:
-            raise ONFError(
-                f"{dnf.name}: the onf given was derived for another DNF ({onf_key.dnf.name}, inputs "
-                f"{[str(i) for i in onf_key.dnf.inputs]}); these arguments give inputs {[str(i) for i in dnf.inputs]}"
-            )
+            def said(d):  # what tells the two apart: the inputs, else the outputs
+                if onf_key.dnf.inputs != dnf.inputs:
+                    return f"inputs {[str(i) for i in d.inputs]}"
+                return f"outputs {[o.name for o in d.outputs]}" + (
+                    "" if [o.name for o in onf_key.dnf.outputs] != [o.name for o in dnf.outputs] else
+                    " (the same names, other expressions: other options)")
+            raise ONFError(f"{dnf.name}: the onf given was derived for another DNF ({onf_key.dnf.name}, "
+                           f"{said(onf_key.dnf)}); these arguments give {said(dnf)}")
         onf_key.validate()
         try:  # a configured profile, or an unlisted GPU's (machines.generic_gpu)
             kind = machines.load(onf_key.target).kind

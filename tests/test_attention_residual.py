@@ -201,3 +201,14 @@ def test_the_saving_forward_saves_the_row_max_and_sum_and_one_kernel_per_pattern
     names = [o.name for o in kern.with_row_statistics().dnf(*(x.astype(jnp.bfloat16) for x in (q, k, v))).outputs]
     assert names == ["saved0", "saved1", "saved2", "out", "lse"], names
     assert mha_kernel(None, None, False) is mha_kernel(None, None, False, False, False, None, False)
+
+
+def test_its_onf_is_inspected_and_passed_and_another_kernels_is_refused_by_its_outputs():
+    q, k, v, _ = _qkv(2, 22)
+    onf = moajax.attention_onf(q, k, v, is_causal=True, return_residual=True)
+    assert [o.name for o in onf.dnf.outputs] == ["out", "lse"]
+    out, lse = moajax.dot_product_attention(q, k, v, is_causal=True, return_residual=True, onf=onf)
+    assert _lse_close(lse, R.mha_lse(q, k, v, is_causal=True), F64)
+    plain = moajax.attention_onf(q, k, v, is_causal=True)
+    with pytest.raises(moajax.ONFError, match=r"outputs \['out', 'lse'\]"):
+        moajax.dot_product_attention(q, k, v, is_causal=True, return_residual=True, onf=plain)
