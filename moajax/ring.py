@@ -346,14 +346,15 @@ class _Lifted:
         if self.role == "saving":
             def saving(q, k, v):
                 out, m, l = _in_order(ring, fwd, q, k, v)
-                unrounded = (out,) if len(local_out) - self.residual > 3 else ()  # (16-bit: saved2)
+                unrounded = (out.reshape(local_out[2]),) if len(local_out) - self.residual > 3 else ()  # (16-bit)
                 return (m.reshape(local_out[0]), l.reshape(local_out[1])) + unrounded + results(q, out, m, l)
             return saving
         if self.role == "adjoint_saved":
             def adjoint_saved(q, k, v, g, *rest):  # (lse's cotangent and lse: held constant, unread)
                 m, l, out = rest[self.residual:self.residual + 3]  # (16-bit: saved2, Out unrounded)
                 body = lambda q, k, v, g, m, l, o: backward_local(kern, ring, q, k, v, o, m, l, g, **kw)  # noqa: E731
-                return _in_order(ring, body, q, k, v, g, m.reshape(rows), l.reshape(rows), out)
+                return _in_order(ring, body, q, k, v, g, m.reshape(rows), l.reshape(rows),
+                                 out.reshape(rows + (local_in[2][-1],)))
             return adjoint_saved
 
         def adjoint(q, k, v, g, *_):

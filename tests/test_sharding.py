@@ -279,16 +279,17 @@ def test_the_ring_takes_16_bit_inputs():
     its adjoints read. Against one device: the forward within bfloat16's rounding of Out
     (2⁻⁸), the gradients within 2⁻⁶ — each device's dK and dV add P = 4 partials rounded to
     bfloat16 (2⁻⁹ each) in another order than one device's single kernel does."""
-    mesh = _mesh((2, 4), ("data", "seq"))
-    q, k, v = (x.astype(jnp.bfloat16) for x in _attn_inputs(np.float32, B=2, T=32, N=4, K=2))
-    args = [_put(x, mesh, "data", "seq") for x in (q, k, v)]
     f = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
     jg = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    assert rel_err(jax.jit(f)(*args).astype(np.float32), f(q, k, v).astype(np.float32)) <= 2.0**-8
-    for a, b in zip(jg(*args), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)):
-        assert a.dtype == jnp.bfloat16 and rel_err(a.astype(np.float32), b.astype(np.float32)) <= 2.0**-6
-    assert "all-gather" not in _hlo(jg, *args)
+    # batch split too; one batch element (the saved values' layouts drop its axis)
+    for B, mesh, spec in ((2, _mesh((2, 4), ("data", "seq")), ("data", "seq")), (1, _mesh((4,), ("seq",)), (None, "seq"))):
+        q, k, v = (x.astype(jnp.bfloat16) for x in _attn_inputs(np.float32, B=B, T=32, N=4, K=2))
+        args = [_put(x, mesh, *spec) for x in (q, k, v)]
+        assert rel_err(jax.jit(f)(*args).astype(np.float32), f(q, k, v).astype(np.float32)) <= 2.0**-8
+        for a, b in zip(jg(*args), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)):
+            assert a.dtype == jnp.bfloat16 and rel_err(a.astype(np.float32), b.astype(np.float32)) <= 2.0**-6
+        assert "all-gather" not in _hlo(jg, *args)
     out, lse = ring_attention(q, k, v, mesh=_mesh((4,), ("seq",)), axis_name="seq", return_residual=True)
     want_out, want_lse = moajax.dot_product_attention(q, k, v, return_residual=True)
     assert lse.dtype == jnp.bfloat16 and rel_err(lse.astype(np.float32), want_lse.astype(np.float32)) <= 2.0**-8
