@@ -53,8 +53,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     gradients are finite). ``return_residual``: also return the rows' log-sum-exp of the
     masked scores, lse [B, T, N] (or [T, N]) in the inputs' dtype, held constant under
     differentiation (jax.nn's residual: FlashAttention-2's L; a row with no key kept gives
-    jax.nn's fill −0.7·max(float32) + log S, −inf in float16); the kernel computes it in the same pass as Out, from
-    the same row max and sum. ``score_mod(score, batch, head, q_idx, kv_idx) -> score``
+    jax.nn's fill −0.7·max(float32) + log S, −inf in float16); the kernel computes it in the
+    same pass as Out, from the same row max and sum. ``score_mod(score, batch, head, q_idx, kv_idx) -> score``
     (FlexAttention's contract, written with jax.numpy on scalars) rewrites each score after
     the bias and before the masks; it is traced into the kernel's array expression
     (``moajax.trace``), so both backends run it and its derivative is derived with the rest

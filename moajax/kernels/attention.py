@@ -90,8 +90,9 @@ def attention_probs(q, k, **scores):
 
 def attention_lse(q, k, **scores):
     """stop_gradient(⌈/S + log +/exp(S − ⌈/S)) of S = ``attention_scores`` along the keys
-    (``moa.softmax_lse``: the softmax's own max and sum): the log-normaliser per row, held constant under differentiation (jax.nn's
-    ``return_residual``; a fully masked row gives its large negative + log S, as jax.nn does)."""
+    (``moa.softmax_lse``: the softmax's own max and sum): the log-normaliser per row, held
+    constant under differentiation (jax.nn's ``return_residual``; a fully masked row gives
+    its large negative + log S, as jax.nn does)."""
     return moa.stop_gradient(moa.softmax_lse(attention_scores(q, k, **scores), axis=-1))
 
 
