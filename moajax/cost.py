@@ -104,17 +104,18 @@ def ring_bytes(ring, query_shape, key_shape, value_shape, itemsize: int, *, back
     shapes being one device's blocks [b, S/P, n, h] (batch and heads already split).
 
     Forward: the K and V blocks travel P − 1 hops. Backward: K and V again P − 1 hops, dK and
-    dV P hops (home). With the zigzag balance each array's two halves move to their slots
+    dV P hops (home), in the accumulation dtype (float32 or wider: a 16-bit block's partials
+    are rounded once, at home). With the zigzag balance each array's two halves move to their slots
     (forward: Q, K, V in and Out back; backward: dOut in and dQ, dK, dV back); a half whose
     slot is on its own device stays. ``residuals_in_ring_order``: the backward reads the
     forward's Q, K, V, Out and row statistics in ring order (``ring_attention``: one
-    custom_vjp around both rings); False where they cross the contiguous split between the
+    differentiable call around both rings); False where they cross the contiguous split between the
     two (the sequence split under jit: the saving forward and the adjoint are two partitioned
     kernels) — the forward sends its row max and sum back, the backward reorders them and Q,
     K, V and Out again."""
     P = ring.devices
     kv = (int(np.prod(key_shape)) + int(np.prod(value_shape))) * itemsize
-    sent = (2 * P - 1) * kv if backward else (P - 1) * kv
+    sent = (P - 1) * kv + (P * kv * max(itemsize, 4) // itemsize if backward else 0)
     if ring.balance == "zigzag" and P > 1:
         q = int(np.prod(query_shape)) * itemsize
         o = int(np.prod(query_shape[:-1])) * value_shape[-1] * itemsize

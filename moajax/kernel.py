@@ -93,7 +93,7 @@ class Kernel:
         self._derived: dict = {}  # kernels derived from this one: adjoints, batched, saving
         # how an axis that no plain split over devices honours is lifted over a mesh axis all
         # the same (``moajax.shard.partitioned``; attention's sequence: ``moajax.ring``); None:
-        # none. A derived kernel (the saving forward, an adjoint) reads its primal's
+        # none. A derived kernel (the saving forward, an adjoint, the tangent) reads its primal's
         self._mesh_lift = None
         self._lift_from = None
 
@@ -343,12 +343,12 @@ class Kernel:
         # that a [t s] score is never one, whatever the sizes (T × S < T × E when S < E)
         before = {x.uid for x in moa.postorder(outputs)}
         outputs = moa.lift_from_omega(
-            outputs, lambda y, node: self._is_statistic(y) and y.rank < node.body.rank and y.size < node.body.size)
+            outputs, lambda y, node: self._is_statistic(y) and y.rank < node.body.rank and y.size <= node.body.size)
         # smaller than the output it serves, not than every output: attention's log-sum-exp
         # output (jax.nn's return_residual) has the rows' size, and its max and sum still serve Out
         served = [(o, {y.uid for y in moa.postorder((o,))}) for o in outputs]
         stats = [x for x in moa.postorder(outputs) if self._is_statistic(x) and any(
-            x.uid in held and x.size < o.size and (x.rank < o.rank or x.uid not in before)  # (lifted: its cell's)
+            x.uid in held and x.size <= o.size and (x.rank < o.rank or x.uid not in before)  # (lifted: its cell's)
             for o, held in served)]
         # an output rounded to a narrower dtype (bfloat16 attention accumulates in float32): its
         # value before rounding, which the papers' identities read back (Δ = +/(dO × O) with O
@@ -658,8 +658,10 @@ class Kernel:
                    f"The tangent (forward-mode derivative) of {self.name}, derived by moajax.tangent.")
         dims = {p.name: " ".join(p.dims) for p in self.params}
         dims.update({t: " ".join(p.dims) for t, p in zip(t_names, moving)})
-        return Kernel(forward, example=self.example, name=f"{self.name}_tangent",
-                      outputs=tuple(f"{prefix}{nm}" for _, nm in floats_out), dims=dims)
+        tk = Kernel(forward, example=self.example, name=f"{self.name}_tangent",
+                    outputs=tuple(f"{prefix}{nm}" for _, nm in floats_out), dims=dims)
+        tk._lift_from = self  # (the ring's forward mode: ``moajax.ring.SequenceLift``)
+        return tk
 
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)

@@ -11,7 +11,9 @@ moajax attention kernel's saving forward (``Kernel.with_row_statistics``). The b
 the ring again: each block's (dQ, dK, dV) is the kernel's derived adjoint reading the
 *global* row max and sum and Out (``Kernel.adjoint(saved=True)``: P and Δ of the whole row,
 restricted to the block), dQ accumulates in place, dK and dV travel with their block and
-arrive home after P steps. Memory per device is O(S/P): no [S, S] and no whole K or V.
+arrive home after P steps (summed in the accumulation dtype). Forward mode (``jax.jvp``) runs
+a ring of tangents: each block's (Out, lse) and their tangents, merged by the monoid's
+tangent (``tangent_local``). Memory per device is O(S/P): no [S, S] and no whole K or V.
 
 Causal load balance ("zigzag"): with 2P chunks, device i holds chunks i and 2P−1−i, so every
 ring step has the same work; a block is skipped where it is masked entirely (key chunk after
@@ -193,11 +195,97 @@ def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, i
     return out, m, l
 
 
+@functools.lru_cache(maxsize=64)
+def _tangent_blocks(shapes, dtype, scale: float, implementation):
+    """block(causal): (lse, Out, lse̊, Out̊) of one chunk pair and their tangents — the
+    forward-mode derivative of the attention kernel whose lse is differentiable
+    (``mha_kernel(residual="live")``: its tangent kernel, derived by ``moajax.tangent``)."""
+    import jax
+
+    from moajax.kernels.attention import mha_kernel
+
+    live = mha_kernel(None, None, shapes[1][2] != shapes[0][2], False, False, None, "live")
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    rows = shapes[0][:3]
+
+    def block(causal: bool):
+        run = live.compiled(*specs, implementation=implementation, residuals="none", scale=scale, is_causal=causal)
+
+        def f(q, k, v, tq, tk, tv):
+            (out, lse), (t_out, t_lse) = jax.jvp(run, (q, k, v), (tq, tk, tv))
+            return lse.reshape(rows), out, t_lse.reshape(rows), t_out
+        return f
+    return block
+
+
+def _merge_tangent(state, part):
+    """(lse, O, lse̊, O̊) ⊕ (lse', O', lse̊', O̊'): the softmax monoid in log form,
+    lse = log(e^{lse₁} + e^{lse₂}), O = Σ w_r O_r with w_r = e^{lse_r − lse}, and its tangent:
+    lse̊ = Σ w_r lse̊_r, O̊ = Σ w_r (O̊_r + O_r (lse̊_r − lse̊)) (ẇ_r = w_r (lse̊_r − lse̊))."""
+    import jax.numpy as jnp
+
+    lse0, o0, dl0, do0 = state
+    lse1, o1, dl1, do1 = part
+    lse = jnp.logaddexp(lse0, lse1)
+    w0, w1 = jnp.exp(lse0 - lse)[..., None], jnp.exp(lse1 - lse)[..., None]
+    dl = w0[..., 0] * dl0 + w1[..., 0] * dl1
+    do = w0 * (do0 + o0 * (dl0 - dl)[..., None]) + w1 * (do1 + o1 * (dl1 - dl)[..., None])
+    return lse, w0 * o0 + w1 * o1, dl, do
+
+
+def tangent_local(ring: Ring, q, k, v, tq, tk, tv, *, is_causal: bool, scale: float, implementation=None):
+    """One device's share of the ring's forward mode, its blocks in ``ring`` order: (Out, Out̊)
+    of its queries in the accumulation dtype. K, V and their tangents travel the ring; each
+    block's (Out, lse) and tangents (``_tangent_blocks``: in the accumulation dtype, so that a
+    16-bit block's lse weighs the merge unrounded) are merged by ``_merge_tangent``."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    P, n = ring.devices, ring.chunks // ring.devices
+    i = lax.axis_index(ring.axis_name)
+    acc_dt = jnp.promote_types(q.dtype, jnp.float32)
+    q, k, v, tq, tk, tv = (x.astype(acc_dt) for x in (q, k, v, tq, tk, tv))
+    qc, tqc = _split(q, n), _split(tq, n)
+    travelling = [_split(x, n) for x in (k, v, tk, tv)]
+    block = _tangent_blocks((qc[0].shape, travelling[0][0].shape, travelling[1][0].shape), acc_dt, scale,
+                            implementation)
+    full, diag = block(False), block(True)
+    B, C, N = qc[0].shape[:3]
+    E = v.shape[-1]
+    states = [(jnp.full((B, C, N), -jnp.inf, acc_dt), jnp.zeros((B, C, N, E), acc_dt), jnp.zeros((B, C, N), acc_dt),
+               jnp.zeros((B, C, N, E), acc_dt)) for _ in range(n)]
+    mine = ring.owned(i)
+
+    def visit(r, states, blocks):
+        theirs = ring.owned((i - r) % P)
+        new = []
+        for a in range(n):
+            st = states[a]
+            for b in range(n):
+                branches = [lambda s, *x: _merge_tangent(s, full(*x)), lambda s, *x: _merge_tangent(s, diag(*x)),
+                            lambda s, *x: s]
+                st = lax.switch(_kind(mine[a], theirs[b], is_causal), branches, st, qc[a], blocks[0][b],
+                                blocks[1][b], tqc[a], blocks[2][b], blocks[3][b])
+            new.append(st)
+        return new
+
+    perm = _ring_step(ring)
+
+    def step(r, carry):
+        states, blocks = carry
+        return visit(r, states, blocks), [[lax.ppermute(x, ring.axis_name, perm) for x in xs] for xs in blocks]
+
+    states, blocks = lax.fori_loop(0, P - 1, step, (states, travelling))
+    states = visit(P - 1, states, blocks)
+    return (jnp.concatenate([s[1] for s in states], axis=1), jnp.concatenate([s[3] for s in states], axis=1))
+
+
 def backward_local(kern, ring: Ring, q, k, v, out, m, l, d_out, *, is_causal: bool, scale: float,
                    implementation=None):
     """One device's share of the ring backward, its blocks in ``ring`` order: (dQ, dK, dV) of
     its blocks, from the global row max ``m``, sum ``l`` and ``out`` (accumulation dtype) of
-    its queries."""
+    its queries. The partials are summed in the accumulation dtype, and dK and dV travel in
+    it: a 16-bit block's P partials are rounded once at the end, not at every step."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -208,9 +296,8 @@ def backward_local(kern, ring: Ring, q, k, v, out, m, l, d_out, *, is_causal: bo
     _, adj = _kernels(kern, (qc[0].shape, kc[0].shape, vc[0].shape), q.dtype, scale, implementation)
     full, diag = adj(False), adj(True)
     mine = ring.owned(i)
-    dq = [jnp.zeros_like(x) for x in qc]
-    dk = [jnp.zeros_like(x) for x in kc]
-    dv = [jnp.zeros_like(x) for x in vc]
+    acc_dt = jnp.promote_types(q.dtype, jnp.float32)
+    dq, dk, dv = ([jnp.zeros(x.shape, acc_dt) for x in xs] for xs in (qc, kc, vc))
     zero = lambda *x: (jnp.zeros_like(x[0]), jnp.zeros_like(x[1]), jnp.zeros_like(x[2]))  # noqa: E731
     as_tuple = lambda f: (lambda *x: tuple(f(*x)))  # noqa: E731
 
@@ -221,7 +308,7 @@ def backward_local(kern, ring: Ring, q, k, v, out, m, l, d_out, *, is_causal: bo
             for b in range(n):
                 g = lax.switch(_kind(mine[a], theirs[b], is_causal), [as_tuple(full), as_tuple(diag), zero],
                                qc[a], kc[b], vc[b], gc[a], mc[a], lc[a], oc[a])
-                dq[a], dk[b], dv[b] = dq[a] + g[0], dk[b] + g[1], dv[b] + g[2]
+                dq[a], dk[b], dv[b] = (x + y.astype(acc_dt) for x, y in zip((dq[a], dk[b], dv[b]), g))
         return dq, dk, dv
 
     perm = _ring_step(ring)
@@ -235,8 +322,8 @@ def backward_local(kern, ring: Ring, q, k, v, out, m, l, d_out, *, is_causal: bo
     dq, kc, vc, dk, dv = lax.fori_loop(0, P - 1, step, (dq, kc, vc, dk, dv))
     dq, dk, dv = visit(P - 1, dq, kc, vc, dk, dv)
     dk, dv = send(dk), send(dv)  # the P-th send brings each block's dK, dV home
-    cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
-    return cat(dq), cat(dk), cat(dv)
+    cat = lambda xs, x: jnp.concatenate(xs, axis=1).astype(x.dtype)  # noqa: E731
+    return cat(dq, q), cat(dk, k), cat(dv, v)
 
 
 def _in_order(ring: Ring, f, *xs):
@@ -248,30 +335,38 @@ def _in_order(ring: Ring, f, *xs):
 
 
 def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementation, residual: bool = False):
-    """The per-device ring attention (inside ``shard_map``), with its ring backward; with
-    ``residual``, (Out, lse = m + log l): the rows' log-sum-exp, held constant (no cotangent)."""
-    import jax
+    """The per-device ring attention (inside ``shard_map``), differentiable as a kernel is
+    (``runtime.differentiable``): ``jax.grad`` runs the ring backward, ``jax.jvp`` the ring of
+    tangents (``tangent_local``). With ``residual``, (Out, lse = m + log l): the rows'
+    log-sum-exp, held constant (no cotangent, a zero tangent)."""
     import jax.numpy as jnp
 
+    from moajax import runtime
+
     kw = dict(is_causal=is_causal, scale=scale, implementation=implementation)
+    n_out = 2 if residual else 1
 
     def result(q, out, m, l):
         out = out.astype(q.dtype)
-        return (out, (m + jnp.log(l)).astype(q.dtype)) if residual else out
+        return (out, (m + jnp.log(l)).astype(q.dtype)) if residual else (out,)
 
-    @jax.custom_vjp
-    def attend(q, k, v):
-        return result(q, *forward_local(kern, ring, q, k, v, **kw))
+    def run(q, k, v):
+        got = result(q, *forward_local(kern, ring, q, k, v, **kw))
+        return got if residual else got[0]
 
-    def attend_fwd(q, k, v):
+    def saving(q, k, v):  # the outputs, then what the backward reads: Out (accumulation dtype), m, l
         out, m, l = forward_local(kern, ring, q, k, v, **kw)
-        return result(q, out, m, l), (q, k, v, out, m, l)
+        return result(q, out, m, l) + (out, m, l)
 
-    def attend_bwd(res, cts):
-        return backward_local(kern, ring, *res, cts[0] if residual else cts, **kw)
+    def backward(args, saved, outs, cts):
+        return list(backward_local(kern, ring, *args, *saved, cts[0], **kw))
 
-    attend.defvjp(attend_fwd, attend_bwd)
-    return attend
+    def tangent(args, dots):
+        t_out = tangent_local(ring, *args, *dots, **kw)[1].astype(args[0].dtype)
+        return (t_out, jnp.zeros(args[0].shape[:3], args[0].dtype)) if residual else (t_out,)
+
+    return runtime.differentiable(run, backward, n_out, lambda: saving, tangent, (True,) * 3, (True,) * n_out,
+                                  name="ring_attention")
 
 
 class SequenceLift:
@@ -292,8 +387,11 @@ class SequenceLift:
             return None
         # the kernel with the rows' log-sum-exp as a second output (return_residual): its
         # adjoints take lse's cotangent (held constant: unread) and read lse as an output
-        res = ("lse",) if outs[-1:] == ("lse",) or "d_lse" in ins else ()
+        res = ("lse",) if outs[-1:] in (("lse",), ("t_lse",)) or "d_lse" in ins else ()
         cts = ("d_out",) + tuple(f"d_{o}" for o in res)
+        if ins == ("query", "key", "value", "t_query", "t_key", "t_value") and outs == ("t_out",) + tuple(
+                f"t_{o}" for o in res):  # the tangent kernel (jax.jvp): lse's tangent is 0
+            return _Lifted(self.local, "tangent", dict(options), getattr(onf, "ring", None), bool(res))
         # the saved: row max, row sum[, a 16-bit kernel's Out before rounding]
         saved = tuple(n for n in outs + ins if n.startswith("saved"))
         if saved not in ((), ("saved0", "saved1"), ("saved0", "saved1", "saved2")):
@@ -338,6 +436,12 @@ class _Lifted:
         results = lambda q, out, m, l: (out.astype(q.dtype),) + (  # noqa: E731
             ((m + jnp.log(l)).reshape(local_out[-1]).astype(q.dtype),) if self.residual else ())
 
+        if self.role == "tangent":
+            def tangent(q, k, v, tq, tk, tv):
+                body = lambda *xs: tangent_local(ring, *xs, **kw)[1]  # noqa: E731
+                t_out = _in_order(ring, body, q, k, v, tq, tk, tv).astype(q.dtype)
+                return (t_out, jnp.zeros(local_out[-1], q.dtype)) if self.residual else t_out
+            return tangent
         if self.role == "forward":
             def forward(q, k, v):
                 got = results(q, *_in_order(ring, fwd, q, k, v))
@@ -433,7 +537,7 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
     adjoint kernels. ``balance``: "zigzag" (the default when causal: every step the same
     work) or "contiguous"; ``batch_axis`` and ``head_axis``: mesh axes that also split the
     batch and the heads (each device then holds its heads' blocks). Differentiable by
-    ``jax.grad``; jit-compatible; the compiled program moves K/V by collective-permute only.
+    ``jax.grad`` (the ring backward) and ``jax.jvp`` (the ring of tangents); jit-compatible; the compiled program moves K/V by collective-permute only.
     ``return_residual``: also the rows' log-sum-exp [B, T, N] from the combined (max, sum),
     held constant under differentiation (as ``dot_product_attention``'s).
     """

@@ -23,6 +23,7 @@ from moajax import cost, shard
 from moajax.kernels.attention import mha_kernel
 from moajax.kernels.mlp import swiglu
 from moajax.ring import Ring, ring_attention
+from tests import references
 from tests.helpers import rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,24 +277,72 @@ def test_the_sequence_split_returns_the_residual(causal):
 def test_the_ring_takes_16_bit_inputs():
     """bfloat16 through the ring, under jit (the lifted kernels) and as ring_attention: the
     16-bit kernel's saving forward also saves Out before rounding, which the ring merges and
-    its adjoints read. Against one device: the forward within bfloat16's rounding of Out
-    (2⁻⁸), the gradients within 2⁻⁶ — each device's dK and dV add P = 4 partials rounded to
-    bfloat16 (2⁻⁹ each) in another order than one device's single kernel does."""
+    its adjoints read; each device sums its dQ, dK and dV partials in float32 (dK and dV
+    travel in it) and rounds once. Against float64 (``references``) on the same bfloat16
+    inputs: the forward within bfloat16's rounding of Out (2⁻⁸), the gradients within 2⁻⁷ —
+    four bfloat16 roundings (2⁻⁹ each: Out, dOut, each block's partial, the sum), whatever
+    the device count (summed in bfloat16, P = 8 devices' dK was 1.3e-2 off)."""
     f = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
     jg = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    # batch split too; one batch element (the saved values' layouts drop its axis)
-    for B, mesh, spec in ((2, _mesh((2, 4), ("data", "seq")), ("data", "seq")), (1, _mesh((4,), ("seq",)), (None, "seq"))):
+    # batch split too; one batch element (the saved values' layouts drop its axis); 8 devices
+    for B, mesh, spec in ((2, _mesh((2, 4), ("data", "seq")), ("data", "seq")), (1, _mesh((4,), ("seq",)), (None, "seq")),
+                          (1, _mesh((8,), ("seq",)), (None, "seq"))):
         q, k, v = (x.astype(jnp.bfloat16) for x in _attn_inputs(np.float32, B=B, T=32, N=4, K=2))
+        want = references.mha(q, k, v, is_causal=True)
+        want_grads = references.mha_backward(q, k, v, 2 * want, is_causal=True)
         args = [_put(x, mesh, *spec) for x in (q, k, v)]
-        assert rel_err(jax.jit(f)(*args).astype(np.float32), f(q, k, v).astype(np.float32)) <= 2.0**-8
-        for a, b in zip(jg(*args), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)):
-            assert a.dtype == jnp.bfloat16 and rel_err(a.astype(np.float32), b.astype(np.float32)) <= 2.0**-6
+        assert rel_err(jax.jit(f)(*args).astype(np.float32), want) <= 2.0**-8
+        for a, b in zip(jg(*args), want_grads):
+            assert a.dtype == jnp.bfloat16 and rel_err(a.astype(np.float32), b) <= 2.0**-7
         assert "all-gather" not in _hlo(jg, *args)
     out, lse = ring_attention(q, k, v, mesh=_mesh((4,), ("seq",)), axis_name="seq", return_residual=True)
     want_out, want_lse = moajax.dot_product_attention(q, k, v, return_residual=True)
     assert lse.dtype == jnp.bfloat16 and rel_err(lse.astype(np.float32), want_lse.astype(np.float32)) <= 2.0**-8
     assert rel_err(out.astype(np.float32), want_out.astype(np.float32)) <= 2.0**-8
+
+
+@pytest.mark.parametrize("causal,residual", [(True, False), (False, True)])
+def test_the_ring_runs_forward_mode(causal, residual):
+    """jax.jvp through the sequence split: under jit the tangent kernel is lifted too, and
+    ``ring_attention`` is differentiable in forward mode. Each block's (Out, lse) and their
+    tangents come from the attention kernel with a differentiable lse (its tangent kernel,
+    derived); the ring merges them by the softmax monoid's tangent. float64 against one
+    device's jvp, rel ≤ 1e-12; lse's tangent is 0 (held constant); also jax.linearize."""
+    q, k, v = _attn_inputs(np.float64, B=2, T=32, N=4, K=2)
+    r = np.random.default_rng(5)
+    dots = tuple(jnp.asarray(r.standard_normal(x.shape)) for x in (q, k, v))
+    f = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=causal, return_residual=residual)  # noqa: E731
+    want = jax.tree.leaves(jax.jvp(f, (q, k, v), dots))
+    mesh = _mesh((2, 4), ("data", "seq"))
+    put = lambda xs: tuple(_put(x, mesh, "data", "seq") for x in xs)  # noqa: E731
+    ring = lambda q, k, v: ring_attention(q, k, v, mesh=_mesh((2, 2, 2), ("data", "model", "seq")),  # noqa: E731
+                                          axis_name="seq", batch_axis="data", head_axis="model", is_causal=causal,
+                                          return_residual=residual)
+    jvp = jax.jit(lambda xs, ts, fn: jax.jvp(fn, xs, ts), static_argnums=2)
+    for got in (jvp(put((q, k, v)), put(dots), f), jvp((q, k, v), dots, ring), jax.jvp(ring, (q, k, v), dots)):
+        for a, b in zip(jax.tree.leaves(got), want):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert (rel_err(a, b) <= 1e-12) if np.any(b) else not np.any(a)
+    out, lin = jax.linearize(jax.jit(f), *put((q, k, v)))
+    assert rel_err(jax.tree.leaves(lin(*put(dots)))[0], want[len(want) // 2]) <= 1e-12
+
+
+def test_the_ring_takes_a_value_head_dim_of_one():
+    """E = 1: the row statistics have Out's size, and are saved all the same (the ring reads
+    them); forward and gradient against one device (float64)."""
+    q, k, _ = _attn_inputs(np.float64, B=1, T=32, N=2, K=2)
+    v = jnp.asarray(np.random.default_rng(2).standard_normal((1, 32, 2, 1)))
+    f = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))))  # noqa: E731
+    mesh = _mesh((4,), ("seq",))
+    ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=True)  # noqa: E731
+    want = jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)
+    args = [_put(x, mesh, None, "seq") for x in (q, k, v)]
+    assert rel_err(jax.jit(f)(*args), f(q, k, v)) <= 1e-12 and rel_err(ring(q, k, v), f(q, k, v)) <= 1e-12
+    for got in (jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(*args), jax.grad(loss(ring), argnums=(0, 1, 2))(q, k, v)):
+        for a, b in zip(got, want):
+            assert rel_err(a, b) <= 1e-12
 
 
 def test_sequence_split_of_concrete_arrays_picks_the_ring():
@@ -333,12 +382,14 @@ def _ppermute_bytes(jaxpr, device: int) -> int:
     return total
 
 
-@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
-def test_ring_bytes_is_what_the_program_sends(balance):
+@pytest.mark.parametrize("balance,dtype", [("zigzag", np.float32), ("contiguous", np.float32),
+                                           ("zigzag", jnp.bfloat16)])
+def test_ring_bytes_is_what_the_program_sends(balance, dtype):
     """cost.ring_bytes against the ppermutes of the traced program (forward, and forward +
-    backward), for the busiest device."""
+    backward), for the busiest device; bfloat16: dK and dV travel in float32."""
     mesh = _mesh((4,), ("seq",))
-    q, k, v = _attn_inputs(np.float32, B=1, T=64)
+    q, k, v = (x.astype(dtype) for x in _attn_inputs(np.float32, B=1, T=64))
+    size = np.dtype(dtype).itemsize
     f = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=True, balance=balance)  # noqa: E731
     ring = Ring("seq", 4, balance)
     local = lambda x: (x.shape[0], x.shape[1] // 4) + x.shape[2:]  # noqa: E731
@@ -347,9 +398,9 @@ def test_ring_bytes_is_what_the_program_sends(balance):
     both = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2)))(q, k, v).jaxpr
     sent_fwd = max(_ppermute_bytes(fwd, d) for d in range(4))
     sent_both = max(_ppermute_bytes(both, d) for d in range(4))
-    assert sent_fwd == cost.ring_bytes(ring, *shapes, 4)
+    assert sent_fwd == cost.ring_bytes(ring, *shapes, size)
     # grad's program runs the forward once and the backward once
-    assert sent_both == cost.ring_bytes(ring, *shapes, 4) + cost.ring_bytes(ring, *shapes, 4, backward=True)
+    assert sent_both == cost.ring_bytes(ring, *shapes, size) + cost.ring_bytes(ring, *shapes, size, backward=True)
 
 
 def test_ring_bytes_of_the_sequence_split_under_jit():
@@ -400,6 +451,7 @@ def test_the_sequence_lift_reaches_kernels_derived_before_it():
     ring.sequence_lift(fresh)
     assert fresh.mesh_lift is not None
     assert saving.mesh_lift is fresh.mesh_lift and adjoint.mesh_lift is fresh.mesh_lift
+    assert fresh.tangent(*specs).mesh_lift is fresh.mesh_lift
 
 
 # ----------------------------------------------------------------------------- errors

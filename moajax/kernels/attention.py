@@ -88,12 +88,14 @@ def attention_probs(q, k, **scores):
     return moa.softmax(attention_scores(q, k, **scores), axis=-1)
 
 
-def attention_lse(q, k, **scores):
+def attention_lse(q, k, *, held: bool = True, **scores):
     """stop_gradient(⌈/S + log +/exp(S − ⌈/S)) of S = ``attention_scores`` along the keys
     (``moa.softmax_lse``: the softmax's own max and sum): the log-normaliser per row, held
     constant under differentiation (jax.nn's ``return_residual``; a fully masked row gives
-    its large negative + log S, as jax.nn does)."""
-    return moa.stop_gradient(moa.softmax_lse(attention_scores(q, k, **scores), axis=-1))
+    its large negative + log S, as jax.nn does). Not ``held``: lse itself, differentiable
+    (d lse = P ⊙ dS summed over the keys: what a merge of partial attentions differentiates)."""
+    lse = moa.softmax_lse(attention_scores(q, k, **scores), axis=-1)
+    return moa.stop_gradient(lse) if held else lse
 
 
 def attention_cell(q, k, v, *, scale: float, is_causal: bool, q_length=None, **extras):
@@ -205,7 +207,8 @@ def mha_expression(query, key, value, bias=None, mask=None, q_lengths=None, kv_l
     query [b t n h], key [b s n_kv h], value [b s n_kv e], bias/mask broadcastable to [b n t s],
     the sequence lengths [b] (int), a local ``window`` (left, right) or None, a ``score_mod``
     (fn, its constants as moa inputs) or None. With ``residual``: (Out, lse [b t n]), lse the
-    rows' ``attention_lse`` (jax.nn's ``return_residual``), built from the same scores."""
+    rows' ``attention_lse`` (jax.nn's ``return_residual``), built from the same scores; held
+    constant, or differentiable where ``residual`` is "live"."""
     B, T, N, H = query.shape
     _, S, K, _ = key.shape
     E = value.shape[-1]
@@ -251,7 +254,8 @@ def mha_expression(query, key, value, bias=None, mask=None, q_lengths=None, kv_l
             kw.update(score_mod=(score_mod[0], cells[i + 3:i + 3 + n]), batch=cells[i],
                       head=cells[i + 1] * G + cells[i + 2])  # n = kv·G + g
         if of is attention_lse:
-            return attention_lse(cells[0], cells[1], scale=scale, is_causal=is_causal, window=window, **kw)
+            return attention_lse(cells[0], cells[1], held=residual != "live", scale=scale, is_causal=is_causal,
+                                 window=window, **kw)
         return attention_cell(cells[0], cells[1], cells[2], scale=scale, is_causal=is_causal, window=window, **kw)
 
     # Ω over the levels b, kv, g, outermost first: an operand joins a level's frame only if it
@@ -276,8 +280,9 @@ def mha_expression(query, key, value, bias=None, mask=None, q_lengths=None, kv_l
     if not residual:
         return out
     lse = moa.transpose(nest(0, ops_, attention_lse), (0, 3, 1, 2))  # [b kv g t] → [b t kv g]
+    lse = moa.cast(moa.reshape(lse, (B, T, N), dims=("b", "t", "n")), query.dtype)
     # held constant outside its cast too: a 16-bit lse's value before rounding is no residual
-    return out, moa.stop_gradient(moa.cast(moa.reshape(lse, (B, T, N), dims=("b", "t", "n")), query.dtype))
+    return out, (lse if residual == "live" else moa.stop_gradient(lse))
 
 
 def broadcast_dims(shape) -> str:
@@ -316,10 +321,12 @@ def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, group
     ``grouped`` (as many kv heads as query heads) key and value name their head axis ``n`` like
     the query: dQ, dK and dV then share it, so one program per head computes all three and the
     row statistics are shared. With ``residual`` it has a second output, lse [b t n] (jax.nn's
-    ``return_residual``: ``attention_lse``, held constant under differentiation). One kernel
-    object per pattern, however the call spells it (its compile caches are the kernel's)."""
+    ``return_residual``: ``attention_lse``, held constant under differentiation); with
+    ``residual="live"`` lse is differentiable (the ring's forward mode merges the blocks'
+    (Out, lse) and their tangents: ``moajax.ring``). One kernel object per pattern, however
+    the call spells it (its compile caches are the kernel's)."""
     return _mha_kernel(bias_dims, mask_dims, bool(grouped), bool(q_lengths), bool(kv_lengths), score_mod,
-                       bool(residual))
+                       residual if residual == "live" else bool(residual))
 
 
 @functools.lru_cache(maxsize=64)
@@ -356,7 +363,8 @@ def _mha_kernel(bias_dims, mask_dims, grouped, q_lengths, kv_lengths, score_mod,
         dims[nm] = " ".join(f"c{i}_{a}" for a in range(np.ndim(c)))
     tag = {"query_seq_lengths": "qlen", "key_value_seq_lengths": "kvlen"}
     suffix = "".join(f"_{tag.get(n, n)}" for n in names[3:] if n not in consts) + (
-        "_score_mod" if score_mod is not None else "") + ("" if grouped else "_mh") + ("_lse" if residual else "")
+        "_score_mod" if score_mod is not None else "") + ("" if grouped else "_mh") + ("_lse" if residual else "") + (
+        "_live" if residual == "live" else "")
     return Kernel(mha_masked, example=mha.example, name=f"mha{suffix}", dims=dims,
                   outputs=("out", "lse") if residual else None)
 
