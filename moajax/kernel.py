@@ -237,7 +237,7 @@ class Kernel:
 
         ``residuals`` (or a ``Preset``'s ``residuals``): "save" saves the forward's row
         statistics (``row_statistics``: a labelled or held-constant reduction with fewer axes
-        and elements than an output it serves, e.g. a softmax's max and denominator) and its outputs
+        than an output it serves and no more elements, e.g. a softmax's max and denominator) and its outputs
         for the backward to read (the papers' identities read them: ``moajax.identities``);
         "auto" does so where the cost model counts fewer flops for forward and backward
         together; "none" saves only the inputs (the backward recomputes); a tuple of labels
@@ -333,10 +333,11 @@ class Kernel:
         """(outputs', statistics): the values a backward may read saved from the forward
         instead of recomputing — the labelled (``moa.name``) or held-constant
         (``moa.stop_gradient``) subexpressions that contain a reduction and have fewer axes
-        and elements than an output they serve (one whose expression holds them), such as a
+        and no more elements than an output they serve (one whose expression holds them; as
+        many where the reduced axes have extent 1, e.g. a value head dim of 1), such as a
         softmax's max and denominator or an RMS, in a fixed order; then each output cast to a narrower dtype, before the cast; then the
         values labelled by ``labels`` (a residual policy's choice, any size), in that order. One
-        inside an Ω body (smaller than the body's cell) is first lifted out over the Ω's frame
+        inside an Ω body (of lower rank than the body's cell) is first lifted out over the Ω's frame
         (``moa.lift_from_omega``): ``outputs'`` are the same arrays with the statistics as
         nodes of their own, which the backward differentiates."""
         # a statistic reduces an axis away: fewer axes than the cell (or output) it serves, so
@@ -344,7 +345,7 @@ class Kernel:
         before = {x.uid for x in moa.postorder(outputs)}
         outputs = moa.lift_from_omega(
             outputs, lambda y, node: self._is_statistic(y) and y.rank < node.body.rank and y.size <= node.body.size)
-        # smaller than the output it serves, not than every output: attention's log-sum-exp
+        # no larger than an output it serves, not than every output: attention's log-sum-exp
         # output (jax.nn's return_residual) has the rows' size, and its max and sum still serve Out
         served = [(o, {y.uid for y in moa.postorder((o,))}) for o in outputs]
         stats = [x for x in moa.postorder(outputs) if self._is_statistic(x) and any(

@@ -371,7 +371,7 @@ def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementa
 
 class SequenceLift:
     """The plain attention kernel's sequence split over a mesh axis, under ``jax.jit`` with
-    sharded inputs: its forward, saving forward and adjoints each run their ring
+    sharded inputs: its forward, saving forward, adjoints and tangent each run their ring
     (``moajax.shard.partitioned`` calls ``for_dnf`` for each kernel's DNF)."""
 
     def __init__(self, kern, local=None):
@@ -379,11 +379,15 @@ class SequenceLift:
         self.local = kern if local is None else local
 
     def for_dnf(self, dnf, options, onf=None):
-        """The lift of one of the kernel's DNFs (its forward, saving forward or adjoints), or
-        None; ``onf``: the call's ONF or Preset (a Preset's ``ring`` names the balance)."""
+        """The lift of one of the kernel's DNFs (its forward, saving forward, adjoints or
+        tangent), or None; ``onf``: the call's ONF or Preset (a Preset's ``ring`` names the balance)."""
         ins = tuple(i.name for i in dnf.inputs)
         outs = tuple(o.name for o in dnf.outputs)
         if ins[:3] != ("query", "key", "value"):
+            return None
+        # the ring runs scale and is_causal only: a window (an option of the same kernel, whose
+        # lift a plain call set) is refused by the plain split's check, never run without it
+        if {k for k, v in options.items() if v is not None} - {"scale", "is_causal"}:
             return None
         # the kernel with the rows' log-sum-exp as a second output (return_residual): its
         # adjoints take lse's cotangent (held constant: unread) and read lse as an output
@@ -537,7 +541,8 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
     adjoint kernels. ``balance``: "zigzag" (the default when causal: every step the same
     work) or "contiguous"; ``batch_axis`` and ``head_axis``: mesh axes that also split the
     batch and the heads (each device then holds its heads' blocks). Differentiable by
-    ``jax.grad`` (the ring backward) and ``jax.jvp`` (the ring of tangents); jit-compatible; the compiled program moves K/V by collective-permute only.
+    ``jax.grad`` (the ring backward) and ``jax.jvp`` (the ring of tangents); jit-compatible;
+    the compiled program moves K/V by collective-permute only.
     ``return_residual``: also the rows' log-sum-exp [B, T, N] from the combined (max, sum),
     held constant under differentiation (as ``dot_product_attention``'s).
     """
@@ -588,7 +593,8 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
                               implementation, bool(return_residual))
 
     def per_device(q, k, v):
-        # the differentiable reorder outside the custom_vjp: its transpose reorders the gradients
+        # the differentiable reorder outside the ring's differentiable call: its transpose
+        # reorders the gradients
         return _in_order(ring, attend, q, k, v)
 
     spec = P(batch_axis, axis_name, head_axis, None)

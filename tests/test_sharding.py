@@ -468,6 +468,19 @@ def test_a_split_head_dim_names_the_axis():
         jax.jit(moajax.dot_product_attention)(*split)
 
 
+def test_a_window_under_a_sequence_split_is_refused_not_dropped():
+    """The windowed call shares the plain kernel (the window is an option), whose ring lift a
+    plain call set first: under jit with the sequence split, the ring (which has no window)
+    must not run it — it once did, silently, 2.3 off — but the split's check refuses it."""
+    mesh = _mesh((4,), ("seq",))
+    q, k, v = _attn_inputs(np.float64, B=1, T=32, N=2, K=2)
+    args = [_put(x, mesh, None, "seq") for x in (q, k, v)]
+    plain = jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True))
+    assert rel_err(plain(*args), moajax.dot_product_attention(q, k, v, is_causal=True)) <= 1e-12
+    with pytest.raises(Exception, match=r"axis 1 \(t\).*cannot honour"):
+        jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, local_window_size=(3, 0)))(*args)
+
+
 def test_bad_splits_and_ring_arguments():
     mesh = _mesh((8,), ("seq",))
     q, k, v = _attn_inputs(np.float32, B=1, T=64)
