@@ -146,49 +146,55 @@ def _merge(state, part):
     return m, l0 * w0 + l1 * w1, a0 * w0[..., None] + o.astype(a0.dtype) * (l1 * w1)[..., None]
 
 
-def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, implementation=None):
-    """One device's share of the ring forward (inside a mesh context: ``shard_map`` or a
-    partitioned kernel), its blocks in ``ring`` order: (Out, row max, row sum) of its queries,
-    Out in the accumulation dtype (rounded to the inputs' by the caller)."""
-    import jax.numpy as jnp
+def _fold(ring: Ring, is_causal: bool, states, staying, travelling, full, diag, merge):
+    """The ring's walk, folding every block into every query chunk's state: at step r the
+    ``travelling`` chunks (K, V[, their tangents]) of device i − r visit; each pair of a query
+    chunk a and a visiting chunk b is merged, ``merge(state_a, full|diag(*staying[·][a],
+    *travelling[·][b]))``, or skipped where it is masked entirely (``_kind``). P − 1 sends:
+    the last block to visit is not passed on. Returns the states."""
     from jax import lax
 
     P, n = ring.devices, ring.chunks // ring.devices
     i = lax.axis_index(ring.axis_name)
-    qc, kc, vc = _split(q, n), _split(k, n), _split(v, n)
-    fwd, _ = _kernels(kern, (qc[0].shape, kc[0].shape, vc[0].shape), q.dtype, scale, implementation)
-    full, diag = fwd(False), fwd(True)
-    acc_dt = jnp.promote_types(q.dtype, jnp.float32)
-    B, C, N = qc[0].shape[:3]
-    E = v.shape[-1]
-    states = [(jnp.full((B, C, N), -jnp.inf, acc_dt), jnp.zeros((B, C, N), acc_dt),
-               jnp.zeros((B, C, N, E), acc_dt)) for _ in range(n)]
     mine = ring.owned(i)
+    branches = [lambda s, *x: merge(s, full(*x)), lambda s, *x: merge(s, diag(*x)), lambda s, *x: s]
 
-    def visit(r, states, kc, vc):
-        """Merge the block that visits at step r (from device i − r) into every query chunk."""
+    def visit(r, states, travelling):
         theirs = ring.owned((i - r) % P)
         new = []
         for a in range(n):
             st = states[a]
             for b in range(n):
-                branches = [lambda s, q_, k_, v_: _merge(s, full(q_, k_, v_)),
-                            lambda s, q_, k_, v_: _merge(s, diag(q_, k_, v_)),
-                            lambda s, q_, k_, v_: s]
-                st = lax.switch(_kind(mine[a], theirs[b], is_causal), branches, st, qc[a], kc[b], vc[b])
+                st = lax.switch(_kind(mine[a], theirs[b], is_causal), branches, st, *(x[a] for x in staying),
+                                *(x[b] for x in travelling))
             new.append(st)
         return new
 
     perm = _ring_step(ring)
-    send = lambda xs: [lax.ppermute(x, ring.axis_name, perm) for x in xs]  # noqa: E731
 
     def step(r, carry):
-        states, kc, vc = carry
-        return visit(r, states, kc, vc), send(kc), send(vc)
+        states, travelling = carry
+        return visit(r, states, travelling), [[lax.ppermute(x, ring.axis_name, perm) for x in xs] for xs in travelling]
 
-    # P − 1 sends: the last block to visit is not passed on
-    states, kc, vc = lax.fori_loop(0, P - 1, step, (states, kc, vc))
-    states = visit(P - 1, states, kc, vc)
+    states, travelling = lax.fori_loop(0, P - 1, step, (states, travelling))
+    return visit(P - 1, states, travelling)
+
+
+def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, implementation=None):
+    """One device's share of the ring forward (inside a mesh context: ``shard_map`` or a
+    partitioned kernel), its blocks in ``ring`` order: (Out, row max, row sum) of its queries,
+    Out in the accumulation dtype (rounded to the inputs' by the caller)."""
+    import jax.numpy as jnp
+
+    n = ring.chunks // ring.devices
+    qc, kc, vc = _split(q, n), _split(k, n), _split(v, n)
+    fwd, _ = _kernels(kern, (qc[0].shape, kc[0].shape, vc[0].shape), q.dtype, scale, implementation)
+    acc_dt = jnp.promote_types(q.dtype, jnp.float32)
+    B, C, N = qc[0].shape[:3]
+    E = v.shape[-1]
+    states = [(jnp.full((B, C, N), -jnp.inf, acc_dt), jnp.zeros((B, C, N), acc_dt),
+               jnp.zeros((B, C, N, E), acc_dt)) for _ in range(n)]
+    states = _fold(ring, is_causal, states, [qc], [kc, vc], fwd(False), fwd(True), _merge)
     out = jnp.concatenate([a / l[..., None] for _, l, a in states], axis=1)
     m = jnp.concatenate([s[0] for s in states], axis=1)
     l = jnp.concatenate([s[1] for s in states], axis=1)
@@ -211,7 +217,7 @@ def _tangent_blocks(shapes, dtype, scale: float, implementation):
     def block(causal: bool):
         run = live.compiled(*specs, implementation=implementation, residuals="none", scale=scale, is_causal=causal)
 
-        def f(q, k, v, tq, tk, tv):
+        def f(q, tq, k, v, tk, tv):  # (the query's chunks stay, the rest travel: ``_fold``)
             (out, lse), (t_out, t_lse) = jax.jvp(run, (q, k, v), (tq, tk, tv))
             return lse.reshape(rows), out, t_lse.reshape(rows), t_out
         return f
@@ -239,44 +245,17 @@ def tangent_local(ring: Ring, q, k, v, tq, tk, tv, *, is_causal: bool, scale: fl
     block's (Out, lse) and tangents (``_tangent_blocks``: in the accumulation dtype, so that a
     16-bit block's lse weighs the merge unrounded) are merged by ``_merge_tangent``."""
     import jax.numpy as jnp
-    from jax import lax
 
-    P, n = ring.devices, ring.chunks // ring.devices
-    i = lax.axis_index(ring.axis_name)
+    n = ring.chunks // ring.devices
     acc_dt = jnp.promote_types(q.dtype, jnp.float32)
     q, k, v, tq, tk, tv = (x.astype(acc_dt) for x in (q, k, v, tq, tk, tv))
-    qc, tqc = _split(q, n), _split(tq, n)
-    travelling = [_split(x, n) for x in (k, v, tk, tv)]
-    block = _tangent_blocks((qc[0].shape, travelling[0][0].shape, travelling[1][0].shape), acc_dt, scale,
-                            implementation)
-    full, diag = block(False), block(True)
-    B, C, N = qc[0].shape[:3]
+    staying, travelling = [_split(x, n) for x in (q, tq)], [_split(x, n) for x in (k, v, tk, tv)]
+    block = _tangent_blocks(tuple(x[0].shape for x in (staying[0], *travelling[:2])), acc_dt, scale, implementation)
+    B, C, N = staying[0][0].shape[:3]
     E = v.shape[-1]
     states = [(jnp.full((B, C, N), -jnp.inf, acc_dt), jnp.zeros((B, C, N, E), acc_dt), jnp.zeros((B, C, N), acc_dt),
                jnp.zeros((B, C, N, E), acc_dt)) for _ in range(n)]
-    mine = ring.owned(i)
-
-    def visit(r, states, blocks):
-        theirs = ring.owned((i - r) % P)
-        new = []
-        for a in range(n):
-            st = states[a]
-            for b in range(n):
-                branches = [lambda s, *x: _merge_tangent(s, full(*x)), lambda s, *x: _merge_tangent(s, diag(*x)),
-                            lambda s, *x: s]
-                st = lax.switch(_kind(mine[a], theirs[b], is_causal), branches, st, qc[a], blocks[0][b],
-                                blocks[1][b], tqc[a], blocks[2][b], blocks[3][b])
-            new.append(st)
-        return new
-
-    perm = _ring_step(ring)
-
-    def step(r, carry):
-        states, blocks = carry
-        return visit(r, states, blocks), [[lax.ppermute(x, ring.axis_name, perm) for x in xs] for xs in blocks]
-
-    states, blocks = lax.fori_loop(0, P - 1, step, (states, travelling))
-    states = visit(P - 1, states, blocks)
+    states = _fold(ring, is_causal, states, staying, travelling, block(False), block(True), _merge_tangent)
     return (jnp.concatenate([s[1] for s in states], axis=1), jnp.concatenate([s[3] for s in states], axis=1))
 
 

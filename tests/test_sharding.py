@@ -281,7 +281,7 @@ def test_the_ring_takes_16_bit_inputs():
     travel in it) and rounds once. Against float64 (``references``) on the same bfloat16
     inputs: the forward within bfloat16's rounding of Out (2⁻⁸), the gradients within 2⁻⁷ —
     four bfloat16 roundings (2⁻⁹ each: Out, dOut, each block's partial, the sum), whatever
-    the device count (summed in bfloat16, P = 8 devices' dK was 1.3e-2 off)."""
+    the device count (summed in bfloat16, as the ring once did, this bound fails)."""
     f = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
     jg = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
