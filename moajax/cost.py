@@ -99,30 +99,38 @@ class Movement:
 
 
 def ring_bytes(ring, query_shape, key_shape, value_shape, itemsize: int, *, backward: bool = False,
-               residuals_in_ring_order: bool = True) -> int:
+               tangent: bool = False, residuals_in_ring_order: bool = True) -> int:
     """Bytes the busiest device sends in one ring attention call (``moajax.ring``), the
     shapes being one device's blocks [b, S/P, n, h] (batch and heads already split).
 
     Forward: the K and V blocks travel P − 1 hops. Backward: K and V again P − 1 hops, dK and
     dV P hops (home), in the accumulation dtype (float32 or wider: a 16-bit block's partials
-    are rounded once, at home). With the zigzag balance each array's two halves move to their slots
-    (forward: Q, K, V in and Out back; backward: dOut in and dQ, dK, dV back); a half whose
-    slot is on its own device stays. ``residuals_in_ring_order``: the backward reads the
-    forward's Q, K, V, Out and row statistics in ring order (``ring_attention``: one
-    differentiable call around both rings); False where they cross the contiguous split between the
-    two (the sequence split under jit: the saving forward and the adjoint are two partitioned
-    kernels) — the forward sends its row max and sum back, the backward reorders them and Q,
-    K, V and Out again."""
+    are rounded once, at home). ``tangent``: the ring of tangents (forward mode, ``jax.jvp``:
+    its program is the forward's and this), K, V, K̊ and V̊ P − 1 hops in the inputs' dtype.
+    With the zigzag balance each array's two halves move to their slots (forward: Q, K, V in
+    and Out back; backward: dOut in and dQ, dK, dV back; tangent: Q̊, K̊, V̊ in and Out̊ back);
+    a half whose slot is on its own device stays. ``residuals_in_ring_order``: the backward
+    (the tangent) reads the forward's Q, K, V, Out and row statistics (Q, K, V) in ring order
+    (``ring_attention``: one differentiable call around both rings); False where they cross
+    the contiguous split between the two (the sequence split under jit: the saving forward and
+    the adjoint, or the tangent, are partitioned kernels of their own) — the forward sends its
+    row max and sum back, the backward reorders them and Q, K, V and Out again, the tangent Q,
+    K and V."""
+    if backward and tangent:
+        raise ValueError("ring_bytes: backward and tangent are two programs; ask for one")
     P = ring.devices
     kv = (int(np.prod(key_shape)) + int(np.prod(value_shape))) * itemsize
-    sent = (P - 1) * kv + (P * kv * max(itemsize, 4) // itemsize if backward else 0)
+    if tangent:
+        sent = (P - 1) * 2 * kv
+    else:
+        sent = (P - 1) * kv + (P * kv * max(itemsize, 4) // itemsize if backward else 0)
     if ring.balance == "zigzag" and P > 1:
         q = int(np.prod(query_shape)) * itemsize
         o = int(np.prod(query_shape[:-1])) * value_shape[-1] * itemsize
-        arrays = (o + q + kv) if backward else (q + kv + o)  # each array's halves, once
+        arrays = q + kv + o  # each array's halves, once
         if not residuals_in_ring_order:  # the row max and sum (float32 or wider) back, and in
             stats = 2 * int(np.prod(query_shape[:-1])) * max(itemsize, 4)
-            arrays += stats + (q + kv + o if backward else 0)
+            arrays += q + kv if tangent else stats + (q + kv + o if backward else 0)
         moving = max(sum(t != d for t in ring.reorder_targets(d)) for d in range(P))
         sent += arrays * moving // 2
     return sent

@@ -217,7 +217,8 @@ def _tangent_blocks(shapes, dtype, scale: float, implementation):
     def block(causal: bool):
         run = live.compiled(*specs, implementation=implementation, residuals="none", scale=scale, is_causal=causal)
 
-        def f(q, tq, k, v, tk, tv):  # (the query's chunks stay, the rest travel: ``_fold``)
+        def f(*chunks):  # q, tq, k, v, tk, tv (the query's chunks stay, the rest travel: ``_fold``)
+            q, tq, k, v, tk, tv = (x.astype(dtype) for x in chunks)
             (out, lse), (t_out, t_lse) = jax.jvp(run, (q, k, v), (tq, tk, tv))
             return lse.reshape(rows), out, t_lse.reshape(rows), t_out
         return f
@@ -243,12 +244,13 @@ def tangent_local(ring: Ring, q, k, v, tq, tk, tv, *, is_causal: bool, scale: fl
     """One device's share of the ring's forward mode, its blocks in ``ring`` order: (Out, Out̊)
     of its queries in the accumulation dtype. K, V and their tangents travel the ring; each
     block's (Out, lse) and tangents (``_tangent_blocks``: in the accumulation dtype, so that a
-    16-bit block's lse weighs the merge unrounded) are merged by ``_merge_tangent``."""
+    16-bit block's lse weighs the merge unrounded) are merged by ``_merge_tangent``. The
+    chunks travel in the inputs' dtype and are widened where they are read (exact: the ring
+    sends half the bytes for 16-bit inputs, the same values)."""
     import jax.numpy as jnp
 
     n = ring.chunks // ring.devices
     acc_dt = jnp.promote_types(q.dtype, jnp.float32)
-    q, k, v, tq, tk, tv = (x.astype(acc_dt) for x in (q, k, v, tq, tk, tv))
     staying, travelling = [_split(x, n) for x in (q, tq)], [_split(x, n) for x in (k, v, tk, tv)]
     block = _tangent_blocks(tuple(x[0].shape for x in (staying[0], *travelling[:2])), acc_dt, scale, implementation)
     B, C, N = staying[0][0].shape[:3]
@@ -313,6 +315,13 @@ def _in_order(ring: Ring, f, *xs):
     return tuple(from_zigzag(r, ring) for r in res) if isinstance(res, tuple) else from_zigzag(res, ring)
 
 
+# what a second derivative through the ring is told: the ring's backward and tangent are
+# walks of their own (collectives, the softmax monoid's merges), not kernels with derived
+# derivatives
+SECOND_ORDER = ("the ring runs first derivatives only (jax.grad, jax.jvp, jax.linearize); for a second one, "
+                "call dot_product_attention(..., residuals='none') on inputs not split along the sequence")
+
+
 def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementation, residual: bool = False):
     """The per-device ring attention (inside ``shard_map``), differentiable as a kernel is
     (``runtime.differentiable``): ``jax.grad`` runs the ring backward, ``jax.jvp`` the ring of
@@ -345,7 +354,7 @@ def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementa
         return (t_out, jnp.zeros(args[0].shape[:3], args[0].dtype)) if residual else (t_out,)
 
     return runtime.differentiable(run, backward, n_out, lambda: saving, tangent, (True,) * 3, (True,) * n_out,
-                                  name="ring_attention")
+                                  name="ring_attention", second_order=SECOND_ORDER)
 
 
 class SequenceLift:

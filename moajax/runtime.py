@@ -196,7 +196,11 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None, order: tuple | Non
     return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas", order), default=xla)
 
 
-def _first_order_only(run, name: str):
+SECOND_ORDER_HINT = ("call it with residuals='none' (the backward then recomputes, and its own tangent and "
+                     "adjoint kernels give the second derivative)")
+
+
+def _first_order_only(run, name: str, hint: str = SECOND_ORDER_HINT):
     """``run`` (a forward that also saves residuals) with a derivative that says it has none:
     its saved values have no tangent kernel of their own."""
     import jax
@@ -206,8 +210,7 @@ def _first_order_only(run, name: str):
     def refuse(args, dots):
         raise NotImplementedError(
             f"{name}: a second derivative (jvp or grad of a derivative) of a call whose forward saves "
-            "residuals for its backward is not built; call it with residuals='none' (the backward then "
-            "recomputes, and its own tangent and adjoint kernels give the second derivative)")
+            f"residuals for its backward is not built; {hint}")
 
     g.defjvp(refuse)
     return g
@@ -221,7 +224,7 @@ def zero_cotangent(x):
 
 
 def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, floats=(), float_outputs=(),
-                   name: str = "kernel"):
+                   name: str = "kernel", second_order: str = SECOND_ORDER_HINT):
     """``run`` with its derivatives: ``tangent(args, dots) -> the tangents of the floating
     outputs`` (forward mode: ``jax.jvp``) and ``backward(args, saved, outs, cotangents) -> one
     cotangent per arg`` (reverse mode: ``jax.grad``), each the other's transpose.
@@ -234,7 +237,8 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
     the outputs and then the values the backward reads instead of recomputing them, those
     saved values (``saved``; else empty) and the outputs themselves (``outs``; else None),
     which the papers' identities read. A second derivative runs the tangent and adjoint
-    kernels' own derivatives where nothing is saved; with saved values it raises."""
+    kernels' own derivatives where nothing is saved; with saved values it raises, saying
+    ``second_order`` (what to do instead)."""
     import jax
 
     from moajax import compat
@@ -251,7 +255,7 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
             outs = f(*args)  # through ``f``, so that a second derivative runs this rule again
             res = (tuple(args), (), None)
         else:
-            both = _first_order_only(run_saving, name)(*args)
+            both = _first_order_only(run_saving, name, second_order)(*args)
             outs = both[:n_outputs] if n_outputs > 1 else both[0]
             res = (tuple(args), tuple(both[n_outputs:]), tuple(both[:n_outputs]))
         tup = tuple(outs) if n_outputs > 1 else (outs,)

@@ -328,6 +328,29 @@ def test_the_ring_runs_forward_mode(causal, residual):
     assert rel_err(jax.tree.leaves(lin(*put(dots)))[0], want[len(want) // 2]) <= 1e-12
 
 
+def test_a_second_derivative_through_the_ring_is_refused_with_what_to_do():
+    """The ring runs first derivatives; a Hessian-vector product through ``ring_attention``
+    raises naming it and pointing to what gives one: ``dot_product_attention`` with
+    residuals='none' on unsplit inputs, whose second derivative (float64) matches that of a
+    softmax written out in jax.numpy at 1e-12. (jax.nn's own float64 attention is 1e-7 off
+    it on this JAX, forward included: not a float64 reference.)"""
+    q, k, v = _attn_inputs(np.float64, B=1, T=16, N=2, K=2)
+    mesh = _mesh((4,), ("seq",))
+    ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=True)  # noqa: E731
+    hvp = lambda f: jax.jvp(jax.grad(lambda q: jnp.sum(jnp.sin(f(q, k, v)))), (q,), (v,))[1]  # noqa: E731
+    with pytest.raises(NotImplementedError, match="ring_attention: a second derivative .* first derivatives only.*"
+                                                  "residuals='none'"):
+        hvp(ring)
+    got = hvp(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True, residuals="none"))
+
+    def causal_softmax(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+        s = jnp.where(np.tril(np.ones(s.shape[-2:], bool)), s, -jnp.inf)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+    assert rel_err(got, hvp(causal_softmax)) <= 1e-12
+
+
 def test_the_ring_takes_a_value_head_dim_of_one():
     """E = 1: the row statistics have Out's size, and are saved all the same (the ring reads
     them); forward and gradient against one device (float64)."""
@@ -385,8 +408,9 @@ def _ppermute_bytes(jaxpr, device: int) -> int:
 @pytest.mark.parametrize("balance,dtype", [("zigzag", np.float32), ("contiguous", np.float32),
                                            ("zigzag", jnp.bfloat16)])
 def test_ring_bytes_is_what_the_program_sends(balance, dtype):
-    """cost.ring_bytes against the ppermutes of the traced program (forward, and forward +
-    backward), for the busiest device; bfloat16: dK and dV travel in float32."""
+    """cost.ring_bytes against the ppermutes of the traced program (forward, forward +
+    backward, and forward + the ring of tangents), for the busiest device; bfloat16: dK and dV
+    travel in float32, K, V and their tangents in bfloat16."""
     mesh = _mesh((4,), ("seq",))
     q, k, v = (x.astype(dtype) for x in _attn_inputs(np.float32, B=1, T=64))
     size = np.dtype(dtype).itemsize
@@ -401,13 +425,20 @@ def test_ring_bytes_is_what_the_program_sends(balance, dtype):
     assert sent_fwd == cost.ring_bytes(ring, *shapes, size)
     # grad's program runs the forward once and the backward once
     assert sent_both == cost.ring_bytes(ring, *shapes, size) + cost.ring_bytes(ring, *shapes, size, backward=True)
+    # jvp's program runs the saving forward once and the ring of tangents once
+    tan = jax.make_jaxpr(lambda *a: jax.jvp(f, a, a))(q, k, v).jaxpr
+    sent_tan = max(_ppermute_bytes(tan, d) for d in range(4))
+    assert sent_tan == cost.ring_bytes(ring, *shapes, size) + cost.ring_bytes(ring, *shapes, size, tangent=True)
+    with pytest.raises(ValueError, match="ask for one"):
+        cost.ring_bytes(ring, *shapes, size, backward=True, tangent=True)
 
 
 def test_ring_bytes_of_the_sequence_split_under_jit():
     """Under jit the sequence split's saving forward and adjoint are two partitioned kernels
     (``ring.SequenceLift``) whose interface is the inputs' contiguous split, so the backward
-    reorders Q, K, V and Out again: cost.ring_bytes(residuals_in_ring_order=False) against the
-    ppermutes of the per-device programs."""
+    reorders Q, K, V and Out again, and the tangent kernel Q, K and V:
+    cost.ring_bytes(residuals_in_ring_order=False) against the ppermutes of the per-device
+    programs."""
     from jax.sharding import PartitionSpec as P
 
     from moajax import compat
@@ -429,10 +460,15 @@ def test_ring_bytes_of_the_sequence_split_under_jit():
     st = jax.ShapeDtypeStruct((T, N), np.float32)
     sent_fwd = max(_ppermute_bytes(jax.make_jaxpr(fwd)(a, a, a).jaxpr, d) for d in range(devices))
     sent_bwd = max(_ppermute_bytes(jax.make_jaxpr(bwd)(a, a, a, a, st, st, a).jaxpr, d) for d in range(devices))
+    tangent = _Lifted(kern, "tangent", opts).per_device("seq", devices, [blk] * 6, [blk])
+    tan = compat.shard_map(tangent, mesh=mesh, in_specs=(x,) * 6, out_specs=x)
+    sent_tan = max(_ppermute_bytes(jax.make_jaxpr(tan)(*[a] * 6).jaxpr, d) for d in range(devices))
     ring = Ring("seq", devices, "zigzag")
     assert sent_fwd == cost.ring_bytes(ring, blk, blk, blk, 4, residuals_in_ring_order=False)
     assert sent_bwd == cost.ring_bytes(ring, blk, blk, blk, 4, backward=True, residuals_in_ring_order=False)
     assert sent_bwd > cost.ring_bytes(ring, blk, blk, blk, 4, backward=True)
+    assert sent_tan == cost.ring_bytes(ring, blk, blk, blk, 4, tangent=True, residuals_in_ring_order=False)
+    assert sent_tan > cost.ring_bytes(ring, blk, blk, blk, 4, tangent=True)
 
 
 def test_the_sequence_lift_reaches_kernels_derived_before_it():
