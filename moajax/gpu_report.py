@@ -157,6 +157,35 @@ def training_cases(dtypes=("bfloat16", "float32"), targets=None):
     return out
 
 
+def tangent_cases(dtypes=("bfloat16", "float32"), targets=None):
+    """What ``jax.jvp`` runs on a GPU (jax.nn layout, B=1, T=S=1024, N=8, H=64, plain and
+    causal): the tangent kernel of ``dot_product_attention`` (derived in the algebra,
+    ``Kernel.tangent``), and that of the attention kernel with a differentiable lse
+    (``mha_kernel(residual="live")``), which each block of the ring's forward mode runs
+    (``moajax.ring``), each ONF its own row."""
+    import jax
+    import numpy as np
+
+    from moajax import schedule
+    from moajax.kernels.attention import mha_kernel
+    from moajax.onf import ONFError
+
+    out = []
+    for what, residual in (("jvp MHA", False), ("ring jvp block (lse live)", "live")):
+        kern = mha_kernel(None, None, False, False, False, None, residual)
+        for causal in (False, True):
+            for dt in dtypes:
+                S = [jax.ShapeDtypeStruct((1, 1024, 8, 64), np.dtype(dt))] * 3
+                dnf = kern.tangent(*S, is_causal=causal).dnf(*S, *S, is_causal=causal)
+                for m in _targets(targets):
+                    try:
+                        onf = schedule.derive(dnf, m)
+                    except ONFError as e:
+                        onf = e
+                    out.append((f"{what}{' causal' if causal else ''} tangent {dt} H=64", m, onf))
+    return out
+
+
 def score_mod_cases(dtypes=("float32",), targets=None):
     """``dot_product_attention`` with a ``score_mod`` (jax.nn layout, B=1, T=S=1024, N=8, H=64,
     causal), its forward and the derived adjoint's plan: tanh soft-capping (arithmetic on the
