@@ -436,8 +436,14 @@ class _Lifted:
             return tangent
         if self.role == "forward":
             def forward(q, k, v):
-                got = results(q, *_in_order(ring, fwd, q, k, v))
-                return got if self.residual else got[0]
+                # only what the kernel returns goes back to the contiguous split: Out[, lse]
+                def body(q, k, v):
+                    out, m, l = fwd(q, k, v)
+                    return (out, m + jnp.log(l)) if self.residual else out
+                got = _in_order(ring, body, q, k, v)
+                if not self.residual:
+                    return got.astype(q.dtype)
+                return got[0].astype(q.dtype), got[1].reshape(local_out[-1]).astype(q.dtype)
             return forward
         if self.role == "saving":
             def saving(q, k, v):

@@ -215,6 +215,28 @@ def main(argv):
             lines.append(row(S, n, "(compiled only) |", mem[n], first[n], mem[counts[0]], first[counts[0]]))
     lines.append("")
 
+    # the forward alone (an inference call): no saved statistics, no backward
+    fwd = jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True))
+    S = max(map(int, RING_MEMORY_S.value))
+    lines += [f"### The forward alone (jit, no grad), S = {S}", "",
+              "Temp per device and one device's over it; S/P alone: one device's forward temp for S/P tokens, no "
+              "ring (the most a ring could reach, before it holds any travelling block); all memory: arguments + "
+              "outputs + temp; sent: `cost.ring_bytes` of the forward (Q, K, V reordered in, Out back, K and V "
+              "P − 1 hops).", "",
+              "| devices | temp per device | 1 device ÷ this | S/P alone | 1 device ÷ S/P alone | "
+              "all memory per device | 1 device ÷ this | sent per device | collective-permutes | all-gathers |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    one = _compiled(fwd, *ring_case(S, 1))
+    for n in counts:
+        m = _compiled(fwd, *ring_case(S, n))
+        solo = _compiled(fwd, *ring_case(S // n, 1))[0]
+        blk = (1, S // n, N, H)
+        sent_f = 0 if n == 1 else cost.ring_bytes(Ring("seq", n, "zigzag"), blk, blk, blk, 4)
+        lines.append(f"| {n} | {m[0] / 2**20:.1f} MiB | {one[0] / max(m[0], 1):.2f} | {solo / 2**20:.1f} MiB | "
+                     f"{one[0] / max(solo, 1):.2f} | {m[3] / 2**20:.1f} MiB | {one[3] / max(m[3], 1):.2f} | "
+                     f"{sent_f / 2**20:.1f} MiB | {m[2]} | {m[1]} |")
+    lines.append("")
+
     # the same jit(grad) with the ring's contiguous balance (Preset.of(ring="contiguous")): no
     # reorder of the blocks, the causal work uneven across the devices
     n = max(counts)
