@@ -164,25 +164,22 @@ def tangent_cases(dtypes=("bfloat16", "float32"), targets=None):
     (``mha_kernel(residual="live")``), which each block of the ring's forward mode runs
     (``moajax.ring``), each ONF its own row."""
     import jax
-    import numpy as np
 
-    from moajax import schedule
     from moajax.kernels.attention import mha_kernel
-    from moajax.onf import ONFError
+
+    def tangent_dnf(kern, causal):
+        def dnf_for(dt, h):
+            S = [jax.ShapeDtypeStruct((1, 1024, 8, h), dt)] * 3
+            return kern.tangent(*S, is_causal=causal).dnf(*S, *S, is_causal=causal)
+        return dnf_for
 
     out = []
     for what, residual in (("jvp MHA", False), ("ring jvp block (lse live)", "live")):
         kern = mha_kernel(None, None, False, False, False, None, residual)
         for causal in (False, True):
-            for dt in dtypes:
-                S = [jax.ShapeDtypeStruct((1, 1024, 8, 64), np.dtype(dt))] * 3
-                dnf = kern.tangent(*S, is_causal=causal).dnf(*S, *S, is_causal=causal)
-                for m in _targets(targets):
-                    try:
-                        onf = schedule.derive(dnf, m)
-                    except ONFError as e:
-                        onf = e
-                    out.append((f"{what}{' causal' if causal else ''} tangent {dt} H=64", m, onf))
+            for dt in dtypes:  # (dtype by dtype: each dtype's rows over the GPUs together)
+                out += _cases(f"{what}{' causal' if causal else ''} tangent", tangent_dnf(kern, causal), (64,), (dt,),
+                              targets=targets)
     return out
 
 

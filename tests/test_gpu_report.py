@@ -113,8 +113,7 @@ def test_forward_mode_kernels_compile_without_spills(machine):
     with a differentiable lse (each block of the ring's forward mode), plain and causal,
     float32 — derived with the spill check on, as on the GPU a process runs on — are one
     Pallas kernel each that compiles with 0 spill bytes (without the check, the table's
-    tiling of the causal lse-live tangent spills 24 B on sm_90a here, with 64-bit indices;
-    with 32-bit ones, JAX's default, the plain one spills too: 8 B)."""
+    tiling of the causal lse-live tangent spilled on sm_90a in an offline run)."""
     import dataclasses
 
     cases = gpu_report.tangent_cases(("float32",), targets=[dataclasses.replace(machine, spill_check=True)])

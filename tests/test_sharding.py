@@ -367,8 +367,8 @@ def test_a_second_derivative_through_the_ring_is_refused_with_what_to_do():
     """The ring runs first derivatives; a Hessian-vector product through ``ring_attention``
     raises naming it and pointing to what gives one: ``dot_product_attention`` with
     residuals='none' on unsplit inputs, whose second derivative (float64) matches that of a
-    softmax written out in jax.numpy (``_softmax_attention``) at 1e-12. (jax.nn's own float64 attention is 1e-7 off
-    it on this JAX, forward included: not a float64 reference.)"""
+    softmax written out in jax.numpy (``_softmax_attention``) at 1e-12. (Not jax.nn's: it keeps
+    its logits in float32, test_api.py.)"""
     q, k, v = _attn_inputs(np.float64, B=1, T=16, N=2, K=2)
     mesh = _mesh((4,), ("seq",))
     ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=True)  # noqa: E731
