@@ -115,7 +115,8 @@ def ring_bytes(ring, query_shape, key_shape, value_shape, itemsize: int, *, back
     the contiguous split between the two (the sequence split under jit: the saving forward and
     the adjoint, or the tangent, are partitioned kernels of their own) — the forward sends its
     row max and sum back, the backward reorders them and Q, K, V and Out again, the tangent Q,
-    K and V. (``return_residual``'s lse, one row statistic back with Out, is not counted.)"""
+    K and V. (``return_residual``'s lse, one row statistic back with Out, is not counted.) The
+    ring's ``rounds`` do not change the bytes: each piece travels the hops its block did."""
     if backward and tangent:
         raise ValueError("ring_bytes: backward and tangent are two programs; ask for one")
     P = ring.devices

@@ -263,10 +263,14 @@ class Kernel:
         chosen: list = []
         labels = residuals if isinstance(residuals, tuple) else ()
         # what of a Preset the adjoint's kernels take: ``backward`` (how its outputs are cut into
-        # kernels: its plan), the tiles (named by dimension) and ``skip``
-        backward_preset = (Preset.of(plan=onf.backward, target=onf.target, skip=onf.skip, tiles=dict(onf.tiles))
+        # kernels: its plan), the tiles (named by dimension), ``skip`` and the ring's balance
+        # and rounds under a sequence split; the tangent kernel takes the ring's
+        backward_preset = (Preset.of(plan=onf.backward, target=onf.target, skip=onf.skip, tiles=dict(onf.tiles),
+                                     ring=onf.ring, ring_rounds=onf.ring_rounds)
                            if isinstance(onf, Preset) and (onf.backward is not None or onf.skip is not None
-                                                           or onf.tiles) else None)
+                                                           or onf.tiles or onf.ring or onf.ring_rounds) else None)
+        tangent_preset = (Preset.of(target=onf.target, ring=onf.ring, ring_rounds=onf.ring_rounds)
+                          if isinstance(onf, Preset) and (onf.ring or onf.ring_rounds) else None)
 
         def saving():
             """The forward that also saves the row statistics, or None — decided (and its
@@ -291,7 +295,7 @@ class Kernel:
 
         def tangent(args, dots):
             tk = self._tangent_for(key[0], options)
-            out = tk(*args, *dots, implementation=implementation, residuals="none", **options)
+            out = tk(*args, *dots, implementation=implementation, residuals="none", onf=tangent_preset, **options)
             return out if isinstance(out, tuple) else (out,)
 
         fn = runtime.differentiable(run, backward, len(dnf.outputs), saving, tangent, floats,

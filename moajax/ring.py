@@ -19,6 +19,12 @@ Causal load balance ("zigzag"): with 2P chunks, device i holds chunks i and 2P�
 ring step has the same work; a block is skipped where it is masked entirely (key chunk after
 query chunk), computed with the causal mask on the diagonal, without a mask below it. The
 reorder from the inputs' contiguous split is four ``ppermute``s per array (no all-gather).
+
+Rounds (``Ring.rounds`` R): the travelling chunks' key index lifted once more, c = ⟨j c'⟩ —
+R rounds of the ring, each carrying piece j (C/R keys) of every chunk, so each device holds
+1/R of a block in flight (K, V; in the backward also dK and dV, which come home after each
+round). The same bytes in R times the sends; the diagonal pair's causal mask is cut along
+both axes (query piece q against key piece j: whole below, masked on, skipped above).
 """
 
 from __future__ import annotations
@@ -37,17 +43,21 @@ _FULL, _DIAG, _SKIP = 0, 1, 2
 @dataclasses.dataclass(frozen=True)
 class Ring:
     """The mesh lifting of the key axis: ``axis_name`` of ``devices`` devices, the sequence in
-    ``balance`` order ("zigzag": 2P chunks, device i holds i and 2P−1−i; "contiguous": P)."""
+    ``balance`` order ("zigzag": 2P chunks, device i holds i and 2P−1−i; "contiguous": P),
+    the travelling chunks cut into ``rounds`` pieces (one round of the ring each)."""
 
     axis_name: str
     devices: int
     balance: str = "zigzag"
+    rounds: int = 1
 
     def __post_init__(self):
         if self.balance not in BALANCES:
             raise ValueError(f"Ring: balance must be one of {BALANCES}, got {self.balance!r}")
         if not isinstance(self.devices, int) or self.devices < 1:
             raise ValueError(f"Ring: devices must be a positive int, got {self.devices!r}")
+        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1:
+            raise ValueError(f"Ring: rounds must be a positive int, got {self.rounds!r}")
 
     @property
     def chunks(self) -> int:
@@ -63,7 +73,8 @@ class Ring:
         return tuple(next(t for pairs in _zigzag_pairs(self.devices, h) for s, t in pairs if s == d) for h in range(2))
 
     def __str__(self):
-        return f"ring({self.axis_name} × {self.devices}, {self.balance})"
+        rounds = f", {self.rounds} rounds" if self.rounds > 1 else ""
+        return f"ring({self.axis_name} × {self.devices}, {self.balance}{rounds})"
 
 
 def _kind(qc, kc, is_causal: bool):
@@ -146,38 +157,88 @@ def _merge(state, part):
     return m, l0 * w0 + l1 * w1, a0 * w0[..., None] + o.astype(a0.dtype) * (l1 * w1)[..., None]
 
 
-def _fold(ring: Ring, is_causal: bool, states, staying, travelling, full, diag, merge):
+def _piece(x, j, c: int):
+    """Piece j (traced) of c rows of a chunk: rows j·c … j·c + c − 1 (axis 1)."""
+    from jax import lax
+
+    return x if c == x.shape[1] else lax.dynamic_slice_in_dim(x, j * c, c, axis=1)
+
+
+def _rows(xs, q: int, c: int):
+    """Rows q·c … q·c + c − 1 (static) of each array of ``xs`` (axis 1: the rows)."""
+    return type(xs)(x[:, q * c:(q + 1) * c] for x in xs)
+
+
+def _fold(ring: Ring, is_causal: bool, states, staying, travelling, blocks, merge):
     """The ring's walk, folding every block into every query chunk's state: at step r the
     ``travelling`` chunks (K, V[, their tangents]) of device i − r visit; each pair of a query
     chunk a and a visiting chunk b is merged, ``merge(state_a, full|diag(*staying[·][a],
     *travelling[·][b]))``, or skipped where it is masked entirely (``_kind``). P − 1 sends:
-    the last block to visit is not passed on. Returns the states."""
+    the last block to visit is not passed on. With R = ``ring.rounds`` > 1 the chunks travel
+    in R rounds, a piece of C/R rows each (s = ⟨j c⟩ lifted once more): 1/R of each block in
+    flight. ``blocks(rows)`` → (full, diag) for ``rows`` query rows against one piece.
+    Returns the states."""
     from jax import lax
 
-    P, n = ring.devices, ring.chunks // ring.devices
+    P, n, R = ring.devices, ring.chunks // ring.devices, ring.rounds
     i = lax.axis_index(ring.axis_name)
     mine = ring.owned(i)
-    branches = [lambda s, *x: merge(s, full(*x)), lambda s, *x: merge(s, diag(*x)), lambda s, *x: s]
-
-    def visit(r, states, travelling):
-        theirs = ring.owned((i - r) % P)
-        new = []
-        for a in range(n):
-            st = states[a]
-            for b in range(n):
-                st = lax.switch(_kind(mine[a], theirs[b], is_causal), branches, st, *(x[a] for x in staying),
-                                *(x[b] for x in travelling))
-            new.append(st)
-        return new
-
+    C = staying[0][0].shape[1]
+    c = C // R
+    full, diag = blocks(C)
+    merged = lambda f: (lambda s, *x: merge(s, f(*x)))  # noqa: E731
+    skip = lambda s, *x: s  # noqa: E731
+    small = [merged(f) for f in blocks(c)] if R > 1 else None
     perm = _ring_step(ring)
 
-    def step(r, carry):
-        states, travelling = carry
-        return visit(r, states, travelling), [[lax.ppermute(x, ring.axis_name, perm) for x in xs] for xs in travelling]
+    def one_round(j, states):
+        if R == 1:
+            diagonal = merged(diag)
+        else:
+            def diagonal(s, *x):  # the pair's causal mask cut along both axes: query piece q
+                # sees key piece j whole where q > j, masked where q = j, not at all where q < j
+                stay, trav = x[:len(staying)], x[len(staying):]
+                for q in range(R):
+                    got = lax.switch(_sub_kind(q, j), [*small, skip], _rows(s, q, c), *_rows(stay, q, c), *trav)
+                    s = tuple(lax.dynamic_update_slice_in_dim(a, g, q * c, axis=1) for a, g in zip(s, got))
+                return s
+        branches = [merged(full), diagonal, skip]
 
-    states, travelling = lax.fori_loop(0, P - 1, step, (states, travelling))
-    return visit(P - 1, states, travelling)
+        def visit(r, states, trav):
+            theirs = ring.owned((i - r) % P)
+            new = []
+            for a in range(n):
+                st = states[a]
+                for b in range(n):
+                    st = lax.switch(_kind(mine[a], theirs[b], is_causal), branches, st, *(x[a] for x in staying),
+                                    *(x[b] for x in trav))
+                new.append(st)
+            return new
+
+        def step(r, carry):
+            states, trav = carry
+            return visit(r, states, trav), [[lax.ppermute(x, ring.axis_name, perm) for x in xs] for xs in trav]
+
+        trav = [[_piece(x, j, c) for x in xs] for xs in travelling]
+        states, trav = lax.fori_loop(0, P - 1, step, (states, trav))
+        return visit(P - 1, states, trav)
+
+    return one_round(0, states) if R == 1 else lax.fori_loop(0, R, one_round, states)
+
+
+def _sub_kind(q: int, j):
+    """Query piece q against key piece j (traced) of the diagonal chunk pair: full below the
+    diagonal, the causal mask on it, skipped above."""
+    import jax.numpy as jnp
+
+    return jnp.where(q > j, _FULL, jnp.where(q == j, _DIAG, _SKIP)).astype(jnp.int32)
+
+
+def _pair_shapes(ring: Ring, rows: int, q, k, v) -> tuple:
+    """The shapes of one block's (Q, K, V): ``rows`` queries against a piece of a key chunk
+    (C/R keys: ``ring.rounds`` R)."""
+    c = k.shape[1] // ring.rounds
+    return (q.shape[:1] + (rows,) + q.shape[2:], k.shape[:1] + (c,) + k.shape[2:], v.shape[:1] + (c,) + v.shape[2:])
 
 
 def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, implementation=None):
@@ -188,13 +249,17 @@ def forward_local(kern, ring: Ring, q, k, v, *, is_causal: bool, scale: float, i
 
     n = ring.chunks // ring.devices
     qc, kc, vc = _split(q, n), _split(k, n), _split(v, n)
-    fwd, _ = _kernels(kern, (qc[0].shape, kc[0].shape, vc[0].shape), q.dtype, scale, implementation)
     acc_dt = jnp.promote_types(q.dtype, jnp.float32)
     B, C, N = qc[0].shape[:3]
     E = v.shape[-1]
+
+    def blocks(rows):  # rows queries against one travelling piece
+        fwd, _ = _kernels(kern, _pair_shapes(ring, rows, qc[0], kc[0], vc[0]), q.dtype, scale, implementation)
+        return fwd(False), fwd(True)
+
     states = [(jnp.full((B, C, N), -jnp.inf, acc_dt), jnp.zeros((B, C, N), acc_dt),
                jnp.zeros((B, C, N, E), acc_dt)) for _ in range(n)]
-    states = _fold(ring, is_causal, states, [qc], [kc, vc], fwd(False), fwd(True), _merge)
+    states = _fold(ring, is_causal, states, [qc], [kc, vc], blocks, _merge)
     out = jnp.concatenate([a / l[..., None] for _, l, a in states], axis=1)
     m = jnp.concatenate([s[0] for s in states], axis=1)
     l = jnp.concatenate([s[1] for s in states], axis=1)
@@ -252,12 +317,17 @@ def tangent_local(ring: Ring, q, k, v, tq, tk, tv, *, is_causal: bool, scale: fl
     n = ring.chunks // ring.devices
     acc_dt = jnp.promote_types(q.dtype, jnp.float32)
     staying, travelling = [_split(x, n) for x in (q, tq)], [_split(x, n) for x in (k, v, tk, tv)]
-    block = _tangent_blocks(tuple(x[0].shape for x in (staying[0], *travelling[:2])), acc_dt, scale, implementation)
+
+    def blocks(rows):  # rows queries against one travelling piece
+        block = _tangent_blocks(_pair_shapes(ring, rows, staying[0][0], *(x[0] for x in travelling[:2])), acc_dt,
+                                scale, implementation)
+        return block(False), block(True)
+
     B, C, N = staying[0][0].shape[:3]
     E = v.shape[-1]
     states = [(jnp.full((B, C, N), -jnp.inf, acc_dt), jnp.zeros((B, C, N, E), acc_dt), jnp.zeros((B, C, N), acc_dt),
                jnp.zeros((B, C, N, E), acc_dt)) for _ in range(n)]
-    states = _fold(ring, is_causal, states, staying, travelling, block(False), block(True), _merge_tangent)
+    states = _fold(ring, is_causal, states, staying, travelling, blocks, _merge_tangent)
     return (jnp.concatenate([s[1] for s in states], axis=1), jnp.concatenate([s[3] for s in states], axis=1))
 
 
@@ -270,39 +340,77 @@ def backward_local(kern, ring: Ring, q, k, v, out, m, l, d_out, *, is_causal: bo
     import jax.numpy as jnp
     from jax import lax
 
-    P, n = ring.devices, ring.chunks // ring.devices
+    P, n, R = ring.devices, ring.chunks // ring.devices, ring.rounds
     i = lax.axis_index(ring.axis_name)
     qc, kc, vc = _split(q, n), _split(k, n), _split(v, n)
     oc, gc, mc, lc = _split(out, n), _split(d_out, n), _split(m, n), _split(l, n)
-    _, adj = _kernels(kern, (qc[0].shape, kc[0].shape, vc[0].shape), q.dtype, scale, implementation)
-    full, diag = adj(False), adj(True)
+    C = qc[0].shape[1]
+    c = C // R
+
     mine = ring.owned(i)
     acc_dt = jnp.promote_types(q.dtype, jnp.float32)
-    dq, dk, dv = ([jnp.zeros(x.shape, acc_dt) for x in xs] for xs in (qc, kc, vc))
     zero = lambda *x: (jnp.zeros_like(x[0]), jnp.zeros_like(x[1]), jnp.zeros_like(x[2]))  # noqa: E731
     as_tuple = lambda f: (lambda *x: tuple(f(*x)))  # noqa: E731
 
-    def visit(r, dq, kc, vc, dk, dv):
-        theirs = ring.owned((i - r) % P)
-        dq, dk, dv = list(dq), list(dk), list(dv)
-        for a in range(n):
-            for b in range(n):
-                g = lax.switch(_kind(mine[a], theirs[b], is_causal), [as_tuple(full), as_tuple(diag), zero],
-                               qc[a], kc[b], vc[b], gc[a], mc[a], lc[a], oc[a])
-                dq[a], dk[b], dv[b] = (x + y.astype(acc_dt) for x, y in zip((dq[a], dk[b], dv[b]), g))
-        return dq, dk, dv
+    def blocks(rows):  # rows queries against one travelling piece: (dQ, dK, dV) of the pair
+        _, adj = _kernels(kern, _pair_shapes(ring, rows, qc[0], kc[0], vc[0]), q.dtype, scale, implementation)
+        return [as_tuple(adj(False)), as_tuple(adj(True))]
 
+    full, diag = blocks(C)
+    small = blocks(c) if R > 1 else None
     perm = _ring_step(ring)
     send = lambda xs: [lax.ppermute(x, ring.axis_name, perm) for x in xs]  # noqa: E731
 
-    def step(r, carry):
-        dq, kc, vc, dk, dv = carry
-        dq, dk, dv = visit(r, dq, kc, vc, dk, dv)
-        return dq, send(kc), send(vc), send(dk), send(dv)
+    def one_round(j, dq):
+        """Piece j of each key chunk around the ring: dQ accumulates in place; the piece's
+        dK and dV travel with it and arrive home after P sends."""
+        if R == 1:
+            diagonal = diag
+        else:
+            def diagonal(*x):  # the pair's causal mask cut along both axes (``_fold``)
+                stay, trav = x[:1] + x[3:], x[1:3]
+                parts, dk, dv = [], jnp.zeros(trav[0].shape, acc_dt), jnp.zeros(trav[1].shape, acc_dt)
+                for qp in range(R):
+                    rows = _rows(stay, qp, c)
+                    g = lax.switch(_sub_kind(qp, j), [*small, zero], rows[0], *trav, *rows[1:])
+                    parts.append(g[0])
+                    dk, dv = dk + g[1].astype(acc_dt), dv + g[2].astype(acc_dt)
+                return jnp.concatenate(parts, axis=1), dk, dv
+        branches = [full, diagonal, zero]
 
-    dq, kc, vc, dk, dv = lax.fori_loop(0, P - 1, step, (dq, kc, vc, dk, dv))
-    dq, dk, dv = visit(P - 1, dq, kc, vc, dk, dv)
-    dk, dv = send(dk), send(dv)  # the P-th send brings each block's dK, dV home
+        def visit(r, dq, kp, vp, dk, dv):
+            theirs = ring.owned((i - r) % P)
+            dq, dk, dv = list(dq), list(dk), list(dv)
+            for a in range(n):
+                for b in range(n):
+                    g = lax.switch(_kind(mine[a], theirs[b], is_causal), branches,
+                                   qc[a], kp[b], vp[b], gc[a], mc[a], lc[a], oc[a])
+                    dq[a], dk[b], dv[b] = (x + y.astype(acc_dt) for x, y in zip((dq[a], dk[b], dv[b]), g))
+            return dq, dk, dv
+
+        def step(r, carry):
+            dq, kp, vp, dk, dv = carry
+            dq, dk, dv = visit(r, dq, kp, vp, dk, dv)
+            return dq, send(kp), send(vp), send(dk), send(dv)
+
+        kp, vp = [_piece(x, j, c) for x in kc], [_piece(x, j, c) for x in vc]
+        dk, dv = ([jnp.zeros(x.shape, acc_dt) for x in xs] for xs in (kp, vp))
+        dq, kp, vp, dk, dv = lax.fori_loop(0, P - 1, step, (dq, kp, vp, dk, dv))
+        dq, dk, dv = visit(P - 1, dq, kp, vp, dk, dv)
+        return dq, send(dk), send(dv)  # the P-th send brings each piece's dK, dV home
+
+    dq = [jnp.zeros(x.shape, acc_dt) for x in qc]
+    if R == 1:
+        dq, dk, dv = one_round(0, dq)
+    else:
+        def each_round(j, carry):
+            dq, dk, dv = carry
+            dq, dkp, dvp = one_round(j, dq)
+            put = lambda home, got: [lax.dynamic_update_slice_in_dim(h, g, j * c, axis=1)  # noqa: E731
+                                     for h, g in zip(home, got)]
+            return dq, put(dk, dkp), put(dv, dvp)
+        dk, dv = ([jnp.zeros(x.shape, acc_dt) for x in xs] for xs in (kc, vc))
+        dq, dk, dv = lax.fori_loop(0, R, each_round, (dq, dk, dv))
     cat = lambda xs, x: jnp.concatenate(xs, axis=1).astype(x.dtype)  # noqa: E731
     return cat(dq, q), cat(dk, k), cat(dv, v)
 
@@ -383,7 +491,7 @@ class SequenceLift:
         cts = ("d_out",) + tuple(f"d_{o}" for o in res)
         if ins == ("query", "key", "value", "t_query", "t_key", "t_value") and outs == ("t_out",) + tuple(
                 f"t_{o}" for o in res):  # the tangent kernel (jax.jvp): lse's tangent is 0
-            return _Lifted(self.local, "tangent", dict(options), getattr(onf, "ring", None), bool(res))
+            return _Lifted(self.local, "tangent", dict(options), onf, bool(res))
         # the saved: row max, row sum[, a 16-bit kernel's Out before rounding]
         saved = tuple(n for n in outs + ins if n.startswith("saved"))
         if saved not in ((), ("saved0", "saved1"), ("saved0", "saved1", "saved2")):
@@ -396,12 +504,14 @@ class SequenceLift:
             role = "adjoint_saved"
         else:
             return None
-        return _Lifted(self.local, role, dict(options), getattr(onf, "ring", None), bool(res))
+        return _Lifted(self.local, role, dict(options), onf, bool(res))
 
 
 class _Lifted:
-    def __init__(self, kern, role: str, options: dict, balance: str | None = None, residual: bool = False):
-        self.kern, self.role, self.options, self.balance = kern, role, options, balance
+    def __init__(self, kern, role: str, options: dict, onf=None, residual: bool = False):
+        # a Preset's ``ring`` names the balance, its ``ring_rounds`` the rounds
+        self.kern, self.role, self.options = kern, role, options
+        self.balance, self.rounds = getattr(onf, "ring", None), getattr(onf, "ring_rounds", None) or 1
         self.residual = residual
 
     def classes(self, rule) -> frozenset:
@@ -414,11 +524,12 @@ class _Lifted:
         causal = bool(self.options.get("is_causal", False))
         # each kernel (forward, saving forward, adjoint) reorders its own blocks from the
         # inputs' contiguous split and back, so each may take either balance
-        ring = Ring(axis_name, devices, self.balance or ("zigzag" if causal else "contiguous"))
+        ring = Ring(axis_name, devices, self.balance or ("zigzag" if causal else "contiguous"), self.rounds)
+
         T = local_in[0][1]
-        if T % (ring.chunks // devices):
+        if T % (ring.chunks // devices * ring.rounds):
             raise ValueError(f"dot_product_attention: each device's {T} queries do not split into the "
-                             f"{ring.chunks // devices} chunks of {ring}")
+                             f"{ring.chunks // devices} chunks of {ring}, {ring.rounds} pieces each")
         scale = self.options.get("scale")
         scale = 1.0 / math.sqrt(local_in[0][-1]) if scale is None else float(scale)
         kw = dict(is_causal=causal, scale=scale)
@@ -523,7 +634,7 @@ def from_zigzag(x, ring: Ring):
 
 def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool = False, scale=None,
                    balance: str | None = None, batch_axis=None, head_axis=None, implementation=None,
-                   return_residual: bool = False):
+                   return_residual: bool = False, rounds: int = 1):
     """softmax(scale · Q +.× ⍉K [causal]) +.× V with the sequence split over ``axis_name`` of
     ``mesh`` — jax.nn.dot_product_attention's layout ([B, T, N, H], key and value [B, S, K, H],
     GQA when K < N), T = S.
@@ -538,7 +649,9 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
     ``jax.grad`` (the ring backward) and ``jax.jvp`` (the ring of tangents); jit-compatible;
     the compiled program moves K/V by collective-permute only.
     ``return_residual``: also the rows' log-sum-exp [B, T, N] from the combined (max, sum),
-    held constant under differentiation (as ``dot_product_attention``'s).
+    held constant under differentiation (as ``dot_product_attention``'s). ``rounds``: the
+    ring runs that many rounds, each carrying 1/rounds of every K and V block (and, in the
+    backward, of dK and dV): less memory in flight per device, the same bytes in more sends.
     """
     import jax
     from jax.sharding import PartitionSpec as P
@@ -577,9 +690,12 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
         raise ValueError(f"{who}: the {K} key/value heads are not divisible by mesh axis {head_axis!r} "
                          f"({mesh.shape[head_axis]})")
     balance = balance or ("zigzag" if is_causal else "contiguous")
-    ring = Ring(axis_name, int(mesh.shape[axis_name]), balance)
-    if S % ring.chunks:
-        raise ValueError(f"{who}: sequence length {S} is not divisible into the {ring.chunks} chunks of {ring}")
+    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 1:
+        raise ValueError(f"{who}: rounds must be a positive int, got {rounds!r}")
+    ring = Ring(axis_name, int(mesh.shape[axis_name]), balance, int(rounds))
+    if S % (ring.chunks * ring.rounds):
+        raise ValueError(f"{who}: sequence length {S} is not divisible into the {ring.chunks} chunks of {ring}"
+                         + (f", {ring.rounds} pieces each" if ring.rounds > 1 else ""))
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
     from moajax.kernels.attention import mha_kernel
 

@@ -69,10 +69,14 @@ class Preset:
     # "contiguous" (the inputs' own split, no reorder: less memory and traffic, the causal work
     # uneven); None: zigzag when causal
     ring: str | None = None
+    # the rounds the ring's travelling blocks are cut into (``moajax.ring.Ring.rounds``): R
+    # rounds hold 1/R of each block in flight, at R times the sends; None: 1
+    ring_rounds: int | None = None
 
     @staticmethod
     def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, residuals=None,
-           plan=None, backward=None, skip=None, fuse_sums=None, ring=None, **knobs) -> "Preset":
+           plan=None, backward=None, skip=None, fuse_sums=None, ring=None, ring_rounds=None,
+           **knobs) -> "Preset":
         def items(d):
             return tuple(sorted((d or {}).items()))
 
@@ -85,8 +89,12 @@ class Preset:
                 raise TypeError(f"Preset: {name} must be a bool, got {flag!r}")
         if ring is not None and ring not in RING_BALANCES:
             raise ValueError(f"Preset: ring must be one of {RING_BALANCES}, got {ring!r}")
+        if ring_rounds is not None and (isinstance(ring_rounds, bool) or not isinstance(ring_rounds, int)
+                                        or ring_rounds < 1):
+            raise ValueError(f"Preset: ring_rounds must be a positive int, got {ring_rounds!r}")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
-                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip, fuse_sums, ring)
+                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip, fuse_sums, ring,
+                      ring_rounds)
 
     def applies_to(self, machine: Machine) -> bool:
         return self.target is None or self.target == machine.kind

@@ -57,7 +57,7 @@ MEMORY_FIRST = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 RING_TEMP = flags.DEFINE_string("ring_temp", None, "internal: S,devices — print the ring jit(grad)'s temp bytes")
 
 
-def _temp_memory_first(S: int, n: int, balance: str = "zigzag") -> int:
+def _temp_memory_first(S: int, n: int, balance: str = "zigzag", rounds: int = 1) -> int:
     """The ring jit(grad)'s temp memory under XLA CPU's memory-minimising schedule, compiled
     in a child process (the schedule is a process-wide XLA flag; a per-compile option does not
     reach it). Its default schedule, for concurrency, starts whatever only the inputs
@@ -66,7 +66,7 @@ def _temp_memory_first(S: int, n: int, balance: str = "zigzag") -> int:
     import subprocess
 
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + MEMORY_FIRST).strip())
-    out = subprocess.run([sys.executable, __file__, f"--ring_temp={S},{n},{balance}"], env=env, check=True,
+    out = subprocess.run([sys.executable, __file__, f"--ring_temp={S},{n},{balance},{rounds}"], env=env, check=True,
                          capture_output=True, text=True).stdout
     return int(out.strip().splitlines()[-1])
 
@@ -108,9 +108,15 @@ def main(argv):
 
     rgrad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     rgrad_contiguous = jax.jit(jax.grad(loss_contiguous, argnums=(0, 1, 2)))
+
+    def rgrad_of(balance: str, rounds: int):  # jit(grad) under Preset.of(ring=balance, ring_rounds=rounds)
+        onf = moajax.Preset.of(ring=balance, ring_rounds=rounds)
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=True, onf=onf)
+                                                        ** 2), argnums=(0, 1, 2)))
+
     if RING_TEMP.value:  # the child of _temp_memory_first
-        S, n, *balance = RING_TEMP.value.split(",")
-        fn = rgrad_contiguous if balance == ["contiguous"] else rgrad
+        S, n, balance, rounds = RING_TEMP.value.split(",")
+        fn = rgrad_of(balance, int(rounds)) if int(rounds) > 1 else rgrad_contiguous if balance == "contiguous" else rgrad
         print(_compiled(fn, *ring_case(int(S), int(n)))[0])
         return
 
@@ -255,6 +261,50 @@ def main(argv):
             lines.append(f"| {S} | {z[0] / 2**20:.1f} MiB | {c[0] / 2**20:.1f} MiB | {zf / 2**20:.1f} MiB | "
                          f"{cf / 2**20:.1f} MiB | {sent(S, n) / 2**20:.1f} MiB | {c_sent / 2**20:.1f} MiB | {z[2]} | "
                          f"{c[2]} |")
+        lines.append("")
+
+        # the ring in rounds (``Preset.of(ring_rounds=R)``): 1/R of each travelling block in flight
+        S = max(map(int, RING_MEMORY_S.value))
+        one, one_first = _compiled(rgrad, *ring_case(S, 1)), _temp_memory_first(S, 1)
+        lines += [f"### The ring in rounds (`Preset.of(ring=…, ring_rounds=R)`), S = {S}, {n} devices", "",
+                  "Each K and V block (and dK, dV) travels in R pieces of C/R keys, C the chunk (zigzag: "
+                  "S/2P, contiguous: S/P): the same bytes in R times the sends. 1 device ÷ this: the one-device "
+                  "temp (memory-first: its memory-first temp) over this. Piece: the keys of one piece; at 4h "
+                  "keys or fewer (here 256) the block's adjoint stages its [t s] products in memory "
+                  "(`schedule.staged_parts`) and the memory rises again.", "",
+                  "| balance | R | piece (keys) | temp per device | 1 device ÷ this | memory-first | "
+                  "1 device ÷ this | all memory per device | 1 device ÷ this | sent per device | "
+                  "collective-permutes | all-gathers |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for balance, chunk in (("zigzag", S // (2 * n)), ("contiguous", S // n)):
+            for rounds in (1, 2, 4, 8, 16):
+                if chunk // rounds < 128:
+                    continue
+                m = _compiled(rgrad_of(balance, rounds), *ring_case(S, n))
+                first = _temp_memory_first(S, n, balance, rounds)
+                ring, blk = Ring("seq", n, balance, rounds), (1, S // n, N, H)
+                sent_r = (cost.ring_bytes(ring, blk, blk, blk, 4, residuals_in_ring_order=False)
+                          + cost.ring_bytes(ring, blk, blk, blk, 4, backward=True, residuals_in_ring_order=False))
+                lines.append(f"| {balance} | {rounds} | {chunk // rounds} | {m[0] / 2**20:.1f} MiB | "
+                             f"{one[0] / m[0]:.2f} | {first / 2**20:.1f} MiB | {one_first / first:.2f} | "
+                             f"{m[3] / 2**20:.1f} MiB | {one[3] / m[3]:.2f} | {sent_r / 2**20:.1f} MiB | {m[2]} | "
+                             f"{m[1]} |")
+        lines.append("")
+
+        # what the rounds cost in time: the contiguous ring at S = 8192 (pieces of 1024, 512, 256 keys)
+        S = 2 * RING_TIME_S.value
+        args = ring_case(S, n)
+        fns = {r: rgrad_of("contiguous", r) for r in (1, 2, 4)}
+        info = {r: _compiled(f, *args) for r, f in fns.items()}
+        times = alternating({r: (lambda f=f: f(*args)) for r, f in fns.items()}, (), reps=REPS.value)
+        lines += [f"### Time of the rounds: the contiguous ring's jit(grad), S = {S}, {n} devices", "",
+                  "Median of the alternated runs (the devices share this machine's cores: the cost of more, "
+                  "smaller blocks and sends, not of the network).", "",
+                  "| R | piece (keys) | median | vs R = 1 | temp per device |", "|---:|---:|---:|---:|---:|"]
+        base = np.median(times[1])
+        for r in fns:
+            t = np.median(times[r])
+            lines.append(f"| {r} | {S // n // r} | {t * 1e3:.0f} ms | {base / t:.2f}× | {info[r][0] / 2**20:.1f} MiB |")
         lines.append("")
     write_results(OUT.value, lines)
 

@@ -198,7 +198,7 @@ def test_presets_and_derive():
     assert o.carry == {"max_s": "passes"} and o.axis("s").tile == 16 and o.gamma_of("key") == "F"
     gpu_only = Preset.of(tiles={"t": 32}, target="gpu")
     assert schedule.derive(d, cpu, gpu_only).axis("t").tile != 32 or d.outputs[0].shape[1] == 32
-    for name in ("classical", "online", "papers-three-pass"):
+    for name in ("classical", "online", "papers-three-pass", "ring-memory"):
         p = Preset.load(f"{O.__file__.rsplit('/moajax/', 1)[0]}/configs/presets/{name}.toml")
         assert cost.check_fits(schedule.derive(d, cpu, p).validate(), cpu)
     with pytest.raises(ONFError, match="carry must be 'online' or 'passes'"):
