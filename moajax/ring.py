@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from moajax.schedule import RING_BALANCES as BALANCES  # (a Preset names them too)
+from moajax.schedule import check_ring_rounds
 
 _FULL, _DIAG, _SKIP = 0, 1, 2
 
@@ -56,8 +57,7 @@ class Ring:
             raise ValueError(f"Ring: balance must be one of {BALANCES}, got {self.balance!r}")
         if not isinstance(self.devices, int) or self.devices < 1:
             raise ValueError(f"Ring: devices must be a positive int, got {self.devices!r}")
-        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1:
-            raise ValueError(f"Ring: rounds must be a positive int, got {self.rounds!r}")
+        check_ring_rounds(self.rounds, "Ring")
 
     @property
     def chunks(self) -> int:
@@ -690,9 +690,7 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
         raise ValueError(f"{who}: the {K} key/value heads are not divisible by mesh axis {head_axis!r} "
                          f"({mesh.shape[head_axis]})")
     balance = balance or ("zigzag" if is_causal else "contiguous")
-    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 1:
-        raise ValueError(f"{who}: rounds must be a positive int, got {rounds!r}")
-    ring = Ring(axis_name, int(mesh.shape[axis_name]), balance, int(rounds))
+    ring = Ring(axis_name, int(mesh.shape[axis_name]), balance, check_ring_rounds(rounds, who))
     if S % (ring.chunks * ring.rounds):
         raise ValueError(f"{who}: sequence length {S} is not divisible into the {ring.chunks} chunks of {ring}"
                          + (f", {ring.rounds} pieces each" if ring.rounds > 1 else ""))

@@ -89,9 +89,8 @@ class Preset:
                 raise TypeError(f"Preset: {name} must be a bool, got {flag!r}")
         if ring is not None and ring not in RING_BALANCES:
             raise ValueError(f"Preset: ring must be one of {RING_BALANCES}, got {ring!r}")
-        if ring_rounds is not None and (isinstance(ring_rounds, bool) or not isinstance(ring_rounds, int)
-                                        or ring_rounds < 1):
-            raise ValueError(f"Preset: ring_rounds must be a positive int, got {ring_rounds!r}")
+        if ring_rounds is not None:
+            check_ring_rounds(ring_rounds, "Preset", "ring_rounds")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
                       residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip, fuse_sums, ring,
                       ring_rounds)
@@ -119,6 +118,14 @@ PLANS = ("fused", "owner", "per_output")
 
 
 RESIDUALS = ("auto", "save", "none")
+
+
+def check_ring_rounds(rounds, who: str, name: str = "rounds") -> int:
+    """The ring's rounds (``moajax.ring.Ring.rounds``) as an int, or a ValueError naming ``name``:
+    a positive integer, not a bool."""
+    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 1:
+        raise ValueError(f"{who}: {name} must be a positive int, got {rounds!r}")
+    return int(rounds)
 
 
 def residual_choice(residuals, who: str):
