@@ -283,13 +283,22 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
 
 def _one_pass_pairs(onf: ONF, groups: dict) -> list:
     """(plain group, scattered group) pairs one walk can compute: outputs scatter-added over
-    the grid axis r the cpu_loop walks, written tile by tile over their sequential axis v, and
-    outputs owned per tile of r whose stages reduce over v (the fused backward's dK, dV and dQ)."""
+    the grid axis r the cpu_loop walks (or r in one tile), written tile by tile over their
+    sequential axis v, and outputs owned per tile of r whose stages reduce over v (the fused
+    backward's dK, dV and dQ)."""
     out = []
     for (loops, scatter), members in groups.items():
-        if scatter is None or scatter.name not in onf.knobs.cpu_loop or len(loops) != 1:
+        if scatter is None or len(loops) != 1:
             continue
-        v, key = loops[0], ((scatter,), None)
+        if scatter.name in onf.knobs.cpu_loop:
+            key = ((scatter,), None)
+        elif onf.axis_of(scatter).ntiles == 1:
+            # r in one tile (few keys, or a cache that holds them all): one program owns every
+            # row, so the walk over r is one step, and the plain outputs are not looped over it
+            key = ((), None)
+        else:
+            continue
+        v = loops[0]
         if key not in groups or onf.axis_of(v).role != "sequential":
             continue
         need = onf.program.reads([name for _, _, name in groups[key]])

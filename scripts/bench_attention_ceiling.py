@@ -6,7 +6,10 @@ a FlashAttention-2 backward written by hand in plain JAX — one pass, P recompu
 in 5 contractions (S = QKᵀ, dV += Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − Δ), dK += dSᵀ Q, dQ += dS K),
 lax.scan over key tiles outside and query tiles inside, dQ's tiles as scan outputs — at a few
 tilings, in one process, alternating, with a same-run GEMM. Both read the forward's log-sum-
-exp. The hand-written kernel is the bar: what XLA makes of the best-known schedule here.
+exp. The hand-written kernel is the bar: what XLA makes of the best-known schedule here. Then
+each tile contraction of moajax's adjoint alone, at its tile shapes: the rate XLA's CPU dot
+gives each (one of the five contracts its lhs's leading axis, the transposed form), and the
+share of the adjoint's time the contractions take at those rates.
 
     python scripts/bench_attention_ceiling.py    # writes bench/results/attention_ceiling_cpu.md
 """
@@ -56,6 +59,69 @@ def _fa2_backward(n, s_len, h, bs, bt):
         return dq, jnp.moveaxis(dks, 0, 1).reshape(n, s_len, h), jnp.moveaxis(dvs, 0, 1).reshape(n, s_len, h)
 
     return jax.jit(bwd)
+
+
+def _loop_dots(jaxpr) -> list:
+    """The dot_generals inside the loops of a jaxpr (the tile contractions), in trace order:
+    (lhs shape, rhs shape, dimension numbers, precision, preferred dtype)."""
+    out = []
+
+    def walk(j, depth):
+        for e in j.eqns:
+            if e.primitive.name == "dot_general" and depth:
+                out.append((e.invars[0].aval.shape, e.invars[1].aval.shape, e.params["dimension_numbers"],
+                            e.params["precision"], e.params["preferred_element_type"]))
+            for p in e.params.values():
+                for x in p if isinstance(p, (list, tuple)) else (p,):
+                    inner = getattr(x, "jaxpr", None)
+                    if inner is not None:
+                        walk(getattr(inner, "jaxpr", inner), depth + (e.primitive.name in ("while", "scan")))
+
+    walk(jaxpr.jaxpr, 0)
+    return out
+
+
+def _dot_share(lhs, rhs, dims, precision, dtype, gemm, reps: int = 48):
+    """One tile contraction's rate as a share of the GEMM's, the two alternating: the
+    contraction run alone ``reps`` times in a loop (each call fed its previous output through
+    an optimization barrier, so XLA neither hoists nor drops it), best of 3 each. Returns the
+    share and the contraction's flops."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from moajax.timing import alternating
+
+    r = np.random.default_rng(1)
+    a, b = (jnp.asarray(r.standard_normal(x), jnp.float32) for x in (lhs, rhs))
+    dot = lambda x, y: lax.dot_general(x, y, dims, precision=precision, preferred_element_type=dtype)  # noqa: E731
+    shape = jax.eval_shape(dot, a, b).shape
+
+    def body(i, acc):
+        x, y, _ = lax.optimization_barrier((a, b, acc))
+        return dot(x, y)
+
+    f = jax.jit(lambda: lax.fori_loop(0, reps, body, jnp.zeros(shape, jnp.float32)))
+    times = alternating({"dot": f, "gemm": gemm}, (), reps=3)
+    (ca, _), _ = dims
+    flops = 2 * np.prod(shape) * np.prod([lhs[d] for d in ca])
+    return (reps * flops / min(times["dot"])) / (2 * 4096**3 / min(times["gemm"])), flops
+
+
+def _spec(lhs, rhs, dims) -> tuple:
+    """A dot_general as an einsum (n batch, k contracted, i the lhs's and j the rhs's free
+    axes), and whether it is a transposed-lhs GEMM: an lhs free axis after a contracted one."""
+    (ca, cb), (ba, bb) = dims
+
+    def letters(shape, c, b, free):
+        return "".join("n" if d in b else "k" if d in c else free for d in range(len(shape)))
+
+    la, lb = letters(lhs, ca, ba, "i"), letters(rhs, cb, bb, "j")
+    out = "n" * len(ba) + "i" * la.count("i") + "j" * lb.count("j")
+    shapes = "×".join(map(str, lhs)) + " · " + "×".join(map(str, rhs))
+    transposed = "i" in la and la.index("k") < la.index("i")
+    return f"{la},{lb}->{out} ({shapes})", transposed
 
 
 def main(argv):
@@ -109,6 +175,29 @@ def main(argv):
     for name in fns:
         t = min(times[name])
         lines.append(f"| {name} | {1e3 * t:.1f} | {100 * 5 * unit / gemm_rate / t:.0f} % | {errs[name]:.1e} |")
+    # the adjoint's tile contractions, each alone: what XLA's CPU dot runs them at here
+    dots = _loop_dots(jax.make_jaxpr(runtime.lowered(plan, "xla", tuple(o.name for o in dnf.outputs)))(*args))
+    tiles = int(np.prod([a.ntiles for a in plan.axes if a.name in ("s", "t")]))
+    counts: dict = {}
+    for d in dots:
+        counts[d] = counts.get(d, 0) + 1
+    rows, total = [], 0.0
+    for (lhs, rhs, dims, prec, dt), count in counts.items():
+        share, flops = _dot_share(lhs, rhs, dims, prec, dt, wrapped["GEMM 4096³"])
+        total += count * tiles * flops / (share * gemm_rate)
+        spec, transposed = _spec(lhs, rhs, dims)
+        rows.append(f"| {spec} | {count} | {'yes' if transposed else ''} | {100 * share:.0f} % |")
+    adjoint = min(times["moajax adjoint (default plan)"])
+    lines += ["", "## The adjoint's tile contractions alone", "",
+              f"Each dot_general of the default plan's loop body (tiles: {plan.axis('s').tile} keys × "
+              f"{plan.axis('t').tile} queries, {tiles} tile pairs), run alone 48 times in a loop, best of 3, "
+              "alternating with the GEMM: its rate as a share of the GEMM's. n: batch (heads), k: contracted, "
+              "i, j: free. Transposed lhs: the lhs contracts an axis before its free one (dQ = Σ_s dS[s t] "
+              "K[s h] from the [n s t] tile).", "",
+              "| contraction | per tile pair | transposed lhs | % of GEMM |", "|---|---:|---|---:|", *rows, "",
+              f"Every tile pair's contractions at these shares of the GEMM's {gemm_rate / 1e9:.0f} GF/s take "
+              f"{1e3 * total:.0f} ms, {100 * total / adjoint:.0f} % of the adjoint's best {1e3 * adjoint:.0f} ms; "
+              "the rest is the exps, the elementwise passes over each [n s t] tile and the loops."]
     write_results(OUT.value, lines + [""])
 
 

@@ -15,6 +15,12 @@ table is the measurement behind that rule.
 Contenders alternate; best and median of the repetitions. B=1, N=8, H=E=64, float32.
 Results: bench/results/backward_plans_cpu.md.
 
+A second table: few keys against many queries (T = 4096, S = 256, 512: a ring's piece of K and
+V, cross-attention), the adjoint reading the saved statistics, where every key is one row tile:
+the fused plan's walk over key tiles is one step (``lower_xla._one_pass``); the owner plan there
+stages the shared score in memory first (``schedule.staged_parts``: [t s] up to 4 × Q), the
+plan derive_plan took before it took the fused one. Temp: the compiled executable's.
+
     python scripts/bench_backward_plans.py                  # S = T = 1024 2048 4096
     python scripts/bench_backward_plans.py --sizes 1024 --reps 3
 """
@@ -34,6 +40,8 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 2048, 4096])
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--queries", type=int, default=4096, help="T of the few-keys table")
+    ap.add_argument("--few_keys", type=int, nargs="*", default=[256, 512], help="S of the few-keys table")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backward_plans_cpu.md"))
     args = ap.parse_args()
 
@@ -79,6 +87,33 @@ def main():
                 rows.append(f"| {S} | {variant} | {n} | {min(ts):.4f} | {statistics.median(ts):.4f} | "
                             f"{statistics.median(times['fused']) / statistics.median(ts):.2f}× | {picked} | "
                             f"{'max rel. diff vs fused %.1e' % diff[n] if n != 'fused' else ''} |")
+    few = []
+    for S in args.few_keys:
+        T = args.queries
+        r = np.random.default_rng(0)
+        q, g = (jnp.asarray(r.standard_normal((1, T, args.heads, 64)), jnp.float32) for _ in range(2))
+        k, v = (jnp.asarray(r.standard_normal((1, S, args.heads, 64)), jnp.float32) for _ in range(2))
+        out, *saved = kern.with_row_statistics().compiled(q, k, v)(q, k, v)
+        adj = kern.adjoint(q, k, v, saved=True)
+        arrays = [q, k, v, g, *saved, out]
+        dnf = adj.dnf(*arrays)
+        owner = schedule.plan_groups(dnf, "owner", machine)
+        plans = {"fused": schedule.derive(dnf, machine),
+                 "owner, staged": tuple(schedule.derive(d, machine) for d in schedule.staged_parts(dnf, owner)),
+                 "owner": tuple(schedule.derive(d, machine) for d in schedule.split_outputs(dnf, owner))}
+        chosen = schedule.derive_plan(dnf, machine)
+        fns = {n: jax.jit(runtime.lowered(p, "xla")) for n, p in plans.items()}
+        temp = {n: f.lower(*arrays).compile().memory_analysis().temp_size_in_bytes for n, f in fns.items()}
+        got = {n: f(*arrays) for n, f in fns.items()}
+        diff = {n: max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got[n], got["fused"]))
+                for n in fns}
+        times = timing.alternating(fns, arrays, reps=args.reps)
+        for n, ts in times.items():
+            picked = "yes" if chosen == plans[n] else ""
+            few.append(f"| {T} | {S} | {n} | {len(plans[n]) if isinstance(plans[n], tuple) else 1} | {min(ts):.4f} | "
+                       f"{statistics.median(ts):.4f} | {statistics.median(times['fused']) / statistics.median(ts):.2f}× | "
+                       f"{temp[n] / 2**20:.1f} MiB | {picked} | "
+                       f"{'max rel. diff vs fused %.1e' % diff[n] if n != 'fused' else ''} |")
     lines = [
         "# The attention adjoint (dQ, dK, dV) on the CPU: fused, split and owner XLA plans",
         "",
@@ -90,6 +125,12 @@ def main():
         "|---:|---|---|---:|---:|---:|---|---|",
         *rows,
     ]
+    if few:
+        lines += ["", "## Few keys against many queries: every key in one row tile", "",
+                  f"The adjoint reading the saved statistics, B=1, N={args.heads}, H=E=64, float32. Kernels: the "
+                  "plan's ONFs (a staged plan's first kernel computes the shared score into memory).", "",
+                  "| T | S | plan | kernels | best s | median s | speed-up vs fused (median) | temp | "
+                  "derive_plan picks | note |", "|---:|---:|---|---:|---:|---:|---:|---:|---|---|", *few]
     timing.write_results(args.out, lines)
 
 

@@ -269,16 +269,16 @@ def main(argv):
         lines += [f"### The ring in rounds (`Preset.of(ring=…, ring_rounds=R)`), S = {S}, {n} devices", "",
                   "Each K and V block (and dK, dV) travels in R pieces of C/R keys, C the chunk (zigzag: "
                   "S/2P, contiguous: S/P): the same bytes in R times the sends. 1 device ÷ this: the one-device "
-                  "temp (memory-first: its memory-first temp) over this. Piece: the keys of one piece; at 4h "
-                  "keys or fewer (here 256) the block's adjoint stages its [t s] products in memory "
-                  "(`schedule.staged_parts`) and the memory rises again.", "",
+                  "temp (memory-first: its memory-first temp) over this. Piece: the keys of one piece, down to h; "
+                  "a piece is one key tile of the block's adjoint, whose fused plan walks the query tiles once "
+                  "(`lower_xla._one_pass`).", "",
                   "| balance | R | piece (keys) | temp per device | 1 device ÷ this | memory-first | "
                   "1 device ÷ this | all memory per device | 1 device ÷ this | sent per device | "
                   "collective-permutes | all-gathers |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for balance, chunk in (("zigzag", S // (2 * n)), ("contiguous", S // n)):
-            for rounds in (1, 2, 4, 8, 16):
-                if chunk // rounds < 128:
+            for rounds in (1, 2, 4, 8, 16, 32, 64):
+                if chunk // rounds < H:
                     continue
                 m = _compiled(rgrad_of(balance, rounds), *ring_case(S, n))
                 first = _temp_memory_first(S, n, balance, rounds)
@@ -291,10 +291,10 @@ def main(argv):
                              f"{m[1]} |")
         lines.append("")
 
-        # what the rounds cost in time: the contiguous ring at S = 8192 (pieces of 1024, 512, 256 keys)
+        # what the rounds cost in time: the contiguous ring at S = 8192 (pieces of 1024 to 128 keys)
         S = 2 * RING_TIME_S.value
         args = ring_case(S, n)
-        fns = {r: rgrad_of("contiguous", r) for r in (1, 2, 4)}
+        fns = {r: rgrad_of("contiguous", r) for r in (1, 2, 4, 8)}
         info = {r: _compiled(f, *args) for r, f in fns.items()}
         times = alternating({r: (lambda f=f: f(*args)) for r, f in fns.items()}, (), reps=REPS.value)
         lines += [f"### Time of the rounds: the contiguous ring's jit(grad), S = {S}, {n} devices", "",

@@ -208,22 +208,51 @@ def test_the_atomic_backward_walks_the_keys_once_with_p_once_per_tile(causal):
     assert text.count("dot_general") == dots and text.count(" exp ") == exps
 
 
+def test_few_keys_against_many_queries_take_the_fused_one_walk_not_staged_scores():
+    # 4096 queries against 256 keys (a ring's piece of K and V, at 8 devices and 16 rounds of
+    # S = 32768; cross-attention): every key is one row tile, so the fused adjoint is one walk
+    # over the query tiles (6 dots, 1 exp). Before, only a walked row axis kept the fused plan,
+    # and owner's staged first kernel held QKᵀ and dO Vᵀ [t s] in memory — up to 4 × Q each
+    # (bench/results/backward_plans_cpu.md: its temp and time beside the fused plan's)
+    from moajax import lower_xla
+
+    q, kv = jax.ShapeDtypeStruct((1, 4096, 8, 64), np.float32), jax.ShapeDtypeStruct((1, 256, 8, 64), np.float32)
+    adj, args = mha_kernel(None, None, False).saved_adjoint(q, kv, kv)
+    dnf = adj.dnf(*args)
+    cpu = machines.load("anvil-epyc-7543")
+    plan = schedule.derive_plan(dnf, cpu)
+    assert not isinstance(plan, tuple) and plan.accumulate == (("d_query", "atomic"),)
+    assert plan.axis("s").ntiles == 1 and plan.axis("t").role == "sequential" and not plan.knobs.cpu_loop
+    staged = schedule.staged_parts(dnf, schedule.plan_groups(dnf, "owner", cpu))
+    # (the owner plan's alternative: QKᵀ and dO Vᵀ staged as [t n s] arrays, 2 × 32 MiB)
+    assert [o.shape for o in staged[0].outputs] == [(4096, 8, 256)] * 2 and len(staged) == 3
+    text = str(jax.make_jaxpr(lower_xla.lower(plan))(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in dnf.inputs]))
+    assert text.count("dot_general") == 6 and text.count(" exp ") == 1
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_xla_one_pass_backward_matches_the_reference(causal, monkeypatch):
+@pytest.mark.parametrize("keys,s_tile", [(24, 8), (24, 24), (8, 8)], ids=["walked", "one-key-tile", "few-keys"])
+def test_the_xla_one_pass_backward_matches_the_reference(causal, keys, s_tile, monkeypatch):
     # the fused plan on the CPU, its cpu_loop walking key tiles (FlashAttention-2's order: the
     # fewest outputs scatter-added): per key tile one walk over the query tiles computes dK's
-    # and dV's Σ_t and adds the dQ partials (lower_xla._one_pass)
+    # and dV's Σ_t and adds the dQ partials (lower_xla._one_pass). Where every key is in one
+    # tile (a cache that holds them, or few keys against many queries: a ring's piece of K, V)
+    # the walk over key tiles is one step, no loop: the same one pass (it was vectorised,
+    # computing dQ apart from dK and dV, each recomputing P)
     from moajax import lower_xla
 
     calls = []
     real = lower_xla._one_pass
     monkeypatch.setattr(lower_xla, "_one_pass", lambda *a: calls.append(1) or real(*a))
     with compat.enable_x64_context(True):
-        specs = [jax.ShapeDtypeStruct((2, 24, 2, 4), np.float64)] * 3
-        adj, args = mha_kernel(None, None, False).saved_adjoint(*specs, is_causal=causal)
+        q = jax.ShapeDtypeStruct((2, 24, 2, 4), np.float64)
+        kv = jax.ShapeDtypeStruct((2, keys, 2, 4), np.float64)
+        adj, args = mha_kernel(None, None, False).saved_adjoint(q, kv, kv, is_causal=causal)
         dnf = adj.dnf(*args, is_causal=causal)
-        onf = schedule.derive(dnf, machines.local(), Preset.of(tiles={"t": 8, "s": 8}, cpu_loop="s"))
+        walked = s_tile < keys
+        onf = schedule.derive(dnf, machines.local(), Preset.of(tiles={"t": 8, "s": s_tile}, cpu_loop="s" if walked else ()))
         assert onf.accumulate == (("d_query", "atomic"),) and onf.axis("t").role == "sequential"
+        assert onf.knobs.cpu_loop == (("s",) if walked else ()) and (onf.axis("s").ntiles > 1) == walked
         r = np.random.default_rng(7)
         arrays = [r.standard_normal(a.shape) + (3.0 if n.startswith("saved1") else 0.0)
                   for a, n in zip(args, [i.name for i in dnf.inputs])]
@@ -242,10 +271,11 @@ def test_a_cpu_keeps_the_fused_adjoint_where_it_adds_one_output_and_works_less(k
     # score, dP, dV, dK and dQ once — 5 [t s] contractions against owner's 4 + 3 — and its XLA
     # lowering (one walk, lower_xla._one_pass) traces 6 dots and 1 exp against owner's 9 and 2
     # (dS's two terms, P × dP and P × Δ, are summed apart: one more contraction in each plan's
-    # dQ, and in owner's dK). A row tile covering every key
-    # (anvil's 256 MiB cache at S = 1024) is vectorised and shares nothing: owner. With GQA,
-    # dQ reads the kv head ⌊n/G⌋ and dK the query heads (n_kv, g): no contraction is the same
-    # node, so owner stays; on a GPU owner always
+    # dQ, and in owner's dK). A row tile covering every key (anvil's 256 MiB cache at
+    # S = 1024) is one program, its walk one step: the same one walk, the fused plan (it was
+    # lowered vectorised, sharing nothing, and owner ran: 99 against 81 ms causal here). With
+    # GQA, dQ reads the kv head ⌊n/G⌋ and dK the query heads (n_kv, g): no contraction is the
+    # same node, so owner stays; on a GPU owner always
     from moajax import lower_xla
 
     q, kv = (jax.ShapeDtypeStruct((1, S, n, 64), np.float32) for n in (8, kv_heads))
@@ -258,8 +288,12 @@ def test_a_cpu_keeps_the_fused_adjoint_where_it_adds_one_output_and_works_less(k
     if kv_heads == 8:
         assert fused.accumulate == (("d_query", "atomic"),) and fused.axis("s").role == "grid"
         assert schedule.plan_work((fused,)) / schedule.plan_work(owner) == pytest.approx(5 / 7, rel=0.01)
-    if kv_heads == 8 and S == 8192:
-        assert plan is fused and fused.knobs.cpu_loop == ("s",) and fused.axis("t").role == "sequential"
+    if kv_heads == 8:
+        assert plan is fused and fused.axis("t").role == "sequential"
+        # S = 1024: one row tile of every key, no loop over it; S = 8192: the row tiles walked
+        walked = S == 8192
+        assert fused.knobs.cpu_loop == (("s",) if walked else ()) and (fused.axis("s").ntiles > 1) == walked
+
         def counts(onfs):
             texts = [str(jax.make_jaxpr(lower_xla.lower(o))(*[jax.ShapeDtypeStruct(i.shape, i.dtype)
                                                               for i in o.dnf.inputs])) for o in onfs]
