@@ -272,8 +272,8 @@ def test_a_cpu_keeps_the_fused_adjoint_where_it_adds_one_output_and_works_less(k
     # lowering (one walk, lower_xla._one_pass) traces 6 dots and 1 exp against owner's 9 and 2
     # (dS's two terms, P × dP and P × Δ, are summed apart: one more contraction in each plan's
     # dQ, and in owner's dK). A row tile covering every key (anvil's 256 MiB cache at
-    # S = 1024) is one program, its walk one step: the same one walk, the fused plan (it was
-    # lowered vectorised, sharing nothing, and owner ran: 99 against 81 ms causal here). With
+    # S = 1024) is one program, its walk one step: the same one walk, the fused plan (until
+    # 2026-12-03 it was lowered vectorised, sharing nothing, and owner ran). With
     # GQA, dQ reads the kv head ⌊n/G⌋ and dK the query heads (n_kv, g): no contraction is the
     # same node, so owner stays; on a GPU owner always
     from moajax import lower_xla
