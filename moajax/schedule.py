@@ -891,8 +891,9 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         # owner, staging QKᵀ and dO Vᵀ [t s] in memory, held 144.8 MiB and took 2.29× its time
         # (bench/results/backward_plans_cpu.md).
         # Attention's adjoint reading the saved statistics: programs owning key tiles add dQ
-        # alone, 5 contractions per tile against owner's 7 — 1.54×, 1.45×, 1.22× owner at
-        # S = 1024, 2048, 4096 (bench/results/backward_plans_cpu.md). The MLP's staged plan
+        # alone, 5 contractions per tile against owner's 7 — 1.28×, 1.56×, 1.48× owner at
+        # S = 1024, 2048, 4096 (bench/results/backward_plans_cpu.md, the Xeon on 2026-12-03;
+        # the EPYC the day before: 1.54×, 1.45×, 1.22×). The MLP's staged plan
         # and RMSNorm's tie, so they stay; the adjoint recomputing the statistics adds two
         # outputs (its row owner is the queries), so it stays owner though its fused plan is
         # faster there too
