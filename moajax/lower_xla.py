@@ -288,17 +288,11 @@ def _one_pass_pairs(onf: ONF, groups: dict) -> list:
     backward's dK, dV and dQ)."""
     out = []
     for (loops, scatter), members in groups.items():
-        if scatter is None or len(loops) != 1:
+        if scatter is None or len(loops) != 1 or not onf.rows_walked_once(scatter):
             continue
-        if scatter.name in onf.knobs.cpu_loop:
-            key = ((scatter,), None)
-        elif onf.axis_of(scatter).ntiles == 1:
-            # r in one tile (few keys, or a cache that holds them all): one program owns every
-            # row, so the walk over r is one step, and the plain outputs are not looped over it
-            key = ((), None)
-        else:
-            continue
-        v = loops[0]
+        # r in one tile (few keys, or a cache that holds them all): the walk over r is one
+        # step, and the plain outputs are not looped over it
+        v, key = loops[0], ((scatter,) if onf.axis_of(scatter).ntiles > 1 else (), None)
         if key not in groups or onf.axis_of(v).role != "sequential":
             continue
         need = onf.program.reads([name for _, _, name in groups[key]])

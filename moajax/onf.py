@@ -502,6 +502,13 @@ class ONF:
         v = stage.accumulated.var
         return v if self.axis_of(v).role == "grid" else None
 
+    def rows_walked_once(self, r: Var) -> bool:
+        """Do the programs' rows r run in one walk on a CPU: r walked tile by tile (the cpu_loop
+        knob), or held in one tile (one program owns every row)? XLA then computes the outputs
+        the programs own and those they scatter-add over r in one walk of each row tile,
+        sharing its values (``lower_xla._one_pass``)."""
+        return r.name in self.knobs.cpu_loop or self.axis_of(r).ntiles == 1
+
     @property
     def grid(self) -> tuple:
         return tuple(a.name for a in self.axes if a.role == "grid")

@@ -884,9 +884,9 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         # key tiles in one loop sharing P — no atomics, bitwise repeatable. Except on a CPU,
         # where programs run in turn: one carried buffer costs less than recomputing, so the
         # fused ONF stays where it scatter-adds one output, its programs walk their row tiles
-        # or one tile holds every row (``_walked_once``: XLA then computes the other outputs'
-        # sums in that walk, sharing each tile's values — ``lower_xla._one_pass``) and it does
-        # less reduction work than the owner plan (``plan_work``; a tie keeps owner). 4096
+        # or one tile holds every row (``ONF.rows_walked_once``: XLA then computes the other
+        # outputs' sums in that walk, sharing each tile's values — ``lower_xla._one_pass``) and
+        # it does less reduction work than the owner plan (``plan_work``; a tie keeps owner). 4096
         # queries against 256 keys (one key tile): the fused walk holds 32.3 MiB of temp where
         # owner, staging QKᵀ and dO Vᵀ [t s] in memory, held 144.8 MiB and took 2.29× its time
         # (bench/results/backward_plans_cpu.md).
@@ -905,19 +905,11 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
                 plan = tuple(derive(d, machine, preset) for d in parts)
             except ONFError:
                 continue
-            if (not machine.is_gpu and len(scattered) == 1 and _walked_once(onf, onf.scatter_var(scattered[0]))
+            if (not machine.is_gpu and len(scattered) == 1 and onf.rows_walked_once(onf.scatter_var(scattered[0]))
                     and plan_work((onf,)) < plan_work(plan)):
                 return onf
             return plan
     return derive(dnf, machine, preset)
-
-
-def _walked_once(onf: ONF, r) -> bool:
-    """Does XLA compute a CPU ONF's outputs in one walk, sharing each tile's values
-    (``lower_xla._one_pass``)? Where the programs' row axis r is walked (the cpu_loop knob), or
-    is one tile: one program owns every row (few keys against many queries: a ring's piece of
-    K, V)."""
-    return r.name in onf.knobs.cpu_loop or onf.axis_of(r).ntiles == 1
 
 
 def plan_work(onfs) -> int:

@@ -35,6 +35,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _side_by_side(plans: dict, arrays, reps: int):
+    """Each plan jitted, run, and timed alternating with the others: (the jitted functions,
+    name → times, name → the max relative difference of its outputs from the fused plan's)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moajax import runtime, timing
+
+    fns = {n: jax.jit(runtime.lowered(p, "xla")) for n, p in plans.items()}
+    got = {n: f(*arrays) for n, f in fns.items()}
+    diff = {n: max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got[n], got["fused"]))
+            for n in fns}
+    return fns, timing.alternating(fns, arrays, reps=reps), diff
+
+
+def _note(name: str, diff: dict) -> str:
+    return f"max rel. diff vs fused {diff[name]:.1e}" if name != "fused" else ""
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 2048, 4096])
@@ -50,7 +69,7 @@ def main():
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from moajax import machines, runtime, schedule, timing
+    from moajax import machines, schedule, timing
     from moajax.kernels.attention import mha_kernel
 
     kern = mha_kernel(None, None, False)
@@ -77,16 +96,12 @@ def main():
             groups = [g for g in (tuple(o.name for o in c.dnf.outputs if o.name in {x.name for x in dnf.outputs})
                                   for c in (chosen if isinstance(chosen, tuple) else (chosen,))) if g]
             chosen = "fused" if len(groups) == 1 else "split" if all(len(g) == 1 for g in groups) else "owner"
-            fns = {n: jax.jit(runtime.lowered(p, "xla")) for n, p in plans.items()}
-            got = {n: f(*arrays) for n, f in fns.items()}
-            diff = {n: max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got[n], got["fused"]))
-                    for n in fns}
-            times = timing.alternating(fns, arrays, reps=args.reps)
+            _, times, diff = _side_by_side(plans, arrays, args.reps)
             for n, ts in times.items():
                 picked = "yes" if n == chosen else ""
                 rows.append(f"| {S} | {variant} | {n} | {min(ts):.4f} | {statistics.median(ts):.4f} | "
                             f"{statistics.median(times['fused']) / statistics.median(ts):.2f}× | {picked} | "
-                            f"{'max rel. diff vs fused %.1e' % diff[n] if n != 'fused' else ''} |")
+                            f"{_note(n, diff)} |")
     few = []
     for S in args.few_keys:
         T = args.queries
@@ -102,18 +117,13 @@ def main():
                  "owner, staged": tuple(schedule.derive(d, machine) for d in schedule.staged_parts(dnf, owner)),
                  "owner": tuple(schedule.derive(d, machine) for d in schedule.split_outputs(dnf, owner))}
         chosen = schedule.derive_plan(dnf, machine)
-        fns = {n: jax.jit(runtime.lowered(p, "xla")) for n, p in plans.items()}
+        fns, times, diff = _side_by_side(plans, arrays, args.reps)
         temp = {n: f.lower(*arrays).compile().memory_analysis().temp_size_in_bytes for n, f in fns.items()}
-        got = {n: f(*arrays) for n, f in fns.items()}
-        diff = {n: max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got[n], got["fused"]))
-                for n in fns}
-        times = timing.alternating(fns, arrays, reps=args.reps)
         for n, ts in times.items():
             picked = "yes" if chosen == plans[n] else ""
             few.append(f"| {T} | {S} | {n} | {len(plans[n]) if isinstance(plans[n], tuple) else 1} | {min(ts):.4f} | "
                        f"{statistics.median(ts):.4f} | {statistics.median(times['fused']) / statistics.median(ts):.2f}× | "
-                       f"{temp[n] / 2**20:.1f} MiB | {picked} | "
-                       f"{'max rel. diff vs fused %.1e' % diff[n] if n != 'fused' else ''} |")
+                       f"{temp[n] / 2**20:.1f} MiB | {picked} | {_note(n, diff)} |")
     lines = [
         "# The attention adjoint (dQ, dK, dV) on the CPU: fused, split and owner XLA plans",
         "",
