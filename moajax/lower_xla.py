@@ -35,6 +35,8 @@ from moajax.tiles.scope import ProgramState
 class XlaBackend(Backend):
     """Reads are (dynamic) slices, gathers where an index is computed; contractions einsums."""
 
+    scalars_to_smallest = True
+
     def __init__(self, onf: ONF, arrays: dict, perms: dict):
         super().__init__(onf, perms)
         self.arrays = arrays

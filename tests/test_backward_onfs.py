@@ -303,3 +303,37 @@ def test_a_cpu_keeps_the_fused_adjoint_where_it_adds_one_output_and_works_less(k
     else:
         assert isinstance(plan, tuple)
     assert isinstance(schedule.derive_plan(dnf, A100), tuple)
+
+
+def _scaled_dot_operands(jaxpr, shapes: set) -> list:
+    """The dot_general operands that are a product by a scalar (a literal or a 0-d value) of
+    one of ``shapes``, in a jaxpr and the jaxprs of its loops: each a pass of its own over the
+    tile (a scalar product feeding an elementwise op fuses into it, a dot's operand does not)."""
+    scaled = {id(e.outvars[0]): e for e in jaxpr.eqns if e.primitive.name == "mul"
+              and tuple(e.outvars[0].aval.shape) in shapes and any(not getattr(x.aval, "shape", ()) for x in e.invars)}
+    out = [scaled[id(x)] for e in jaxpr.eqns if e.primitive.name == "dot_general" for x in e.invars if id(x) in scaled]
+    for e in jaxpr.eqns:
+        for p in e.params.values():
+            for x in p if isinstance(p, (list, tuple)) else (p,):
+                inner = getattr(x, "jaxpr", None)
+                if inner is not None:
+                    out += _scaled_dot_operands(getattr(inner, "jaxpr", inner), shapes)
+    return out
+
+
+def test_the_xla_adjoint_scales_no_score_tile():
+    # dQ = Σ_s dS·K·c (c = H^-½): on XLA each elementwise pass sweeps the whole [n s t] tile
+    # through memory, so the scalar c multiplies the smallest of dS, K and the result
+    # (``Backend.scalars_to_smallest``): K's [n s h] tile or dQ's [n t h] partial, never the
+    # [n s t] dS that the dot reads — before, c × dS was a fourth pass over every tile's scores
+    # (c × QKᵀ inside exp(c·QKᵀ − m) fuses into the exp's pass: no pass of its own)
+    from moajax import lower_xla
+
+    specs = [jax.ShapeDtypeStruct((1, 4096, 8, 64), np.float32)] * 3  # (the benchmarks' shape)
+    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
+    plan = schedule.derive_plan(adj.dnf(*args), machines.load("anvil-epyc-7543"))
+    assert not isinstance(plan, tuple) and plan.accumulate == (("d_query", "atomic"),)
+    s, t, n = plan.axis("s").tile, plan.axis("t").tile, 8
+    jaxpr = jax.make_jaxpr(lower_xla.lower(plan))(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in plan.dnf.inputs])
+    assert str(jaxpr).count("dot_general") == 6  # (the one walk: the tiles above are its tiles)
+    assert _scaled_dot_operands(jaxpr.jaxpr, {(n, s, t), (n, t, s)}) == []

@@ -43,6 +43,11 @@ def contract(ev, vals: list, v: Var, out_dtype, zeros=None) -> Named:
         for d in datas[1:]:
             prod = prod * d.astype(out_dtype)
         return Named(prod * np.asarray(size, out_dtype) if size != 1 else prod, vs)
+    scalars = [x for x in vals if not x.vars] if ev.backend.scalars_to_smallest else []
+    if scalars and len(vals) - len(scalars) >= 2:
+        a, b = two_operands([x for x in vals if x.vars], v, ev.rank)
+        if b is not None:
+            return _scaled_contraction(ev, a, b, scalars, v, out_dtype)
     a, b = two_operands(vals, v, ev.rank)
     if b is None:
         ax = a.vars.index(v)
@@ -50,20 +55,30 @@ def contract(ev, vals: list, v: Var, out_dtype, zeros=None) -> Named:
     return ev.backend.contract(a, b, v, out_dtype)
 
 
+def _scaled_contraction(ev, a: Named, b: Named, scalars: list, v: Var, out_dtype) -> Named:
+    """Σ_v a·b·c = (Σ_v (a·c)·b) = c·Σ_v a·b for scalars c (distributivity): c multiplies
+    whichever of a, b and the result has the fewest elements (``Backend.scalars_to_smallest``)."""
+    c = scalars[0]
+    for x in scalars[1:]:
+        c = _mul(c, x)
+    sizes = {w: n for x in (a, b) for w, n in zip(x.vars, x.data.shape)}
+    out_size = int(np.prod([n for w, n in sizes.items() if w != v]))
+    smallest = min((a.data.size, 0), (b.data.size, 1), (out_size, 2))[1]
+    if smallest == 0:
+        return ev.backend.contract(_mul(a, c), b, v, out_dtype)
+    if smallest == 1:
+        return ev.backend.contract(a, _mul(b, c), v, out_dtype)
+    out = ev.backend.contract(a, b, v, out_dtype)
+    return Named(out.data * c.data.astype(out.data.dtype), out.vars)
+
+
 def two_operands(vals: list, v: Var, rank=None):
     """Multiply factors together until two operands remain for one dot_general: (a, b), or
     (product, None) when no split into two operands both using v exists."""
-    import jax.numpy as jnp
-
     vals = list(vals)
 
     def mul(a: Named, b: Named) -> Named:
-        datas, vs = align([a, b], rank)
-        d0, d1 = datas
-        if d0.dtype != d1.dtype:
-            dt = jnp.promote_types(d0.dtype, d1.dtype)
-            d0, d1 = d0.astype(dt), d1.astype(dt)
-        return Named(d0 * d1, vs)
+        return _mul(a, b, rank)
 
     changed = True
     while len(vals) > 2 and changed:
@@ -83,3 +98,15 @@ def two_operands(vals: list, v: Var, rank=None):
     for x in vals[1:]:
         out = mul(out, x)
     return out, None
+
+
+def _mul(a: Named, b: Named, rank=None) -> Named:
+    """a·b (aligned by variable; mixed dtypes promoted)."""
+    import jax.numpy as jnp
+
+    datas, vs = align([a, b], rank)
+    d0, d1 = datas
+    if d0.dtype != d1.dtype:
+        dt = jnp.promote_types(d0.dtype, d1.dtype)
+        d0, d1 = d0.astype(dt), d1.astype(dt)
+    return Named(d0 * d1, vs)
