@@ -6,7 +6,9 @@ a FlashAttention-2 backward written by hand in plain JAX — one pass, P recompu
 in 5 contractions (S = QKᵀ, dV += Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − Δ), dK += dSᵀ Q, dQ += dS K),
 lax.scan over key tiles outside and query tiles inside, dQ's tiles as scan outputs — at a few
 tilings, in one process, alternating, with a same-run GEMM. Both read the forward's log-sum-
-exp. The hand-written kernel is the bar: what XLA makes of the best-known schedule here. Then
+exp. The hand-written kernel is the bar: what XLA makes of the best-known schedule here. Beside
+them the same plan lowered with a contraction's scalar factors on its first operand (the fold
+before 2026-12-03: dQ's scale on the [s t] tile, not on its [t h] result). Then
 each tile contraction of moajax's adjoint alone, at its tile shapes: the rate XLA's CPU dot
 gives each (one of the five contracts its lhs's leading axis, the transposed form), and the
 share of the adjoint's time the contractions take at those rates.
@@ -148,6 +150,16 @@ def main(argv):
     heads = [jnp.moveaxis(x[0], 1, 0) for x in (q, k, v, out, g)]
     lse = jnp.moveaxis((saved[0] + jnp.log(saved[1])).reshape(S, N), 1, 0)  # saved in the rows' layout [b t n]
     fns = {"moajax adjoint (default plan)": (moajax_bwd, args)}
+    # the same plan with a contraction's scalar factors folded into its first operand, as before
+    # 2026-12-03 (``Backend.scalars_to_smallest`` off: dQ's scale on the [s t] dS, a pass more)
+    from moajax import lower_xla
+
+    lower_xla.XlaBackend.scalars_to_smallest = False
+    try:
+        first = jax.jit(runtime.lowered(plan, "xla", tuple(o.name for o in dnf.outputs))).lower(*args).compile()
+    finally:
+        lower_xla.XlaBackend.scalars_to_smallest = True
+    fns["moajax adjoint, scalars on the first operand"] = (first, args)
     for bs, bt in ((512, 256), (256, 256), (512, 512)):
         fns[f"hand-written FA2, key tiles {bs} × query tiles {bt}"] = (_fa2_backward(N, S, H, bs, bt), (*heads[:4], heads[4], lse))
     ref = fns["moajax adjoint (default plan)"][0](*args)
