@@ -35,7 +35,7 @@ from moajax.tiles.scope import ProgramState
 class XlaBackend(Backend):
     """Reads are (dynamic) slices, gathers where an index is computed; contractions einsums."""
 
-    scalars_to_smallest = True
+    scalars_on_smaller_result = True
 
     def __init__(self, onf: ONF, arrays: dict, perms: dict):
         super().__init__(onf, perms)

@@ -151,14 +151,14 @@ def main(argv):
     lse = jnp.moveaxis((saved[0] + jnp.log(saved[1])).reshape(S, N), 1, 0)  # saved in the rows' layout [b t n]
     fns = {"moajax adjoint (default plan)": (moajax_bwd, args)}
     # the same plan with a contraction's scalar factors folded into its first operand, as before
-    # 2026-12-03 (``Backend.scalars_to_smallest`` off: dQ's scale on the [s t] dS, a pass more)
+    # 2026-12-03 (``Backend.scalars_on_smaller_result`` off: dQ's scale on the [s t] dS, a pass more)
     from moajax import lower_xla
 
-    lower_xla.XlaBackend.scalars_to_smallest = False
+    lower_xla.XlaBackend.scalars_on_smaller_result = False
     try:
         first = jax.jit(runtime.lowered(plan, "xla", tuple(o.name for o in dnf.outputs))).lower(*args).compile()
     finally:
-        lower_xla.XlaBackend.scalars_to_smallest = True
+        lower_xla.XlaBackend.scalars_on_smaller_result = True
     fns["moajax adjoint, scalars on the first operand"] = (first, args)
     for bs, bt in ((512, 256), (256, 256), (512, 512)):
         fns[f"hand-written FA2, key tiles {bs} × query tiles {bt}"] = (_fa2_backward(N, S, H, bs, bt), (*heads[:4], heads[4], lse))

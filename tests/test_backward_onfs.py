@@ -305,35 +305,47 @@ def test_a_cpu_keeps_the_fused_adjoint_where_it_adds_one_output_and_works_less(k
     assert isinstance(schedule.derive_plan(dnf, A100), tuple)
 
 
-def _scaled_dot_operands(jaxpr, shapes: set) -> list:
-    """The dot_general operands that are a product by a scalar (a literal or a 0-d value) of
-    one of ``shapes``, in a jaxpr and the jaxprs of its loops: each a pass of its own over the
-    tile (a scalar product feeding an elementwise op fuses into it, a dot's operand does not)."""
-    scaled = {id(e.outvars[0]): e for e in jaxpr.eqns if e.primitive.name == "mul"
-              and tuple(e.outvars[0].aval.shape) in shapes and any(not getattr(x.aval, "shape", ()) for x in e.invars)}
-    out = [scaled[id(x)] for e in jaxpr.eqns if e.primitive.name == "dot_general" for x in e.invars if id(x) in scaled]
+def _scaled_dot_operands(jaxpr, in_loop: bool = False) -> list:
+    """The dot_general operands that are a product by a scalar (a literal or a 0-d value) in
+    the innermost loop bodies of a jaxpr: each a pass of its own over its tile at every step
+    (a scalar product feeding an elementwise op fuses into it, a dot's operand does not)."""
+    out, nested = [], False
     for e in jaxpr.eqns:
+        loop = e.primitive.name in ("while", "scan")
+        nested |= loop
         for p in e.params.values():
             for x in p if isinstance(p, (list, tuple)) else (p,):
                 inner = getattr(x, "jaxpr", None)
                 if inner is not None:
-                    out += _scaled_dot_operands(getattr(inner, "jaxpr", inner), shapes)
-    return out
+                    out += _scaled_dot_operands(getattr(inner, "jaxpr", inner), in_loop or loop)
+    if nested or not in_loop:
+        return out
+    scaled = {id(e.outvars[0]): e for e in jaxpr.eqns
+              if e.primitive.name == "mul" and any(not getattr(x.aval, "shape", ()) for x in e.invars)}
+    return out + [scaled[id(x)] for e in jaxpr.eqns if e.primitive.name == "dot_general"
+                  for x in e.invars if id(x) in scaled]
 
 
-def test_the_xla_adjoint_scales_no_score_tile():
-    # dQ = Σ_s dS·K·c (c = H^-½): on XLA each elementwise pass sweeps the whole [n s t] tile
-    # through memory, so the scalar c multiplies the smallest of dS, K and the result
-    # (``Backend.scalars_to_smallest``): K's [n s h] tile or dQ's [n t h] partial, never the
-    # [n s t] dS that the dot reads — before, c × dS was a fourth pass over every tile's scores
-    # (c × QKᵀ inside exp(c·QKᵀ − m) fuses into the exp's pass: no pass of its own)
+@pytest.mark.parametrize("saved", ["forward", "adjoint"])
+def test_the_xla_scale_stays_off_the_score_tiles_and_the_walked_operand(saved):
+    # The scale c = H^-½. In the adjoint's dQ = Σ_s dS·K·c it multiplies dQ's [n t h] partial,
+    # smaller than both operands (``Backend.scalars_on_smaller_result``), not the [n s t] dS:
+    # that was a fourth elementwise pass over every tile pair's scores. In the forward's
+    # S = Σ_h Q·K·c it stays on the Q tile, invariant in the walk over key tiles (XLA hoists
+    # it), not on each step's K tile (folding it into the smaller operand did that). (c × QKᵀ
+    # inside exp(c·QKᵀ − m) fuses into the exp's pass: not counted.)
     from moajax import lower_xla
 
     specs = [jax.ShapeDtypeStruct((1, 4096, 8, 64), np.float32)] * 3  # (the benchmarks' shape)
-    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
-    plan = schedule.derive_plan(adj.dnf(*args), machines.load("anvil-epyc-7543"))
-    assert not isinstance(plan, tuple) and plan.accumulate == (("d_query", "atomic"),)
-    s, t, n = plan.axis("s").tile, plan.axis("t").tile, 8
+    kern, cpu = mha_kernel(None, None, False), machines.load("anvil-epyc-7543")
+    if saved == "adjoint":
+        adj, args = kern.saved_adjoint(*specs)
+        plan = schedule.derive_plan(adj.dnf(*args), cpu)
+        assert not isinstance(plan, tuple) and plan.accumulate == (("d_query", "atomic"),)
+    else:
+        plan = schedule.derive_plan(kern.with_row_statistics().dnf(*specs), cpu)
+        assert plan.axis("s").role == "sequential" and plan.axis("t").tile != plan.axis("s").tile
     jaxpr = jax.make_jaxpr(lower_xla.lower(plan))(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in plan.dnf.inputs])
-    assert str(jaxpr).count("dot_general") == 6  # (the one walk: the tiles above are its tiles)
-    assert _scaled_dot_operands(jaxpr.jaxpr, {(n, s, t), (n, t, s)}) == []
+    assert str(jaxpr).count("dot_general") == (6 if saved == "adjoint" else 2)  # (one walk: one loop body)
+    scaled = [tuple(e.outvars[0].aval.shape) for e in _scaled_dot_operands(jaxpr.jaxpr)]
+    assert scaled == ([] if saved == "adjoint" else [(8, plan.axis("t").tile, 64)])

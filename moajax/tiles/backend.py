@@ -26,12 +26,14 @@ class Backend:
     # over the parts): one tile per step (a GPU program holds one part's block, not all of them
     # at once) or one vectorised step (XLA)
     walks_parts = False
-    # where a contraction's scalar factors (Σ_s dS·K·c: attention's scale in dQ) are applied:
-    # False — into the first operand that holds the others (a register tile on a GPU, where
-    # one more live tile spills); True — into the smallest of the two operands and the result,
-    # each elementwise pass a sweep through memory (XLA: c × the [s t] tile is one more pass
-    # over it, where c × the [t h] result is an eighth of one)
-    scalars_to_smallest = False
+    # where a contraction's scalar factors go (Σ_s dS·K·c: attention's scale in dQ): False —
+    # into the first operand that holds the others (a register tile on a GPU, where one more
+    # live tile spills); True — onto the result where it is smaller than both operands, since
+    # each elementwise pass sweeps its array through memory (XLA: c × dQ's [t h] partial is an
+    # eighth of a pass over the [s t] dS). Not onto the other operand where the result is
+    # larger: the first one is the hoisted one (the forward's scale stays on the Q tile, out
+    # of the walk over key tiles)
+    scalars_on_smaller_result = False
 
     def __init__(self, onf: ONF, perms: dict):
         from jax import lax

@@ -8,6 +8,8 @@ an einsum on XLA, ``tl.dot`` on Triton). What cannot be split so is multiplied o
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from moajax import dnf as D
@@ -43,11 +45,13 @@ def contract(ev, vals: list, v: Var, out_dtype, zeros=None) -> Named:
         for d in datas[1:]:
             prod = prod * d.astype(out_dtype)
         return Named(prod * np.asarray(size, out_dtype) if size != 1 else prod, vs)
-    scalars = [x for x in vals if not x.vars] if ev.backend.scalars_to_smallest else []
+    scalars = [x for x in vals if not x.vars] if ev.backend.scalars_on_smaller_result else []
     if scalars and len(vals) - len(scalars) >= 2:
         a, b = two_operands([x for x in vals if x.vars], v, ev.rank)
-        if b is not None:
-            return _scaled_contraction(ev, a, b, scalars, v, out_dtype)
+        if b is not None and _result_size(a, b, v) < min(a.data.size, b.data.size):
+            out = ev.backend.contract(a, b, v, out_dtype)
+            c = functools.reduce(_mul, scalars)
+            return Named(out.data * c.data.astype(out.data.dtype), out.vars)
     a, b = two_operands(vals, v, ev.rank)
     if b is None:
         ax = a.vars.index(v)
@@ -55,21 +59,10 @@ def contract(ev, vals: list, v: Var, out_dtype, zeros=None) -> Named:
     return ev.backend.contract(a, b, v, out_dtype)
 
 
-def _scaled_contraction(ev, a: Named, b: Named, scalars: list, v: Var, out_dtype) -> Named:
-    """Σ_v a·b·c = (Σ_v (a·c)·b) = c·Σ_v a·b for scalars c (distributivity): c multiplies
-    whichever of a, b and the result has the fewest elements (``Backend.scalars_to_smallest``)."""
-    c = scalars[0]
-    for x in scalars[1:]:
-        c = _mul(c, x)
+def _result_size(a: Named, b: Named, v: Var) -> int:
+    """The number of elements of Σ_v a·b."""
     sizes = {w: n for x in (a, b) for w, n in zip(x.vars, x.data.shape)}
-    out_size = int(np.prod([n for w, n in sizes.items() if w != v]))
-    smallest = min((a.data.size, 0), (b.data.size, 1), (out_size, 2))[1]
-    if smallest == 0:
-        return ev.backend.contract(_mul(a, c), b, v, out_dtype)
-    if smallest == 1:
-        return ev.backend.contract(a, _mul(b, c), v, out_dtype)
-    out = ev.backend.contract(a, b, v, out_dtype)
-    return Named(out.data * c.data.astype(out.data.dtype), out.vars)
+    return int(np.prod([n for w, n in sizes.items() if w != v]))
 
 
 def two_operands(vals: list, v: Var, rank=None):
