@@ -71,3 +71,14 @@ def op_by_op():
     import jax
 
     return jax.disable_jit()
+
+
+def sub_jaxprs(value) -> list:
+    """The jaxprs inside an equation parameter (a Jaxpr, a ClosedJaxpr, or a tuple of them)."""
+    if hasattr(value, "eqns"):
+        return [value]
+    if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        return [value.jaxpr]
+    if isinstance(value, (tuple, list)):
+        return [j for v in value for j in sub_jaxprs(v)]
+    return []

@@ -13,7 +13,7 @@ import pytest
 
 import moajax
 import references as R
-from helpers import rel_err
+from helpers import rel_err, sub_jaxprs
 from moajax import compat, cost, machines, ptx, schedule
 from moajax.kernels.attention import mha_kernel
 from moajax.onf import ONFError
@@ -314,10 +314,8 @@ def _scaled_dot_operands(jaxpr, in_loop: bool = False) -> list:
         loop = e.primitive.name in ("while", "scan")
         nested |= loop
         for p in e.params.values():
-            for x in p if isinstance(p, (list, tuple)) else (p,):
-                inner = getattr(x, "jaxpr", None)
-                if inner is not None:
-                    out += _scaled_dot_operands(getattr(inner, "jaxpr", inner), in_loop or loop)
+            for inner in sub_jaxprs(p):
+                out += _scaled_dot_operands(inner, in_loop or loop)
     if nested or not in_loop:
         return out
     scaled = {id(e.outvars[0]): e for e in jaxpr.eqns

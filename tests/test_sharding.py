@@ -24,7 +24,7 @@ from moajax.kernels.attention import mha_kernel
 from moajax.kernels.mlp import swiglu
 from moajax.ring import Ring, ring_attention
 from tests import references
-from tests.helpers import rel_err
+from tests.helpers import rel_err, sub_jaxprs
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
@@ -479,17 +479,6 @@ def test_sequence_split_of_concrete_arrays_picks_the_ring():
     assert rel_err(out, moajax.dot_product_attention(q, k, v, is_causal=True)) <= 1e-12
 
 
-def _jaxprs(value):
-    """The jaxprs inside an equation parameter (a Jaxpr, a ClosedJaxpr, or a tuple of them)."""
-    if hasattr(value, "eqns"):
-        return [value]
-    if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        return [value.jaxpr]
-    if isinstance(value, (tuple, list)):
-        return [j for v in value for j in _jaxprs(v)]
-    return []
-
-
 def _ppermute_bytes(jaxpr, device: int) -> int:
     """Bytes ``device`` sends to another device, read off a jaxpr's ppermutes: a scan's body
     counted ``length`` times, a cond's costliest branch."""
@@ -498,7 +487,7 @@ def _ppermute_bytes(jaxpr, device: int) -> int:
         if eqn.primitive.name == "ppermute" and any(s == device and t != device for s, t in eqn.params["perm"]):
             total += sum(int(np.prod(x.aval.shape)) * x.aval.dtype.itemsize for x in eqn.invars)
         for name, value in eqn.params.items():
-            inner = [_ppermute_bytes(j, device) for j in _jaxprs(value)]
+            inner = [_ppermute_bytes(j, device) for j in sub_jaxprs(value)]
             if not inner:
                 continue
             if eqn.primitive.name == "cond":

@@ -69,17 +69,13 @@ def two_operands(vals: list, v: Var, rank=None):
     """Multiply factors together until two operands remain for one dot_general: (a, b), or
     (product, None) when no split into two operands both using v exists."""
     vals = list(vals)
-
-    def mul(a: Named, b: Named) -> Named:
-        return _mul(a, b, rank)
-
     changed = True
     while len(vals) > 2 and changed:
         changed = False
         for i in range(len(vals)):
             for j in range(len(vals)):
                 if i != j and set(vals[j].vars) <= set(vals[i].vars):
-                    vals[i] = mul(vals[i], vals[j])
+                    vals[i] = _mul(vals[i], vals[j], rank)
                     del vals[j]
                     changed = True
                     break
@@ -89,7 +85,7 @@ def two_operands(vals: list, v: Var, rank=None):
         return vals[0], vals[1]
     out = vals[0]
     for x in vals[1:]:
-        out = mul(out, x)
+        out = _mul(out, x, rank)
     return out, None
 
 
