@@ -6,7 +6,9 @@ For a DNF scheduled by an ONF (the shapes and dtypes are the DNF's) it counts
   ``transcendentals`` (exp, log, √, … evaluations), stage by stage, each subexpression over
   exactly the index points it is evaluated on (so recomputation across passes shows), once
   for the stages that share a loop (``_loop_groups``: a tile computes what they share once); a
-  stage whose masked tiles are skipped (``ONF.skips``) counts the share of tiles it visits;
+  stage whose masked tiles are skipped (``ONF.skips``) counts the share of tiles it visits,
+  and where its interior tiles run unmasked (``Skip.interior``), the mask's comparisons and
+  selects only on the boundary tiles (``masked.masked_fraction``);
 * the papers' element counts: ``input_elements`` (each input element once),
   ``output_elements``, ``intermediate_elements`` (every stage placed in main memory, once) —
   the classical attention forward materialises score, num and probs (3n²) and den (n);
@@ -187,12 +189,30 @@ class _Counter:
     ``seen``: the subexpressions already counted by the stages that share this one's loop
     (``_loop_groups``), which a tile computes once for them all."""
 
-    def __init__(self, onf: ONF, seen: dict | None = None):
+    def __init__(self, onf: ONF, seen: dict | None = None, unmasked=(frozenset(), 1.0)):
         self.onf = onf
         self.flops = 0.0
         self.matmul = 0.0
         self.trans = 0.0
         self.seen: dict = {} if seen is None else seen
+        # (the bounds a walk's interior tiles hold true, the share of its visited tiles that
+        # still evaluate them): a comparison among those bounds, a conjunction with one and a
+        # select on them alone cost only on that share (``Skip.interior``)
+        self.bounds, self.boundary = unmasked
+
+    def _mask_share(self, e: D.Call) -> float:
+        from moajax.masked import comparison, conjuncts
+
+        if not self.bounds:
+            return 1.0
+        known = lambda c: all(comparison(a) in self.bounds for a in conjuncts(c))  # noqa: E731
+        if e.op in ("lt", "le", "gt", "ge"):
+            hit = comparison(e) in self.bounds
+        elif e.op == "logical_and":
+            hit = any(known(c) for c in e.children)
+        else:
+            hit = e.op == "where" and known(e.children[0])
+        return self.boundary if hit else 1.0
 
     def expr(self, e: D.Expr, extra=()):
         # a subexpression is evaluated over exactly its own free variables (the evaluator
@@ -208,7 +228,7 @@ class _Counter:
                 self.trans += pts
                 self.flops += pts if e.op == "silu" else 0
             else:
-                self.flops += pts
+                self.flops += pts * self._mask_share(e)
         elif isinstance(e, (D.Convert, D.Tag)):
             self.expr(e.children[0], extra)
         elif isinstance(e, D.Red):
@@ -246,7 +266,7 @@ class _Counter:
 
 
 def _stage_flops(onf: ONF, st, seen: dict | None = None) -> tuple[float, float, float]:
-    c = _Counter(onf, seen)
+    c = _Counter(onf, seen, _unmasked(onf, st))
     if isinstance(st, Stage):
         c.expr(st.body, tuple(st.vars))
     else:
@@ -303,6 +323,18 @@ def _loop_groups(onf: ONF) -> dict:
             if len(sts) > 1:
                 out.update({st.name: (k, v) for st in sts})
     return out
+
+
+def _unmasked(onf: ONF, st) -> tuple:
+    """(the bounds true on the interior tiles of the stage's walk, the share of its visited
+    tiles outside that interior); (∅, 1) where its walk has no ``Skip.interior``."""
+    from moajax.masked import masked_fraction, visited_fraction
+
+    sk = _walk_skip(onf, st)
+    if sk is None or not sk.interior:
+        return frozenset(), 1.0
+    visited = visited_fraction(onf, sk)
+    return frozenset(sk.bounds), (masked_fraction(onf, sk) / visited if visited else 1.0)
 
 
 def _walk_skip(onf: ONF, st):

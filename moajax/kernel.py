@@ -263,11 +263,12 @@ class Kernel:
         chosen: list = []
         labels = residuals if isinstance(residuals, tuple) else ()
         # what of a Preset the adjoint's kernels take: ``backward`` (how its outputs are cut into
-        # kernels: its plan), the tiles (named by dimension), ``skip`` and the ring's balance
+        # kernels: its plan), the tiles (named by dimension), ``skip``, ``unmask_interior`` and the ring's balance
         # and rounds under a sequence split; the tangent kernel takes the ring's
         backward_preset = (Preset.of(plan=onf.backward, target=onf.target, skip=onf.skip, tiles=dict(onf.tiles),
-                                     ring=onf.ring, ring_rounds=onf.ring_rounds)
+                                     unmask_interior=onf.unmask_interior, ring=onf.ring, ring_rounds=onf.ring_rounds)
                            if isinstance(onf, Preset) and (onf.backward is not None or onf.skip is not None
+                                                           or onf.unmask_interior is not None
                                                            or onf.tiles or onf.ring or onf.ring_rounds) else None)
         tangent_preset = (Preset.of(target=onf.target, ring=onf.ring, ring_rounds=onf.ring_rounds)
                           if isinstance(onf, Preset) and (onf.ring or onf.ring_rounds) else None)

@@ -251,10 +251,8 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
         ev = scope(rs)
         if walked or masked_walk:
             bodies = [st.accumulated for _, st, _ in members]  # partials add up in the accumulation dtype
-            a = onf.axis_of(scatter)
 
-            def add(i, accs):
-                sub = ev.child({scatter: Range(i * a.tile, a.tile, scatter.extent)})
+            def add(sub, accs):
                 return tuple(acc + broadcast_to_vars(sub.eval(b), tuple(o.vars), rs)
                              for acc, b, (o, _, _) in zip(accs, bodies, members))
 
@@ -264,8 +262,7 @@ def _program_group(onf: ONF, backend, scope, members, loops, scatter) -> list:
             # only the tiles of the scatter axis whose partials are not all 0 over these rows
             # (a causal dQ's key tiles past its query tile): masked tiles are skipped, not
             # computed and masked — never read, so NaN there cannot reach the sums
-            first, count = skipping.span(ev, [onf.skip_of(st.name, scatter) for _, st, _ in members], scatter)
-            return backend.fori_loop(count, add, init, first)
+            return skipping.walk(ev, [onf.skip_of(st.name, scatter) for _, st, _ in members], scatter, add, init)
         S.run(ev, [name for _, _, name in members])
         return tuple(broadcast_to_vars(ev.eval(D.Ref(name, o.vars, o.dtype)), tuple(o.vars), rs)
                      for o, _, name in members)

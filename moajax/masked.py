@@ -21,6 +21,8 @@ in float32 and 745 in float64: true of any score above −2.4·10³⁸ + 745.)
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from moajax import dnf as D
@@ -422,6 +424,62 @@ def tile_span(skip: Skip, tile: int, ntiles: int, box, read_value, xp, guard_ok=
     return first, xp.clip(count, 0, ntiles)
 
 
+def interior_tiles(bounds, w: Var, tile: int, box, read_value, xp):
+    """[first, end) of the tiles of w on which every bound (an ``Affine`` ≥ 0, coefficient ±1
+    on w) holds at every point of the tile and of the rows ``box``: w ≥ −rest needs the tile's
+    first w to clear the largest −rest over the rows, w ≤ rest its last w (the tile's padding
+    included) to stay under the least rest. There c ? x : y is x (``Skip.interior``)."""
+    lo, hi = 0, None  # the least and the greatest w every bound admits, for every row
+    for b in bounds:
+        cw = b.coeff(w)
+        rest = _extreme(b.without(w), box, read_value, xp, upper=False)
+        if cw > 0:
+            lo = xp.maximum(lo, -rest)
+        else:
+            hi = rest if hi is None else xp.minimum(hi, rest)
+    # both ≥ 0 after the clip: truncating division is the floor (see ``tile_span``)
+    first = _div(xp.clip(lo, 0, w.extent) + (tile - 1), tile, xp)
+    ntiles = -(-w.extent // tile)
+    end = ntiles if hi is None else _div(xp.clip(hi + 1, 0, ntiles * tile), tile, xp)
+    return first, xp.maximum(end, first)
+
+
+def masked_fraction(onf: ONF, skip: Skip) -> float:
+    """The share of (program, tile) pairs of ``skip.var`` whose tiles evaluate the mask: every
+    visited one, or — ``skip.interior`` — only those outside the interior (``interior_tiles``;
+    bounds that read a runtime length are left out: the model takes them as keeping all)."""
+    visited = visited_fraction(onf, skip)
+    w = skip.var
+    axis = onf.axis_of(w)
+    static = [b for b in skip.bounds if all(isinstance(t, Var) for t, _ in b.terms)]
+    if not skip.interior or visited == 0.0 or axis.role != "sequential" or axis.ntiles <= 1 or not static:
+        return visited
+    box = _grid_box(onf, {t for b in static for t, _ in b.terms} - {w}, padded=True)
+    first, end = interior_tiles(static, w, axis.tile, box, None, np)
+    sk = dataclasses.replace(skip, bounds=tuple(static), kept=(False,) * len(static), guard=None)
+    # the interior lies inside the visited span of the exact bounds (the guard only widens it)
+    vfirst, vcount = tile_span(sk, axis.tile, axis.ntiles, _grid_box(onf, box.keys() | {w}), None, np)
+    inside = np.clip(np.minimum(end, vfirst + vcount) - np.maximum(first, vfirst), 0, None)
+    return max(0.0, visited - float(np.mean(inside)) / axis.ntiles)
+
+
+def _grid_box(onf: ONF, vars_, padded=False) -> dict:
+    """[lo, hi] of each variable over every program at once (arrays over the grid tiles of
+    the grid variables among them, ``meshgrid`` order by name), the rest over all of it;
+    ``padded``: a grid tile's padding past the extent counted in."""
+    grid = sorted((v for v in vars_ if onf.axis_of(v).role == "grid"), key=lambda v: v.name)
+    mesh = np.meshgrid(*[np.arange(onf.axis_of(v).ntiles) for v in grid], indexing="ij") if grid else []
+    box = {}
+    for v in vars_:
+        if v in grid:
+            i = mesh[grid.index(v)]
+            t = onf.axis_of(v).tile
+            box[v] = (i * t, (i + 1) * t - 1 if padded else np.minimum((i + 1) * t, v.extent) - 1)
+        else:
+            box[v] = (0, v.extent - 1)
+    return box
+
+
 def visited_fraction(onf: ONF, skip: Skip) -> float:
     """The share of (program, tile) pairs of ``skip.var`` its loops visit, over every program
     (the grid tiles of the row variables its bounds name). Runtime lengths are unknown to the
@@ -441,19 +499,10 @@ def visited_fraction(onf: ONF, skip: Skip) -> float:
     vars_ = {t for b in sk.bounds for t, _ in b.terms if isinstance(t, Var)}
     if guard is not None:
         vars_ |= {t for c in guard.conds + guard.exempt for t, _ in c.terms if isinstance(t, Var)}
-    grid = sorted((v for v in vars_ if v != w and onf.axis_of(v).role == "grid"), key=lambda v: v.name)
-    mesh = np.meshgrid(*[np.arange(onf.axis_of(v).ntiles) for v in grid], indexing="ij") if grid else []
-    box = {}
-    for v in vars_:
-        if v in grid:
-            i = mesh[grid.index(v)]
-            t = onf.axis_of(v).tile
-            box[v] = (i * t, np.minimum((i + 1) * t, v.extent) - 1)
-        else:
-            box[v] = (0, v.extent - 1)
+    box = _grid_box(onf, vars_)
     ok = guard_holds(guard, box, None, np) if any(sk.kept) else True
     _, count = tile_span(sk, axis.tile, axis.ntiles, box, None, np, ok)
     return float(np.mean(count)) / axis.ntiles
 
 
-__all__ = ["derive_skip", "visited_fraction", "skips", "guard_holds", "tile_span", "linear", "comparison", "conjuncts"]
+__all__ = ["derive_skip", "visited_fraction", "masked_fraction", "interior_tiles", "skips", "guard_holds", "tile_span", "linear", "comparison", "conjuncts"]

@@ -352,7 +352,11 @@ class Skip:
     A bound marked in ``kept`` is exact only for rows that keep a key (exp(m₀ − max) = 0 for
     the mask fill m₀); it is used where ``guard`` holds for the program's rows, else every tile
     is walked. ``of`` is the expression the skip was derived for (the stage's reduction or
-    online logit): a rewrite that changes it invalidates the skip (``ONF.validate``)."""
+    online logit): a rewrite that changes it invalidates the skip (``ONF.validate``).
+    ``interior`` (``rewrites.unmask_interior``): the tiles where every bound holds over the
+    whole tile and all the program's rows are walked in a loop of their own that takes the
+    bounds as true — c ? x : y is x there, no comparison and no select per element; only the
+    boundary tiles (a causal walk's diagonal ones) evaluate the mask."""
 
     stage: str
     var: Var
@@ -360,11 +364,13 @@ class Skip:
     kept: tuple  # bool per bound
     guard: Guard | None
     of: D.Expr
+    interior: bool = False
 
     def text(self) -> str:
         b = ", ".join(a.text() + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.bounds, self.kept))
         g = f"; ⁽ᵏ⁾ where {self.guard.text()}" if any(self.kept) else ""
-        return f"{self.stage} over {self.var.name}: {b}{g}"
+        i = "; interior tiles unmasked" if self.interior else ""
+        return f"{self.stage} over {self.var.name}: {b}{g}{i}"
 
 
 # ----------------------------------------------------------------------------- schedule

@@ -17,6 +17,9 @@
     skip_masked    op_w B → op_{w : c(w)} B  where B is the identity wherever the affine mask
                    condition c fails: a program walks only the tiles of w its rows keep
                    (causal, local windows, lengths; ``moajax.masked``).
+    unmask_interior  op_{w : c(w)} B → op_{w ∈ boundary} B ⊕ op_{w ∈ interior} B[c ↦ true]: the
+                   tiles where c holds at every point are walked without the mask (a causal
+                   walk evaluates it on its diagonal tiles only).
     tile / lift / with_gamma / with_knobs   schedule-only changes (the program is untouched).
 
 Every rewrite is checked in the tests by running the ONF against the DNF reference.
@@ -724,9 +727,20 @@ def skip_masked(onf: ONF) -> ONF:
     return onf.replace(skips=found, note=f"skip_masked({', '.join(sk.stage for sk in found) or '—'})")
 
 
+def unmask_interior(onf: ONF, on: bool = True) -> ONF:
+    """Walk the interior tiles of every skip (``Skip.interior``: every bound true over the
+    whole tile) in a loop of their own that takes the mask as true; ``on=False`` undoes it.
+    The monoid sums the same terms in the same order; the select gone, a compiler may round a
+    product differently in the last bit (``tests/test_masked_tiles.py``)."""
+    if all(sk.interior == on for sk in onf.skips):
+        return onf
+    skips = tuple(dataclasses.replace(sk, interior=on) for sk in onf.skips)
+    return onf.replace(skips=skips, note=f"unmask_interior({'on' if on else 'off'})")
+
+
 def retarget(onf: ONF, target: str) -> ONF:
     return onf.replace(target=target)
 
 
 __all__ = ["hoist", "fuse_online", "split_k", "materialize", "accumulate", "tile", "lift", "with_gamma", "with_knobs",
-           "retarget", "skip_masked", "factor_out_invariants", "Knobs"]
+           "retarget", "skip_masked", "unmask_interior", "factor_out_invariants", "Knobs"]

@@ -62,6 +62,9 @@ class Preset:
     backward: object = None
     # leave out the tiles a mask provably zeroes (``rewrites.skip_masked``); None: True
     skip: bool | None = None
+    # walk the tiles a mask holds on entirely without it, in a loop of their own, so that only
+    # the boundary tiles evaluate it (``rewrites.unmask_interior``); None: True
+    unmask_interior: bool | None = None
     # walk sibling sums inside a sum once (``rewrites.fuse_sums``); None: on a CPU, not on a GPU
     fuse_sums: bool | None = None
     # the sequence split's ring order under a device mesh (``moajax.ring``): "zigzag" (every
@@ -76,7 +79,7 @@ class Preset:
     @staticmethod
     def of(carry=None, tiles=None, roles=None, gamma=None, store=None, split=None, target=None, residuals=None,
            plan=None, backward=None, skip=None, fuse_sums=None, ring=None, ring_rounds=None,
-           **knobs) -> "Preset":
+           unmask_interior=None, **knobs) -> "Preset":
         def items(d):
             return tuple(sorted((d or {}).items()))
 
@@ -84,7 +87,7 @@ class Preset:
             raise ValueError(f"Preset: target must be None, 'cpu' or 'gpu', got {target!r}")
         if residuals is not None:
             residuals = residual_choice(residuals, "Preset")
-        for name, flag in (("skip", skip), ("fuse_sums", fuse_sums)):
+        for name, flag in (("skip", skip), ("fuse_sums", fuse_sums), ("unmask_interior", unmask_interior)):
             if flag not in (None, True, False):
                 raise TypeError(f"Preset: {name} must be a bool, got {flag!r}")
         if ring is not None and ring not in RING_BALANCES:
@@ -92,8 +95,8 @@ class Preset:
         if ring_rounds is not None:
             check_ring_rounds(ring_rounds, "Preset", "ring_rounds")
         return Preset(carry, target, items(tiles), items(roles), items(gamma), items(store), items(split), items(knobs),
-                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip, fuse_sums, ring,
-                      ring_rounds)
+                      residuals, _check_plan(plan, "plan"), _check_plan(backward, "backward"), skip,
+                      unmask_interior, fuse_sums, ring, ring_rounds)
 
     def applies_to(self, machine: Machine) -> bool:
         return self.target is None or self.target == machine.kind
@@ -1089,5 +1092,7 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0) -> ONF:
         onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))
     if preset.skip is not False:
         onf = W.skip_masked(onf)
+        if preset.unmask_interior is not False:
+            onf = W.unmask_interior(onf)
     return check_fits(onf.validate(), machine)
 

@@ -31,7 +31,7 @@ from moajax.tiles.evaluate import TileEval
 from moajax.tiles.operands import prepare_inputs
 from moajax.tiles.ranges import Range, broadcast_to_vars
 from moajax.tiles.scope import ProgramState
-from moajax.tiles.skipping import span
+from moajax.tiles.skipping import walk
 
 
 def _is_pow2(n: int) -> bool:
@@ -348,15 +348,13 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
                     continue
                 if id(emit) in joins and id(joins[id(emit)]) not in left:
                     continue  # written in a shared loop
-                a = onf.axis_of(v)
                 ev.hoist([body], v)
-                first, count = span(ev, [skip], v)
 
-                def step(i, carry, v=v, a=a, emit=emit):
-                    emit(ev.child({v: Range(i * a.tile, a.tile, v.extent)}))
+                def step(sub, carry, emit=emit):
+                    emit(sub)
                     return carry
 
-                backend.fori_loop(count, step, jnp.int32(0), first)
+                walk(ev, [skip], v, step, jnp.int32(0))
 
         call = pl.pallas_call(
             kernel,

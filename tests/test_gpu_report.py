@@ -244,12 +244,31 @@ def test_the_spill_check_steps_down_the_table_where_ptxas_spills():
 
     a100 = machines.load("delta-a100")
     dnf = _softcap_forward()
-    table = schedule.derive(dnf, a100)
-    checked = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True))
+    # with the mask evaluated on every tile: the causal walk's interior loop without it
+    # (Skip.interior, the default) does not spill at the first tiling
+    # (test_the_unmasked_interior_keeps_the_first_tiling_of_the_soft_capped_forward)
+    whole = schedule.Preset.of(unmask_interior=False)
+    table = schedule.derive(dnf, a100, whole)
+    checked = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True), whole)
     assert ptx.spill_bytes(table, "sm_80") > 0  # a finding of ptxas 12.9: if it moves, so does this test
     assert ptx.spill_bytes(checked, "sm_80") == 0
-    assert checked == schedule._derive(dnf, a100, schedule.Preset(), rank=1) != table
+    assert checked == schedule._derive(dnf, a100, whole, rank=1) != table
     assert checked.target == "delta-a100" and _tiling(checked)[1:] == (8, 2)
+
+
+@needs_compiler
+def test_the_unmasked_interior_keeps_the_first_tiling_of_the_soft_capped_forward():
+    """The default ONF walks the causal forward's interior key tiles in a loop without the
+    mask (``Skip.interior``): that loop's body is what ptxas allocates for, and at the table's
+    first tiling it no longer spills — the spill check keeps that tiling."""
+    import dataclasses
+
+    a100 = machines.load("delta-a100")
+    dnf = _softcap_forward()
+    table = schedule.derive(dnf, a100)
+    assert table.skips and all(sk.interior for sk in table.skips)
+    assert ptx.spill_bytes(table, "sm_80") == 0
+    assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True)) == table
 
 
 @needs_compiler
@@ -371,7 +390,8 @@ def test_a_gpu_a_process_runs_on_checks_its_tilings():
 def test_inside_jit_the_gpu_branch_is_spill_checked(monkeypatch):
     """What a process on a GPU derives for the CUDA branch of a jitted call goes through the
     check (the lowering it compiles is made inside the outer trace): soft-capping at T = 256
-    on an A100 profile spills 16 B at the table's first tiling and runs the next one."""
+    on an A100 profile, the mask evaluated on every tile, spills 16 B at the table's first
+    tiling and runs the next one."""
     import dataclasses
 
     import jax
@@ -389,7 +409,9 @@ def test_inside_jit_the_gpu_branch_is_spill_checked(monkeypatch):
     runtime.schedules.cache_clear()
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 256, 4, 64)), jnp.float32)
     softcap = lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0)  # noqa: E731
-    out = jax.jit(lambda q: moajax.dot_product_attention(q, q, q, is_causal=True, score_mod=softcap))(q)
+    # the mask on every tile: with the interior unmasked (the default) the first tiling fits
+    whole = schedule.Preset.of(unmask_interior=False)
+    out = jax.jit(lambda q: moajax.dot_product_attention(q, q, q, is_causal=True, score_mod=softcap, onf=whole))(q)
     runtime.schedules.cache_clear()
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
     assert seen[0] > 0 and seen[-1] == 0, seen

@@ -12,14 +12,23 @@ from __future__ import annotations
 import numpy as np
 
 from moajax import dnf as D
+from moajax import masked
 from moajax import ops as _ops
 from moajax.ix import Ix, Var
 from moajax.reference import Named, align
 from moajax.tiles import skipping
 from moajax.tiles.contract import contract_factors
 from moajax.tiles.masking import fill_past_end, valid
-from moajax.tiles.ranges import Range, broadcast_to_vars, index_values, same_range
+from moajax.tiles.ranges import broadcast_to_vars, index_values, same_range
 from moajax.tiles.scope import Scope
+
+
+_COMPARISONS = ("lt", "le", "gt", "ge")
+
+
+def _true(x: Named) -> bool:
+    """Is x the constant true (a condition a walk's interior holds, ``Scope.holds``)?"""
+    return isinstance(x.data, np.ndarray) and x.data.dtype == np.bool_ and not x.vars and bool(x.data)
 
 
 class TileEval(Scope):
@@ -97,7 +106,11 @@ class TileEval(Scope):
             x = self.eval(e.arg)
             return Named(x.data.astype(e.dtype), x.vars)
         if isinstance(e, D.Call):
+            if self.holds and e.op in _COMPARISONS and masked.comparison(e) in self.holds:
+                return Named(np.asarray(True), ())  # a bound of this walk's interior (``skipping.walk``)
             parts = [self.eval(c) for c in e.children]
+            if self.holds and e.op in ("where", "logical_and") and any(_true(p) for p in parts):
+                return self._known(e, parts)
             if all(isinstance(p.data, np.ndarray) and not p.vars for p in parts):
                 # constant folding in NumPy: kernels may not capture computed constants
                 with np.errstate(all="ignore"):
@@ -114,6 +127,23 @@ class TileEval(Scope):
                 return self.backend.select(self, read, pos, self.eval(index), e.dtype)
             return self.reduce(e.monoid, e.var, e.body, e.free, skipping.skip_for(self.onf, e))
         raise TypeError(f"cannot evaluate {type(e).__name__} in a tile")
+
+    def _known(self, e: D.Call, parts) -> Named:
+        """c ? x : y with c known true: x; a conjunction with a conjunct known true: the rest."""
+        if e.op == "where":
+            if _true(parts[0]):
+                x = parts[1]
+                return x if x.data.dtype == e.dtype else Named(x.data.astype(e.dtype), x.vars)
+            datas, vs = self.align(parts)
+            return Named(_ops.OPS[e.op].jnp_fn()(*datas), vs)
+        rest = [p for p in parts if not _true(p)]
+        if not rest:
+            return Named(np.asarray(True), ())
+        datas, vs = self.align(rest)
+        out = datas[0]
+        for d in datas[1:]:
+            out = _ops.OPS[e.op].jnp_fn()(out, d)
+        return Named(out, vs)
 
     def ref(self, e: D.Ref) -> Named:
         """A stage's value read at e's index (the stage's own variables, renamed); a local
@@ -152,13 +182,12 @@ class TileEval(Scope):
             out_vars = self.ordered(x for x in result_free if self.range_of(x).size != 1)
             init = jnp.full(tuple(self.range_of(x).size for x in out_vars), mono.identity(body.dtype), body.dtype)
             self.hoist([body], v)
-            first, count = skipping.span(self, [skip], v)
 
-            def step(i, acc):
-                part = self.child({v: Range(i * axis.tile, axis.tile, v.extent)}).tile_reduce(mono, v, body)
+            def step(sub, acc):
+                part = sub.tile_reduce(mono, v, body)
                 return _ops.OPS[mono.op].jnp_fn()(acc, broadcast_to_vars(part, out_vars, self.ranges))
 
-            return Named(self.backend.fori_loop(count, step, init, first), out_vars)
+            return Named(skipping.walk(self, [skip], v, step, init), out_vars)
         if axis.role == "grid" and v in self.ranges:
             # a stage accumulated across programs (ONF.accumulate): this program's partial
             # sum is over its own tile of v (the XLA backend's tile is the whole grid)
@@ -178,19 +207,16 @@ class TileEval(Scope):
         import jax.numpy as jnp
 
         v = reds[0][1] if v is None else v
-        axis = self.onf.axis_of(v)
         monos = [_ops.MONOIDS[m] for m, *_ in reds]
         outs = [self.ordered(x for x in free if self.range_of(x).size != 1) for *_, free in reds]
         inits = tuple(jnp.full(tuple(self.range_of(x).size for x in ov), mono.identity(body.dtype), body.dtype)
                       for (_, _, body, _), mono, ov in zip(reds, monos, outs))
         self.hoist([body for _, _, body, _ in reds], v)
         skips = list(skips) if skips is not None else [None] * len(reds)
-        first, count = skipping.span(self, skips + [em.skip for em in emits], v)
         carried = [em for em in emits if em.init is not None]
 
-        def step(i, state):
+        def step(sub, state):
             accs, ems = state
-            sub = self.child({v: Range(i * axis.tile, axis.tile, v.extent)})
             new = tuple(_ops.OPS[mono.op].jnp_fn()(acc, broadcast_to_vars(sub.tile_reduce(mono, v, body), ov,
                                                                           self.ranges))
                         for acc, mono, ov, (_, _, body, _) in zip(accs, monos, outs, reds))
@@ -199,7 +225,8 @@ class TileEval(Scope):
                         for em in emits)
             return new, tuple(x for x, em in zip(ems, emits) if em.init is not None)
 
-        res, ems = self.backend.fori_loop(count, step, (inits, tuple(em.init for em in carried)), first)
+        res, ems = skipping.walk(self, skips + [em.skip for em in emits], v, step,
+                                 (inits, tuple(em.init for em in carried)))
         for em, val in zip(carried, ems):
             em.result = val
         return [Named(r, ov) for r, ov in zip(res, outs)]

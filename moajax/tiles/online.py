@@ -16,7 +16,7 @@ from moajax.reference import Named
 from moajax.tiles import skipping
 from moajax.tiles.contract import contract, operand
 from moajax.tiles.masking import fill_past_end, valid, zero_padded
-from moajax.tiles.ranges import Range, broadcast_to_vars, same_range
+from moajax.tiles.ranges import broadcast_to_vars, same_range
 
 
 def carry(ev, st: OnlineStage) -> dict:
@@ -65,12 +65,8 @@ def carry(ev, st: OnlineStage) -> dict:
     if axis.role == "sequential" and axis.ntiles > 1:
         ev.hoist(st.exprs(), v)
 
-        def body(i, carried):
-            m, accs = carried
-            return step(ev.child({v: Range(i * axis.tile, axis.tile, v.extent)}), m, accs)
-
-        first, count = skipping.span(ev, [ev.onf.skip_of(st.name)], v)
-        m, accs = ev.backend.fori_loop(count, body, (m0, acc0), first)
+        m, accs = skipping.walk(ev, [ev.onf.skip_of(st.name)], v, lambda ctx, carried: step(ctx, *carried),
+                                (m0, acc0))
     else:
         rng = ev.backend.whole(v)
         m, accs = step(ev if same_range(rng, ev.ranges.get(v)) else ev.child({v: rng}), m0, acc0)

@@ -47,10 +47,20 @@ class ProgramState:
 class Scope:
     """Ranges (read-only), a parent, and the memo of values computed here."""
 
-    def __init__(self, state: ProgramState, ranges: Mapping, parent: "Scope | None" = None):
+    def __init__(self, state: ProgramState, ranges: Mapping, parent: "Scope | None" = None,
+                 holds: frozenset = frozenset()):
         self.state = state
         self.parent = parent
         self.sets = frozenset(ranges) if parent is not None else frozenset()
+        # affine conditions (``Affine`` ≥ 0) true at every point of this scope's ranges: the
+        # bounds of a masked walk in its interior tiles (``skipping.walk``); they use the
+        # variables this scope sets, so no value memoised outside depends on them. An enclosing
+        # scope's hold on a variable this one sets anew is dropped: it was proven over the
+        # other range (a walk over every key tile, nested in the interior of a walk over query
+        # tiles that a program owning key tiles runs: the fused backward's row statistics)
+        inherited = frozenset() if parent is None else frozenset(
+            h for h in parent.holds if not (h.vars() & self.sets))
+        self.holds: frozenset = holds | inherited
         full = dict(parent.ranges) if parent is not None else {}
         full.update(ranges)
         if parent is None:
@@ -75,9 +85,10 @@ class Scope:
     def rank(self) -> dict:
         return self.state.rank
 
-    def child(self, ranges: Mapping) -> "Scope":
-        """A scope inside this one with ``ranges`` set (a loop body: its variable's tile)."""
-        return type(self)(self.state, ranges, parent=self)
+    def child(self, ranges: Mapping, holds: frozenset = frozenset()) -> "Scope":
+        """A scope inside this one with ``ranges`` set (a loop body: its variable's tile), where
+        the conditions ``holds`` are known true besides the enclosing ones."""
+        return type(self)(self.state, ranges, parent=self, holds=holds)
 
     def within(self, vars_) -> "Scope":
         """This scope, or a child that takes every variable of ``vars_`` without a range whole."""

@@ -14,6 +14,7 @@ import functools
 from moajax import dnf as D
 from moajax import masked
 from moajax.ix import Var
+from moajax.tiles.ranges import Range
 
 
 def skip_for(onf, red: D.Red):
@@ -24,8 +25,9 @@ def skip_for(onf, red: D.Red):
     return None
 
 
-def _box(ev, vars_, loop: Var) -> dict:
-    """[lo, hi] of each variable over this program's rows (the loop's own: all of it)."""
+def _box(ev, vars_, loop: Var, padded: bool = False) -> dict:
+    """[lo, hi] of each variable over this program's rows (the loop's own: all of it);
+    ``padded``: a tile's rows past the extent counted in."""
     import jax.numpy as jnp
 
     box = {}
@@ -33,11 +35,17 @@ def _box(ev, vars_, loop: Var) -> dict:
         r = ev.ranges.get(v)
         if r is None or v == loop:
             box[v] = (0, v.extent - 1)
+        elif padded:
+            box[v] = (r.start, r.start + r.size - 1)
         elif isinstance(r.start, int):
             box[v] = (r.start, min(r.start + r.size, v.extent) - 1)
         else:
             box[v] = (r.start, jnp.minimum(r.start + r.size, v.extent) - 1)
     return box
+
+
+def _read(ev):
+    return lambda r: ev.eval(r).data  # a length of this program's batch element(s)
 
 
 def span(ev, skips, v: Var):
@@ -54,7 +62,7 @@ def span(ev, skips, v: Var):
         if sk.guard is not None:
             vars_ |= {t for c in sk.guard.conds + sk.guard.exempt for t, _ in c.terms if isinstance(t, Var)}
         box = _box(ev, vars_, v)
-        read = lambda r: ev.eval(r).data  # noqa: E731 - a length of this program's batch element(s)
+        read = _read(ev)
         ok = masked.guard_holds(sk.guard, box, read, jnp) if any(sk.kept) else True
         first, count = masked.tile_span(sk, axis.tile, axis.ntiles, box, read, jnp, ok)
         firsts.append(jnp.where(count > 0, first, axis.ntiles))
@@ -63,3 +71,38 @@ def span(ev, skips, v: Var):
     first, end = functools.reduce(jnp.minimum, firsts), functools.reduce(jnp.maximum, ends)
     first = jnp.minimum(first, axis.ntiles).astype(jnp.int32)
     return first, jnp.maximum(end - first, 0).astype(jnp.int32)
+
+
+def walk(ev, skips, v: Var, step, init):
+    """step(tile scope, carried) over the tiles of v that a loop serving stages with these
+    ``skips`` visits (``span``), from ``init``; the carried value after the last.
+
+    Where a skip asks it (``Skip.interior``), the visited span splits in three loops: the
+    tiles before and after the interior evaluate the mask; the interior ones
+    (``masked.interior_tiles``: every bound of those skips true at every point, the padding
+    included) run in a scope that holds the bounds true (``Scope.holds``), so c ? x : y is
+    traced as x. A loop without a lower (upper) bound has no head (tail) loop."""
+    import jax.numpy as jnp
+
+    axis = ev.onf.axis_of(v)
+    first, count = span(ev, skips, v)
+
+    def body(holds):
+        return lambda i, carried: step(ev.child({v: Range(i * axis.tile, axis.tile, v.extent)}, holds), carried)
+
+    inner = [sk for sk in skips or () if sk is not None and sk.interior]
+    if not inner or axis.ntiles <= 1:
+        return ev.backend.fori_loop(count, body(frozenset()), init, first)
+    bounds = [b for sk in inner for b in sk.bounds]
+    box = _box(ev, {t for b in bounds for t, _ in b.terms if isinstance(t, Var)}, v, padded=True)
+    ifirst, iend = masked.interior_tiles(bounds, v, axis.tile, box, _read(ev), jnp)
+    end = first + count
+    a = jnp.clip(ifirst, first, end).astype(jnp.int32)
+    b = jnp.clip(iend, a, end).astype(jnp.int32)
+    carried = init
+    if any(x.coeff(v) > 0 for x in bounds):
+        carried = ev.backend.fori_loop(a - first, body(frozenset()), carried, first)
+    carried = ev.backend.fori_loop(b - a, body(frozenset(bounds)), carried, a)
+    if any(x.coeff(v) < 0 for x in bounds):
+        carried = ev.backend.fori_loop(end - b, body(frozenset()), carried, b)
+    return carried
