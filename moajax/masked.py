@@ -8,6 +8,8 @@ coefficient ±1 on the walked variable w, is a bound on w: when B, with that com
 reduces to the identity (Σ: 0; ⌈ and the online softmax: the mask fill), a program walks only
 the tiles of w between the least lower and the greatest upper bound over its rows — causal,
 local-window and length masks skip whole tiles instead of computing and masking them.
+Of the tiles it walks, those on which every bound holds at every point (``interior_tiles``)
+need no mask at all: c ? x : y is x there (``Skip.interior``).
 
 The mask fill m₀ (``large_negative``: −0.7·max, the max capped at float32's, jax.nn's) is not −∞: a row whose every key is
 masked averages V over all keys. exp(m₀ − X), with X a row statistic (the row max or log-sum),

@@ -63,7 +63,9 @@ class Preset:
     # leave out the tiles a mask provably zeroes (``rewrites.skip_masked``); None: True
     skip: bool | None = None
     # walk the tiles a mask holds on entirely without it, in a loop of their own, so that only
-    # the boundary tiles evaluate it (``rewrites.unmask_interior``); None: True
+    # the boundary tiles evaluate it (``rewrites.unmask_interior``); None: on a CPU, not on a
+    # GPU until it is timed there — offline, ptxas's register pressure moves both ways with it
+    # (of the causal kernels, three tilings step down under the spill check and three up)
     unmask_interior: bool | None = None
     # walk sibling sums inside a sum once (``rewrites.fuse_sums``); None: on a CPU, not on a GPU
     fuse_sums: bool | None = None
@@ -1092,7 +1094,7 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0) -> ONF:
         onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))
     if preset.skip is not False:
         onf = W.skip_masked(onf)
-        if preset.unmask_interior is not False:
+        if preset.unmask_interior if preset.unmask_interior is not None else not machine.is_gpu:
             onf = W.unmask_interior(onf)
     return check_fits(onf.validate(), machine)
 

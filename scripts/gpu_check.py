@@ -135,6 +135,9 @@ def main():
         # the masked tiles walked and masked (Preset skip=False): what skipping them buys
         "moajax no skip": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c,
                                                                           onf=Preset.of(skip=False)),
+        # the interior tiles walked without the mask (off by default on a GPU until timed here)
+        "moajax interior unmasked": lambda q, k, v, c: moajax.dot_product_attention(
+            q, k, v, is_causal=c, onf=Preset.of(unmask_interior=True)),
         # the second GPU path: the ONF's Triton source launched by jax-triton, its tiling
         # spill-checked through that compiler (Machine.gpu_path; it can differ from Pallas')
         "moajax triton": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c,
@@ -154,6 +157,8 @@ def main():
     grads.update({f"moajax {b} triton": (lambda b: lambda q, k, v, c: moajax.dot_product_attention(
         q, k, v, is_causal=c, onf=Preset.of(backward=b), implementation="triton"))(b)
         for b in ("owner", "split", "atomic")})
+    grads["moajax owner, interior unmasked"] = lambda q, k, v, c: moajax.dot_product_attention(
+        q, k, v, is_causal=c, onf=Preset.of(backward="owner", unmask_interior=True))
     grads.update({f"jax.nn {i}": (lambda i: lambda q, k, v, c: jax.nn.dot_product_attention(
         q, k, v, is_causal=c, implementation=i))(i) for i in ("xla", "cudnn")})
     table(grads, ((1, 4096, 8, 64),), 14, 10, lambda f, c: jax.jit(jax.grad(

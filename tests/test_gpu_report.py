@@ -244,8 +244,8 @@ def test_the_spill_check_steps_down_the_table_where_ptxas_spills():
 
     a100 = machines.load("delta-a100")
     dnf = _softcap_forward()
-    # with the mask evaluated on every tile: the causal walk's interior loop without it
-    # (Skip.interior, the default) does not spill at the first tiling
+    # with the mask evaluated on every tile (a GPU's default; pinned): the causal walk's
+    # interior loop without it (Skip.interior) does not spill at the first tiling
     # (test_the_unmasked_interior_keeps_the_first_tiling_of_the_soft_capped_forward)
     whole = schedule.Preset.of(unmask_interior=False)
     table = schedule.derive(dnf, a100, whole)
@@ -258,17 +258,19 @@ def test_the_spill_check_steps_down_the_table_where_ptxas_spills():
 
 @needs_compiler
 def test_the_unmasked_interior_keeps_the_first_tiling_of_the_soft_capped_forward():
-    """The default ONF walks the causal forward's interior key tiles in a loop without the
-    mask (``Skip.interior``): that loop's body is what ptxas allocates for, and at the table's
-    first tiling it no longer spills — the spill check keeps that tiling."""
+    """With the causal forward's interior key tiles walked in a loop without the mask
+    (``Skip.interior``; not a GPU's default until timed there), the soft-capped forward no
+    longer spills at the table's first tiling — the spill check keeps that tiling."""
     import dataclasses
 
     a100 = machines.load("delta-a100")
     dnf = _softcap_forward()
-    table = schedule.derive(dnf, a100)
+    inner = schedule.Preset.of(unmask_interior=True)
+    table = schedule.derive(dnf, a100, inner)
     assert table.skips and all(sk.interior for sk in table.skips)
+    assert not any(sk.interior for sk in schedule.derive(dnf, a100).skips)  # a GPU's default
     assert ptx.spill_bytes(table, "sm_80") == 0
-    assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True)) == table
+    assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True), inner) == table
 
 
 @needs_compiler
@@ -409,7 +411,8 @@ def test_inside_jit_the_gpu_branch_is_spill_checked(monkeypatch):
     runtime.schedules.cache_clear()
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 256, 4, 64)), jnp.float32)
     softcap = lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0)  # noqa: E731
-    # the mask on every tile: with the interior unmasked (the default) the first tiling fits
+    # the mask on every tile (a GPU's default; pinned): with the interior unmasked the first
+    # tiling fits
     whole = schedule.Preset.of(unmask_interior=False)
     out = jax.jit(lambda q: moajax.dot_product_attention(q, q, q, is_causal=True, score_mod=softcap, onf=whole))(q)
     runtime.schedules.cache_clear()

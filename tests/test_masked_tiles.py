@@ -143,7 +143,7 @@ def test_skipping_changes_no_bit_and_matches_the_reference(case, impl):
     full = _value_and_grads(impl, False, q, k, v, g, **kw)
     for a, b in zip(got, full):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    inner = _value_and_grads(impl, None, q, k, v, g, **kw)
+    inner = _value_and_grads(impl, None, q, k, v, g, unmask_interior=True, **kw)
     ref = [R.mha_variants(q, k, v, **kw)] + list(R.mha_variants(q, k, v, dout=g, **kw)[:3])
     for run in (got, inner):
         for a, b in zip(run, ref):
@@ -328,7 +328,8 @@ def test_interior_tiles_are_exactly_those_every_point_keeps(window, causal, leng
     # rows and the tile — its padding past the extent included — keeps the key (enumerated)
     Tn, Sn, tile = 24, 22, 4  # S not a multiple of the tile: the last key tile is padded
     kern, specs, d = _dnf(T=Tn, S=Sn, kvlen=length is not None, is_causal=causal, local_window_size=window)
-    onf = schedule.derive(d, machines.load("h200"), Preset.of(tiles={"t": tile, "s": tile}))
+    onf = schedule.derive(d, machines.load("h200"),
+                          Preset.of(tiles={"t": tile, "s": tile}, unmask_interior=True))
     sk = onf.skip_of(next(s for s in onf.program.stages if isinstance(s, OnlineStage)).name)
     assert sk.interior and "interior tiles unmasked" in sk.text()
     s_var = sk.var
@@ -396,8 +397,8 @@ def test_the_interior_tiles_of_a_causal_walk_evaluate_no_mask(impl):
 def test_the_cost_model_counts_the_mask_on_the_boundary_tiles_only():
     h200 = machines.load("h200")
     d = _dnf(B=1, T=8192, S=8192, N=8, K=8, H=64, is_causal=True)[2]
-    on = schedule.derive(d, h200)
-    off = schedule.derive(d, h200, Preset.of(unmask_interior=False))
+    on = schedule.derive(d, h200, Preset.of(unmask_interior=True))
+    off = schedule.derive(d, h200)  # a GPU's default: the mask on every visited tile
     assert not any(sk.interior for sk in off.skips)
     sk = on.skips[0]
     bt, bs = on.axis("t").tile, on.axis("s").tile
@@ -410,6 +411,12 @@ def test_the_cost_model_counts_the_mask_on_the_boundary_tiles_only():
     a, b = cost.estimate(on, h200), cost.estimate(off, h200)
     assert a.matmul_flops == b.matmul_flops and a.transcendentals == b.transcendentals
     assert a.flops < b.flops
+
+
+def test_the_interior_split_is_a_cpus_default_not_a_gpus():
+    d = _dnf(is_causal=True)[2]
+    assert all(sk.interior for sk in schedule.derive(d, machines.load("anvil-epyc-7543")).skips)
+    assert not any(sk.interior for sk in schedule.derive(d, machines.load("h200")).skips)
 
 
 def test_unmask_interior_must_be_a_bool():

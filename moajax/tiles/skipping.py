@@ -4,7 +4,9 @@ A loop over the tiles of w serves one or more stages; each stage's ``Skip`` boun
 body is not the identity for, over the program's rows (its grid tile of each row variable,
 the whole extent of a variable it does not own). The loop visits the union of the stages'
 spans, from its first tile on: ``(first, count)``, traced where a bound reads a program id or
-a runtime length. A stage without a skip makes the loop visit every tile.
+a runtime length. A stage without a skip makes the loop visit every tile. Every masked walk
+runs through ``walk``, which also splits off the interior tiles — those the bounds keep
+entirely — into a loop that evaluates no mask (``Skip.interior``).
 """
 
 from __future__ import annotations
