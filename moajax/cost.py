@@ -201,17 +201,16 @@ class _Counter:
         self.bounds, self.boundary = unmasked
 
     def _mask_share(self, e: D.Call) -> float:
-        from moajax.masked import comparison, conjuncts
+        from moajax.masked import COMPARISONS, held
 
         if not self.bounds:
             return 1.0
-        known = lambda c: all(comparison(a) in self.bounds for a in conjuncts(c))  # noqa: E731
-        if e.op in ("lt", "le", "gt", "ge"):
-            hit = comparison(e) in self.bounds
+        if e.op in COMPARISONS:
+            hit = held(e, self.bounds)
         elif e.op == "logical_and":
-            hit = any(known(c) for c in e.children)
+            hit = any(held(c, self.bounds) for c in e.children)
         else:
-            hit = e.op == "where" and known(e.children[0])
+            hit = e.op == "where" and held(e.children[0], self.bounds)
         return self.boundary if hit else 1.0
 
     def expr(self, e: D.Expr, extra=()):

@@ -32,6 +32,7 @@ from moajax.ix import Var
 from moajax.onf import ONF, Affine, Guard, OnlineStage, Skip, Stage
 
 _CMP = {"lt": (1, -1, -1), "le": (1, -1, 0), "gt": (-1, 1, -1), "ge": (-1, 1, 0)}  # y·a + x·b + k ≥ 0
+COMPARISONS = tuple(_CMP)
 
 ZERO, FILL, SHIFTED, TRUE, FALSE = "0", "m₀", "m₀ − X", "true", "false"
 
@@ -90,6 +91,11 @@ def conjuncts(c: D.Expr) -> list:
     if isinstance(c, D.Call) and c.op == "logical_and":
         return [x for a in c.children for x in conjuncts(a)]
     return [c]
+
+
+def held(c: D.Expr, holds) -> bool:
+    """Is every conjunct of c an affine comparison among ``holds`` (true where they hold)?"""
+    return all(comparison(a) in holds for a in conjuncts(c))
 
 
 class _Under:
@@ -507,4 +513,5 @@ def visited_fraction(onf: ONF, skip: Skip) -> float:
     return float(np.mean(count)) / axis.ntiles
 
 
-__all__ = ["derive_skip", "visited_fraction", "masked_fraction", "interior_tiles", "skips", "guard_holds", "tile_span", "linear", "comparison", "conjuncts"]
+__all__ = ["derive_skip", "visited_fraction", "masked_fraction", "interior_tiles", "skips", "guard_holds", "tile_span",
+           "linear", "comparison", "conjuncts", "held", "COMPARISONS"]

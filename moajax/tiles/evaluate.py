@@ -23,9 +23,6 @@ from moajax.tiles.ranges import broadcast_to_vars, index_values, same_range
 from moajax.tiles.scope import Scope
 
 
-_COMPARISONS = ("lt", "le", "gt", "ge")
-
-
 def _true(x: Named) -> bool:
     """Is x the constant true (a condition a walk's interior holds, ``Scope.holds``)?"""
     return isinstance(x.data, np.ndarray) and x.data.dtype == np.bool_ and not x.vars and bool(x.data)
@@ -106,11 +103,14 @@ class TileEval(Scope):
             x = self.eval(e.arg)
             return Named(x.data.astype(e.dtype), x.vars)
         if isinstance(e, D.Call):
-            if self.holds and e.op in _COMPARISONS and masked.comparison(e) in self.holds:
+            if self.holds and e.op in masked.COMPARISONS and masked.held(e, self.holds):
                 return Named(np.asarray(True), ())  # a bound of this walk's interior (``skipping.walk``)
             parts = [self.eval(c) for c in e.children]
-            if self.holds and e.op in ("where", "logical_and") and any(_true(p) for p in parts):
-                return self._known(e, parts)
+            if self.holds and e.op == "where" and _true(parts[0]):  # c ? x : y with c true: x
+                x = parts[1]
+                return x if x.data.dtype == e.dtype else Named(x.data.astype(e.dtype), x.vars)
+            if self.holds and e.op == "logical_and" and any(_true(p) for p in parts):  # true ∧ c: c
+                return next((p for p in parts if not _true(p)), parts[0])
             if all(isinstance(p.data, np.ndarray) and not p.vars for p in parts):
                 # constant folding in NumPy: kernels may not capture computed constants
                 with np.errstate(all="ignore"):
@@ -127,23 +127,6 @@ class TileEval(Scope):
                 return self.backend.select(self, read, pos, self.eval(index), e.dtype)
             return self.reduce(e.monoid, e.var, e.body, e.free, skipping.skip_for(self.onf, e))
         raise TypeError(f"cannot evaluate {type(e).__name__} in a tile")
-
-    def _known(self, e: D.Call, parts) -> Named:
-        """c ? x : y with c known true: x; a conjunction with a conjunct known true: the rest."""
-        if e.op == "where":
-            if _true(parts[0]):
-                x = parts[1]
-                return x if x.data.dtype == e.dtype else Named(x.data.astype(e.dtype), x.vars)
-            datas, vs = self.align(parts)
-            return Named(_ops.OPS[e.op].jnp_fn()(*datas), vs)
-        rest = [p for p in parts if not _true(p)]
-        if not rest:
-            return Named(np.asarray(True), ())
-        datas, vs = self.align(rest)
-        out = datas[0]
-        for d in datas[1:]:
-            out = _ops.OPS[e.op].jnp_fn()(out, d)
-        return Named(out, vs)
 
     def ref(self, e: D.Ref) -> Named:
         """A stage's value read at e's index (the stage's own variables, renamed); a local
