@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 from typing import Callable
 
 import numpy as np
@@ -54,6 +55,22 @@ def _recorded(name, inputs, outs, names, applied=()) -> "_psi.Derivation":
     more than the reduction, which runs unrecorded when the kernel is built."""
     der = _psi.reduce_to_dnf(name, inputs, outs, names)[1]
     return _psi.Derivation(der.name, der.steps + tuple(_psi.Step(a.rule, a.before, a.after, 0) for a in applied))
+
+
+def _fresh_prefix(first: str, stem: str, suffixes, taken) -> str:
+    """``first`` (d_, t_, saved), else stem2_, stem3_, …: the first prefix that, put before each
+    of ``suffixes``, names nothing in ``taken`` — so a derived kernel's names never shadow its
+    inputs (the adjoint of an adjoint reads d_out and out: out's cotangent cannot be d_out)."""
+    taken = set(taken)
+    return next(pre for pre in itertools.chain([first], (f"{stem}{i}_" for i in itertools.count(2)))
+                if not {f"{pre}{s}" for s in suffixes} & taken)
+
+
+def _saved_names(params, names, n: int) -> tuple:
+    """The names of a saving forward's ``n`` statistics (saved0, …), beside its parameters and
+    its primal outputs ``names``."""
+    pre = _fresh_prefix("saved", "saved", range(n), {p.name for p in params} | set(names))
+    return tuple(f"{pre}{i}" for i in range(n))
 
 
 class Kernel:
@@ -560,10 +577,12 @@ class Kernel:
                 raise ValueError(f"{self.name}.adjoint: wrt names {w!r}, which is not a floating input; "
                                  f"floating inputs are {floats}")
         primal, n = self, len(self.params)
-        ct_names = tuple(f"d_{o}" for o in names)
+        params = {p.name for p in self.params}
+        ct_names = tuple(f"{_fresh_prefix('d_', 'd', names, params)}{o}" for o in names)
         labels = tuple(saved) if isinstance(saved, tuple) else ()
         stats = self.row_statistics(outs, labels)[1] if saved else []
-        saved_names = tuple(f"saved{i}" for i in range(len(stats)))
+        saved_names = tuple(f"{_fresh_prefix('saved', 'saved', range(len(stats)), params | set(ct_names))}{i}"
+                            for i in range(len(stats)))
         layouts = self.with_row_statistics(labels).layouts(*(specs or self.example_specs()), **options) if saved else []
         taken = {p.name for p in self.params} | set(ct_names) | set(saved_names)
         # with ``saved``, the forward's outputs too: the derivative holds them for free, and the
@@ -595,7 +614,7 @@ class Kernel:
             forward = primal.with_row_statistics(labels).dnf(*specs[:n], **opts)
             return _identities.delta_from_output(
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
-                saved={f"saved{i}": name for i, name in enumerate(saved_names)})
+                saved=dict(zip(_saved_names(primal.params, names, len(saved_names)), saved_names)))
 
         self._sign(backward, ct_names + saved_names + value_names, f"{self.name}_adjoint",
                    f"The adjoint of {self.name}, derived by moajax.adjoint.")
@@ -608,7 +627,8 @@ class Kernel:
             example.update({d: s for d, s in zip(o.dims, o.shape) if d not in example})
         adj = Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else "")
                      + "".join(f"_{lb}" for lb in labels),
-                     outputs=tuple(f"d_{w}" for w in wrt), dims=dims, identities=identities if saved else None)
+                     outputs=tuple(f"{_fresh_prefix('d_', 'd', wrt, dims)}{w}" for w in wrt), dims=dims,
+                     identities=identities if saved else None)
         adj._lift_from = self
         return adj
 
@@ -646,8 +666,7 @@ class Kernel:
         primal, n = self, len(self.params)
         taken = {p.name for p in self.params}
         # t_x, or t2_x … where a tangent of a tangent kernel would reuse a name
-        prefix = next(pre for pre in ["t_"] + [f"t{i}_" for i in range(2, len(taken) + 3)]
-                      if not {f"{pre}{p.name}" for p in moving} & taken)
+        prefix = _fresh_prefix("t_", "t", [p.name for p in moving], taken)
         t_names = tuple(f"{prefix}{p.name}" for p in moving)
 
         def forward(*arrays, **opts):
@@ -674,11 +693,10 @@ class Kernel:
         return f"<moajax kernel {self.name}({sig})>"
 
 
-def _in_own_layout(a: moa.Array, layout, x: moa.Array) -> moa.Array:
-    """A statistic saved in the layout of its output's rows (``a``, ``identities.Layout``) viewed
-    in the statistic's own (ρ x): each row axis kept, or split where the layout joined two of
-    x's axes (GQA's head n = G·kv + g into kv, g), axes of extent 1 put back, the axes in x's
-    order — index maps only (reshape, ⍉), so the ψ-reduced backward reads ``a`` directly."""
+def _layout_order(layout) -> list:
+    """The statistic's own variables in the order of its rows' layout: each row axis kept, or
+    split where the layout joined two own axes (GQA's head n = G·kv + g into kv, g), row-major;
+    then the own axes of extent 1, which the rows leave out."""
     inverse = dict(layout.inverse)
     parts: list = []
     for w in layout.vars:
@@ -687,19 +705,51 @@ def _in_own_layout(a: moa.Array, layout, x: moa.Array) -> moa.Array:
             parts.append(ix.as_var())
         else:  # G·u₁ + u₂: row-major, the w axis is (u₁, u₂)
             parts += [u for u, _ in sorted(ix.terms, key=lambda t: -t[1])]
-    order = parts + [u for u in layout.own if u not in parts]  # the rest have extent 1
+    return parts + [u for u in layout.own if u not in parts]
+
+
+def _in_own_layout(a: moa.Array, layout, x: moa.Array) -> moa.Array:
+    """A statistic saved in the layout of its output's rows (``a``, ``identities.Layout``) viewed
+    in the statistic's own (ρ x): index maps only (reshape, ⍉; ``_layout_order``), so the
+    ψ-reduced backward reads ``a`` directly."""
+    order = _layout_order(layout)
     y = moa.reshape(a, tuple(u.extent for u in order), dims=tuple(u.name for u in order))
     y = moa.transpose(y, tuple(order.index(u) for u in layout.own))
     return y if y.dims == x.dims else moa.reshape(y, x.shape, dims=x.dims)
 
 
-class _SavingKernel(Kernel):
-    """A kernel's forward that also outputs its row statistics (``Kernel.with_row_statistics``)."""
+def _in_rows_layout(x: moa.Array, layout) -> moa.Array:
+    """``_in_own_layout``'s inverse: a statistic x in its own layout put in its output's rows'."""
+    order = _layout_order(layout)
+    y = moa.reshape(x, tuple(u.extent for u in layout.own), dims=tuple(u.name for u in layout.own))
+    y = moa.transpose(y, tuple(layout.own.index(u) for u in order))
+    return moa.reshape(y, layout.shape, dims=layout.dims)
 
-    def __init__(self, fn, primal: Kernel):
-        super().__init__(fn, example=primal.example, name=fn.__name__,
+
+class _SavingKernel(Kernel):
+    """A kernel's forward that also outputs its row statistics (``Kernel.with_row_statistics``),
+    each in the layout of the output rows that compute it (``identities.statistic_layouts``).
+
+    ``natural`` defines the statistics in their own layouts; the DNF is ψ-reduced from it and
+    then relaid (one program computes a statistic and its rows). ``fn`` — what its derivatives
+    are derived from — is the same definition with each relaid statistic put in its rows'
+    layout by index maps (``_in_rows_layout``), so that its tangent and adjoint kernels meet
+    the DNF's outputs: a second derivative through saved residuals runs them."""
+
+    def __init__(self, natural, primal: Kernel):
+        super().__init__(natural, example=primal.example, name=natural.__name__,
                          outputs=None, dims={p.name: " ".join(p.dims) for p in primal.params})
         self._primal = primal
+        self._natural = natural
+
+        def forward(*arrays, **opts):
+            outs = natural(*arrays, **opts)
+            lays = self.layouts(*arrays, **opts)
+            return tuple(o if lay is None else _in_rows_layout(o, lay) for o, lay in zip(outs, lays)) + outs[len(lays):]
+
+        forward.__signature__ = inspect.signature(natural)
+        forward.__name__ = natural.__name__
+        self.fn = forward
 
     def _primal_names(self, specs, options) -> tuple:
         outs = self._primal._build(specs, options)[1]
@@ -710,17 +760,18 @@ class _SavingKernel(Kernel):
         hit = self._cache.get(key)
         if hit is None:
             inputs = tuple(moa.array(p.name, shape, p.dims, dtype) for p, (shape, dtype) in zip(self.params, key[0]))
-            expr = self.fn(*inputs, **options)
+            expr = self._natural(*inputs, **options)
             primal_names = self._primal_names(specs, options)
             n_saved = len(expr) - len(primal_names)
-            names = tuple(f"saved{i}" for i in range(n_saved)) + primal_names
+            names = _saved_names(self.params, primal_names, n_saved) + primal_names
             dnf, _ = _psi.reduce_to_dnf(self.name, inputs, expr, names, record=False)
             # each statistic in the layout of the output rows that compute it: one program
             # computes both (attention: the one online-softmax pass gives Out, its max and sum)
             layouts = _identities.statistic_layouts(dnf, names[:n_saved])
             dnf = _identities.relayout_forward(dnf, layouts)
-            hit = (inputs, expr, dnf, functools.partial(_recorded, self.name, inputs, expr, names),
-                   _reference.to_jax(dnf), layouts)
+            relaid = tuple(o if lay is None else _in_rows_layout(o, lay) for o, lay in zip(expr, layouts))
+            hit = (inputs, relaid + tuple(expr[n_saved:]), dnf,
+                   functools.partial(_recorded, self.name, inputs, expr, names), _reference.to_jax(dnf), layouts)
             self._cache[key] = hit
         return hit
 
@@ -730,10 +781,16 @@ class _SavingKernel(Kernel):
 
     def compiled(self, *specs, onf=None, implementation=None, residuals="none", **options):
         """The forward with its row statistics: saved first, then the primal outputs — returned
-        primal outputs first (what ``runtime.differentiable`` expects)."""
+        primal outputs first (what ``runtime.differentiable`` expects). A kernel like any
+        other: its derivatives are its own tangent and adjoint kernels."""
+        from moajax.schedule import Preset
+
         dnf = self._build(specs, options)[2]
         n_saved = len(dnf.outputs) - len(self._primal_names(specs, options))
-        run = self._partitioned(dnf, onf, implementation, options)
+        # the primal's Preset says what the primal saves; this forward's own derivatives recompute
+        if isinstance(onf, Preset) and onf.residuals is not None:
+            onf = dataclasses.replace(onf, residuals=None)
+        run = super().compiled(*specs, onf=onf, implementation=implementation, residuals="none", **options)
 
         def both(*args):
             res = run(*args)

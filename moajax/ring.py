@@ -427,7 +427,7 @@ def _in_order(ring: Ring, f, *xs):
 # walks of their own (collectives, the softmax monoid's merges), not kernels with derived
 # derivatives
 SECOND_ORDER = ("the ring runs first derivatives only (jax.grad, jax.jvp, jax.linearize); for a second one, "
-                "call dot_product_attention(..., residuals='none') on inputs not split along the sequence")
+                "call dot_product_attention on inputs not split along the sequence")
 
 
 def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementation, residual: bool = False):

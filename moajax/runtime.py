@@ -196,11 +196,7 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None, order: tuple | Non
     return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas", order), default=xla)
 
 
-SECOND_ORDER_HINT = ("call it with residuals='none' (the backward then recomputes, and its own tangent and "
-                     "adjoint kernels give the second derivative)")
-
-
-def _first_order_only(run, name: str, hint: str = SECOND_ORDER_HINT):
+def _first_order_only(run, name: str, hint: str):
     """``run`` (a forward that also saves residuals) with a derivative that says it has none:
     its saved values have no tangent kernel of their own."""
     import jax
@@ -224,7 +220,7 @@ def zero_cotangent(x):
 
 
 def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, floats=(), float_outputs=(),
-                   name: str = "kernel", second_order: str = SECOND_ORDER_HINT):
+                   name: str = "kernel", second_order: str | None = None):
     """``run`` with its derivatives: ``tangent(args, dots) -> the tangents of the floating
     outputs`` (forward mode: ``jax.jvp``) and ``backward(args, saved, outs, cotangents) -> one
     cotangent per arg`` (reverse mode: ``jax.grad``), each the other's transpose.
@@ -236,9 +232,11 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
     ``saving()`` (asked when the function is first differentiated) gives a forward computing
     the outputs and then the values the backward reads instead of recomputing them, those
     saved values (``saved``; else empty) and the outputs themselves (``outs``; else None),
-    which the papers' identities read. A second derivative runs the tangent and adjoint
-    kernels' own derivatives where nothing is saved; with saved values it raises, saying
-    ``second_order`` (what to do instead)."""
+    which the papers' identities read. A second derivative runs the derivatives of the
+    tangent and the backward, and where values are saved, those of the saving forward (a
+    kernel's: ``Kernel.with_row_statistics``); ``second_order``, a hint, says that the saving
+    forward has none (a hand-written walk: the ring's), and a second derivative through it
+    raises NotImplementedError with the hint."""
     import jax
 
     from moajax import compat
@@ -255,7 +253,9 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
             outs = f(*args)  # through ``f``, so that a second derivative runs this rule again
             res = (tuple(args), (), None)
         else:
-            both = _first_order_only(run_saving, name, second_order)(*args)
+            if second_order is not None:
+                run_saving = _first_order_only(run_saving, name, second_order)
+            both = run_saving(*args)
             outs = both[:n_outputs] if n_outputs > 1 else both[0]
             res = (tuple(args), tuple(both[n_outputs:]), tuple(both[:n_outputs]))
         tup = tuple(outs) if n_outputs > 1 else (outs,)

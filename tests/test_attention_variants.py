@@ -171,6 +171,56 @@ def test_check_grads_in_reverse_mode():
     check_grads(lambda q, k, v: moajax.dot_product_attention(q, k, v, **kw), (q, k, v), order=1, modes=("rev",))
 
 
+def _jnp_attention(q, k, v, bias, keep, rows):
+    """softmax(Q Kᵀ/√H + bias, kept) V in float64 jnp, GQA by repeating K and V: differentiable
+    to any order by JAX itself (``R.mha_variants`` is NumPy; jax.nn computes in float32)."""
+    G = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, G, 2), jnp.repeat(v, G, 2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]) + bias
+    s = jnp.where(keep, s, -1e30)  # finite: a row past its query length (zeroed below) keeps no key
+    p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+    out = jnp.einsum("bnts,bsnh->btnh", p / jnp.sum(p, -1, keepdims=True), v)
+    return out if rows is None else out * rows[:, :, None, None]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_second_derivatives_through_the_saved_residuals(impl):
+    """The default call saves its row statistics and Out for the backward; a second derivative
+    runs the saving forward's own tangent and adjoint kernels (and the backward's): Hessian-vector
+    products and grad of grad, float64, against check_grads (order 2: numerical
+    differences, reverse over reverse) and a float64 jnp composition that JAX differentiates
+    itself (rel ≤ 1e-12: as the first derivatives, a few ulps of row sums in other orders)."""
+    from jax.test_util import check_grads
+
+    q, k, v, g = _qkv(2, 21)
+    bias = np.random.default_rng(22).standard_normal((B, N, T, S))
+    kw = dict(is_causal=True, local_window_size=(3, 0), query_seq_lengths=np.array([7, 5], np.int32),
+              key_value_seq_lengths=np.array([6, 9], np.int32))
+    keep, rows = R.variant_keep(B, N, T, S, **{n: kw[n] for n in ("local_window_size", "query_seq_lengths",
+                                                                 "key_value_seq_lengths")})
+    keep = keep & np.tril(np.ones((T, S), bool))
+
+    def ours(q, k, v, bias):
+        return moajax.dot_product_attention(q, k, v, bias, implementation=impl, **kw)
+
+    def theirs(q, k, v, bias):
+        return _jnp_attention(q, k, v, bias, keep, rows)
+
+    def grad_norm(f):  # ½ Σ |∇ sum(sin(f) · g)|², whose gradient needs f's second derivative
+        inner = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)) * g), argnums=(0, 1, 2, 3))
+        return jax.jit(jax.grad(lambda *a: sum(jnp.sum(d * d) for d in inner(*a)) / 2, argnums=(0, 1, 2, 3)))
+
+    def hvp(f):
+        inner = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)) * g), argnums=(0, 1, 2, 3))
+        return jax.jit(lambda *a: jax.jvp(inner, a, (g, k, v, bias))[1])
+
+    for a, b in zip(grad_norm(ours)(q, k, v, bias) + hvp(ours)(q, k, v, bias),
+                    grad_norm(theirs)(q, k, v, bias) + hvp(theirs)(q, k, v, bias)):
+        assert rel_err(a, b) <= F64
+    if impl == "xla":  # the numerical check once: the kernels' derivatives are the same algebra on both
+        check_grads(lambda q, k, v: ours(q, k, v, bias), (q, k, v), order=2, modes=("rev",))
+
+
 def test_bad_variant_arguments_are_named():
     q, k, v, _ = _qkv(2, 8)
     attn = moajax.dot_product_attention

@@ -281,7 +281,7 @@ def test_the_presets_ring_reaches_every_kernel_under_jit():
     zigzag (the adjoint and the tangent once took the causal default, zigzag, whatever the
     Preset said). Results: the one-device ones (float64). ``ring_rounds`` cuts what is in
     flight: jit(grad)'s temp memory per device falls with 4 rounds (compiled at S = 8192 over
-    8 devices, pieces of 256 keys)."""
+    8 devices, pieces of 256 keys) by at least the travelling blocks' three quarters."""
     import re
 
     mesh = _mesh((8,), ("seq",))
@@ -306,7 +306,12 @@ def test_the_presets_ring_reaches_every_kernel_under_jit():
         onf = moajax.Preset.of(ring="contiguous", ring_rounds=rounds)
         fn = jax.jit(jax.grad(lambda q, k, v, onf=onf: jnp.sum(f(q, k, v, onf) ** 2), argnums=(0, 1, 2)))
         temp[rounds] = fn.lower(*big).compile().memory_analysis().temp_size_in_bytes
-    assert temp[4] < temp[1] / 2
+    # K, V, dK and dV blocks travel (1024 keys × 4 heads × 32 × 4 B each): 4 rounds hold a
+    # quarter of them, so the temp falls by at least the other three quarters. (How much else
+    # a device holds, and so the ratio, is the plan's, which follows the machine profile's
+    # caches: 11.5 → 8.0 MB under the generic profile on a 2-core EPYC, 20.3 → 8.0 under Delta's)
+    in_flight = 4 * 1024 * 4 * 32 * 4
+    assert temp[1] - temp[4] >= 3 * in_flight / 4
 
 
 @pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
@@ -439,8 +444,8 @@ def test_the_ring_runs_forward_mode(causal, residual):
 
 def test_a_second_derivative_through_the_ring_is_refused_with_what_to_do():
     """The ring runs first derivatives; a Hessian-vector product through ``ring_attention``
-    raises naming it and pointing to what gives one: ``dot_product_attention`` with
-    residuals='none' on unsplit inputs, whose second derivative (float64) matches that of a
+    raises naming it and pointing to what gives one: ``dot_product_attention`` on unsplit
+    inputs, whose second derivative (float64; saving residuals or not) matches that of a
     softmax written out in jax.numpy (``_softmax_attention``) at 1e-12. (Not jax.nn's: it keeps
     its logits in float32, test_api.py.)"""
     q, k, v = _attn_inputs(np.float64, B=1, T=16, N=2, K=2)
@@ -448,10 +453,11 @@ def test_a_second_derivative_through_the_ring_is_refused_with_what_to_do():
     ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=True)  # noqa: E731
     hvp = lambda f: jax.jvp(jax.grad(lambda q: jnp.sum(jnp.sin(f(q, k, v)))), (q,), (v,))[1]  # noqa: E731
     with pytest.raises(NotImplementedError, match="ring_attention: a second derivative .* first derivatives only.*"
-                                                  "residuals='none'"):
+                                                  "dot_product_attention on inputs not split along the sequence"):
         hvp(ring)
-    got = hvp(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True, residuals="none"))
-    assert rel_err(got, hvp(lambda q, k, v: _softmax_attention(q, k, v, True))) <= 1e-12
+    for residuals in ("save", "none"):
+        got = hvp(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True, residuals=residuals))
+        assert rel_err(got, hvp(lambda q, k, v: _softmax_attention(q, k, v, True))) <= 1e-12
 
 
 def test_the_ring_takes_a_value_head_dim_of_one():
