@@ -163,6 +163,26 @@ def test_gated_mlp_residual_policies_give_the_same_gradients(impl, residuals):
         assert rel_err(a, b) <= 1e-11
 
 
+@pytest.mark.parametrize("residuals", ["save", ("gate", "up")], ids=["statistics", "keep_U_V"])
+def test_second_derivatives_through_what_the_forward_saves(residuals):
+    # grad of ½|∇|²: the saving forward's own adjoint and tangent kernels (RMSNorm's RMS; the
+    # MLP's labelled U and V) against JAX's derivatives of the same math in jnp, float64
+    x, w, _ = _norm_args(lead=(5,))
+    xm, wg, wu, wd, g = _mlp_args(lead=(5,))
+
+    def gg(f, n):
+        inner = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)) * g), tuple(range(n)))
+        return jax.jit(jax.grad(lambda *a: sum(jnp.sum(d * d) for d in inner(*a)) / 2, tuple(range(n))))
+
+    norm = lambda x, w: x * w / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
+    mlp = lambda x, a, b, c: (jax.nn.silu(x @ a) * (x @ b)) @ c  # noqa: E731
+    cases = [(lambda *a: moajax.rms_norm(*a, residuals="save"), norm, (x, w))] if residuals == "save" else []
+    cases.append((lambda *a: moajax.gated_mlp(*a, residuals=residuals), mlp, (xm, wg, wu, wd)))
+    for ours, theirs, args in cases:
+        for a, b in zip(gg(ours, len(args))(*args), gg(theirs, len(args))(*args)):
+            assert rel_err(a, b) <= 1e-11
+
+
 def test_mlp_residual_policies_trade_memory_for_contractions():
     # per policy, the cost model's plans: the forward computes U, V and F once (3 GEMM units of
     # 2·n·d·f flops), saving U or V as it goes; the backward reads what was saved instead of
