@@ -1,5 +1,5 @@
 """Test configuration: float64 available everywhere (float64 references), eight host CPU
-devices (a mesh to split over), hypothesis profiles, and a hermetic machine profile: an empty cache directory and no $MOAJAX_MACHINE, so a
+devices (a mesh to split over), XLA's backend at -O0 (compiling is most of the suite's time), hypothesis profiles, and a hermetic machine profile: an empty cache directory and no $MOAJAX_MACHINE, so a
 developer's measured profile (``moajax measure``) never changes what the tests see and
 ``machines.local()`` is the generic CPU profile."""
 
@@ -15,6 +15,13 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 # eight host devices, for the mesh tests (tests/test_sharding.py); one-device code runs on the first
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# LLVM at -O0 behind XLA's CPU backend: the suite compiles thousands of small programs and runs
+# each once or twice, so compiling is most of its time, and -O0 takes ~11 % off it on 2 cores.
+# What the tests check is the HLO moajax emits and its values: the same HLO passes run, and
+# float64 results move by an FMA's rounding at most (~1e-16: the tolerances hold 1e-12).
+# Timings belong to scripts/ (default flags); a developer can set the level in XLA_FLAGS.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ["MOAJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="moajax-test-cache-")
 atexit.register(shutil.rmtree, os.environ["MOAJAX_CACHE_DIR"], ignore_errors=True)
 os.environ.pop("MOAJAX_MACHINE", None)

@@ -11,12 +11,9 @@ from moajax.cli import main
 TINY = {"attention": (32,), "decode": (64,), "tokens": (16,)}
 
 
-@pytest.fixture(scope="module")
-def rows():
-    return validate.run(sizes=TINY, reps=1)
-
-
-def test_every_kernel_is_verified_in_float64_and_predicted(rows):
+def test_every_kernel_is_verified_in_float64_and_predicted_in_a_table():
+    # one run (a module fixture ran once per pytest-xdist worker that took one of its tests)
+    rows = validate.run(sizes=TINY, reps=1)
     assert [r.kernel for r in rows] == list(validate.KERNELS)
     for r in rows:
         # float64 kernels against float64 references: a few ulps of the output's scale; decode
@@ -26,9 +23,6 @@ def test_every_kernel_is_verified_in_float64_and_predicted(rows):
         assert r.model_flops > 0 and r.model_bytes > 0 and r.temp_bytes >= 0
         # a row more than 2× off says why; one within says nothing
         assert bool(r.why) == (not 0.5 <= r.ratio <= 2), (r.kernel, r.ratio, r.why)
-
-
-def test_the_table_has_its_columns(rows):
     lines = validate.table(rows)
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header == list(validate.COLUMNS)
