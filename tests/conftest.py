@@ -16,7 +16,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # LLVM at -O0 behind XLA's CPU backend: the suite compiles thousands of small programs and runs
-# each once or twice, so compiling is most of its time, and -O0 takes ~11 % off it on 2 cores.
+# each once or twice, so compiling is most of its time; -O0 took 11 % off a sample of it on 2 cores
+# (bench/results/test_suite_cpu_epyc_avx2.md).
 # What the tests check is the HLO moajax emits and its values: the same HLO passes run, and
 # float64 results move by an FMA's rounding at most (~1e-16: the tolerances hold 1e-12).
 # Timings belong to scripts/ (default flags); a developer can set the level in XLA_FLAGS.
