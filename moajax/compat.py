@@ -74,7 +74,7 @@ def _platform_call_primitive():
     batched by vmapping both branches; run eagerly by compiling it for this platform. It is
     never differentiated itself: moajax's compiled functions carry their derivatives
     (``runtime.differentiable``) around it. None where this JAX lacks a piece."""
-    try:
+    try:  # every piece looked up before anything is registered: a JAX without one falls back whole
         from jax import core as _core
         from jax.extend.core import Primitive
         from jax.interpreters import batching, mlir
@@ -83,22 +83,23 @@ def _platform_call_primitive():
         jaxpr_as_fun = getattr(_core, "jaxpr_as_fun", None)
         if jaxpr_as_fun is None:
             from jax._src.core import jaxpr_as_fun
-    except ImportError:
+        apply_primitive, lower_fun, register_lowering = dispatch.apply_primitive, mlir.lower_fun, mlir.register_lowering
+        batchers = batching.primitive_batchers
+    except (ImportError, AttributeError):
         return None
     prim = Primitive("moajax_platform_call")
     prim.multiple_results = True
-    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_impl(functools.partial(apply_primitive, prim))
     prim.def_abstract_eval(lambda *avals, cpu, cuda: cpu.out_avals)
-    mlir.register_lowering(prim, mlir.lower_fun(lambda *a, cpu, cuda: jaxpr_as_fun(cpu)(*a), multiple_results=True))
-    mlir.register_lowering(prim, mlir.lower_fun(lambda *a, cpu, cuda: cuda.flat(*a), multiple_results=True),
-                           platform="cuda")
+    register_lowering(prim, lower_fun(lambda *a, cpu, cuda: jaxpr_as_fun(cpu)(*a), multiple_results=True))
+    register_lowering(prim, lower_fun(lambda *a, cpu, cuda: cuda.flat(*a), multiple_results=True), platform="cuda")
 
     def batch(args, dims, *, cpu, cuda):
-        axes = tuple(None if d is batching.not_mapped else d for d in dims)
+        axes = tuple(None if d is None or d is getattr(batching, "not_mapped", None) else d for d in dims)
         outs = platform_dependent(*args, cpu=jax.vmap(jaxpr_as_fun(cpu), axes), cuda=jax.vmap(cuda.flat, axes))
         return outs, [0] * len(outs)
 
-    batching.primitive_batchers[prim] = batch
+    batchers[prim] = batch
     return prim
 
 

@@ -109,3 +109,30 @@ def test_the_saving_forward_is_one_online_pass_and_one_pallas_kernel(kv_heads):
     assert len(online) == 1 and {"saved0", "saved1"} <= set(online[0].defines)
     (k,) = triton_kernels(saving.compiled(*specs, implementation="pallas"), *specs)
     assert k.name.startswith("moajax_mha")
+
+
+def test_the_dispatch_traces_the_cuda_branch_only_for_a_cuda_lowering():
+    """compat.platform_dependent: the CPU branch runs (jitted, eager, vmapped: the batch rule
+    vmaps both branches) without the CUDA branch ever being traced; a lowering for CUDA traces
+    it and carries its value (×3 where the CPU branch has ×2)."""
+    traced = []
+
+    def cpu(x, y):
+        return x * 2.0 + y, jnp.sum(x)
+
+    def cuda(x, y):
+        traced.append(x.shape)
+        return x * 3.0 + y, jnp.sum(x)
+
+    call = lambda x, y: compat.platform_dependent(x, y, cpu=cpu, cuda=cuda)  # noqa: E731
+    x, y = jnp.arange(6.0).reshape(2, 3), jnp.ones(3)
+    for out in (jax.jit(call)(x, y), call(x, y)):
+        np.testing.assert_array_equal(out[0], x * 2.0 + y)
+        assert float(out[1]) == 15.0
+    batched = jax.vmap(call, in_axes=(0, None))(jnp.stack([x, -x]), y)
+    np.testing.assert_array_equal(batched[0][1], -x * 2.0 + y)
+    np.testing.assert_array_equal(batched[1], [15.0, -15.0])
+    assert traced == []
+    for fn, args, shape in ((call, (x, y), (2, 3)), (jax.vmap(call, in_axes=(0, None)), (jnp.stack([x, -x]), y), (2, 3))):
+        text = compat.trace_lower(fn, *args).as_text()
+        assert traced[-1] == shape and "3.000000e+00" in text and "2.000000e+00" not in text
