@@ -34,8 +34,8 @@ def platform_dependent(*args, cpu, cuda, default=None):
     """Per-platform lowering inside one jitted function: ``cuda(*args)`` where it is lowered for
     CUDA, ``cpu(*args)`` elsewhere (and ``default``, where given, on other platforms than the
     CPU). ``lax.platform_dependent`` traces every branch at every call: on a CPU each call
-    traced its Pallas GPU kernel too, 5× the trace of the XLA branch alone (a jitted attention
-    gradient: 0.7–0.9 s against 0.11–0.18 s). Here only the CPU branch is traced at the call
+    traced its Pallas GPU kernel too (a first call at a new shape traced and lowered 1.25–1.77×
+    slower for it: bench/results/trace_cpu_epyc_avx2.md). Here only the CPU branch is traced at the call
     (it gives the output shapes); the others are traced when, and only when, a lowering for
     their platform asks (``jit(...).lower(lowering_platforms=("cuda",))`` offline included).
     Falls back to ``lax.platform_dependent`` where this JAX lacks the pieces."""
