@@ -39,12 +39,14 @@ def platform_dependent(*args, cpu, cuda, default=None):
     (it gives the output shapes); the others are traced when, and only when, a lowering for
     their platform asks (``jit(...).lower(lowering_platforms=("cuda",))`` offline included).
     Falls back to ``lax.platform_dependent`` where this JAX lacks the pieces."""
+    from jax import lax
+
     prim = _platform_call_primitive()
     if prim is None or default not in (None, cpu):
-        from jax import lax
-
         return lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=default or cpu)
     closed, shapes = jax.make_jaxpr(cpu, return_shape=True)(*args)
+    if closed.effects:  # the primitive declares none: a branch with effects (a callback) keeps JAX's own
+        return lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=cpu)
     tree = jax.tree_util.tree_structure(shapes)
     outs = prim.bind(*args, cpu=closed, cuda=_Branch(cuda, tree))
     return jax.tree_util.tree_unflatten(tree, outs)
