@@ -136,3 +136,19 @@ def test_the_dispatch_traces_the_cuda_branch_only_for_a_cuda_lowering():
     for fn, args, shape in ((call, (x, y), (2, 3)), (jax.vmap(call, in_axes=(0, None)), (jnp.stack([x, -x]), y), (2, 3))):
         text = compat.trace_lower(fn, *args).as_text()
         assert traced[-1] == shape and "3.000000e+00" in text and "2.000000e+00" not in text
+
+
+def test_a_branch_with_effects_keeps_jaxs_platform_dependent():
+    """The dispatch primitive declares no effects: a CPU branch with one (a callback) goes
+    through lax.platform_dependent, and its callback still runs."""
+    seen = []
+
+    def cpu(x):
+        jax.debug.callback(lambda v: seen.append(float(v[0])), x)
+        return x * 2.0
+
+    out = jax.jit(lambda x: compat.platform_dependent(x, cpu=cpu, cuda=lambda x: x * 3.0))(jnp.ones(3))
+    jax.effects_barrier()
+    np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+    assert seen == [1.0]
+    assert "platform_index" in str(jax.make_jaxpr(lambda x: compat.platform_dependent(x, cpu=cpu, cuda=lambda x: x))(jnp.ones(3)))
