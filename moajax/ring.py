@@ -164,9 +164,11 @@ def _piece(x, j, c: int):
     return x if c == x.shape[1] else lax.dynamic_slice_in_dim(x, j * c, c, axis=1)
 
 
-def _rows(xs, q: int, c: int):
-    """Rows q·c … q·c + c − 1 (static) of each array of ``xs`` (axis 1: the rows)."""
-    return type(xs)(x[:, q * c:(q + 1) * c] for x in xs)
+def _rows(xs, q, c: int):
+    """Rows q·c … q·c + c − 1 (q traced) of each array of ``xs`` (axis 1: the rows)."""
+    from jax import lax
+
+    return type(xs)(lax.dynamic_slice_in_dim(x, q * c, c, axis=1) for x in xs)
 
 
 def _fold(ring: Ring, is_causal: bool, states, staying, travelling, blocks, merge):
@@ -196,12 +198,14 @@ def _fold(ring: Ring, is_causal: bool, states, staying, travelling, blocks, merg
             diagonal = merged(diag)
         else:
             def diagonal(s, *x):  # the pair's causal mask cut along both axes: query piece q
-                # sees key piece j whole where q > j, masked where q = j, not at all where q < j
+                # sees key piece j whole where q > j, masked where q = j, not at all where q < j.
+                # A loop, not R copies: the program (and its compile time) does not grow with R
                 stay, trav = x[:len(staying)], x[len(staying):]
-                for q in range(R):
+
+                def piece(q, s):
                     got = lax.switch(_sub_kind(q, j), [*small, skip], _rows(s, q, c), *_rows(stay, q, c), *trav)
-                    s = tuple(lax.dynamic_update_slice_in_dim(a, g, q * c, axis=1) for a, g in zip(s, got))
-                return s
+                    return tuple(lax.dynamic_update_slice_in_dim(a, g, q * c, axis=1) for a, g in zip(s, got))
+                return lax.fori_loop(0, R, piece, tuple(s))
         branches = [merged(full), diagonal, skip]
 
         def visit(r, states, trav):
@@ -226,7 +230,7 @@ def _fold(ring: Ring, is_causal: bool, states, staying, travelling, blocks, merg
     return one_round(0, states) if R == 1 else lax.fori_loop(0, R, one_round, states)
 
 
-def _sub_kind(q: int, j):
+def _sub_kind(q, j):
     """Query piece q against key piece j (traced) of the diagonal chunk pair: full below the
     diagonal, the causal mask on it, skipped above."""
     import jax.numpy as jnp
@@ -367,15 +371,18 @@ def backward_local(kern, ring: Ring, q, k, v, out, m, l, d_out, *, is_causal: bo
         if R == 1:
             diagonal = diag
         else:
-            def diagonal(*x):  # the pair's causal mask cut along both axes (``_fold``)
+            def diagonal(*x):  # the pair's causal mask cut along both axes (``_fold``), in a loop
                 stay, trav = x[:1] + x[3:], x[1:3]
-                parts, dk, dv = [], jnp.zeros(trav[0].shape, acc_dt), jnp.zeros(trav[1].shape, acc_dt)
-                for qp in range(R):
+
+                def piece(qp, carry):
+                    dq, dk, dv = carry
                     rows = _rows(stay, qp, c)
                     g = lax.switch(_sub_kind(qp, j), [*small, zero], rows[0], *trav, *rows[1:])
-                    parts.append(g[0])
-                    dk, dv = dk + g[1].astype(acc_dt), dv + g[2].astype(acc_dt)
-                return jnp.concatenate(parts, axis=1), dk, dv
+                    return (lax.dynamic_update_slice_in_dim(dq, g[0], qp * c, axis=1),
+                            dk + g[1].astype(acc_dt), dv + g[2].astype(acc_dt))
+                # dQ in the dtype the pieces' adjoints give it (the skipped piece's zeros: Q's)
+                return lax.fori_loop(0, R, piece, (jnp.zeros(stay[0].shape, stay[0].dtype),
+                                                   jnp.zeros(trav[0].shape, acc_dt), jnp.zeros(trav[1].shape, acc_dt)))
         branches = [full, diagonal, zero]
 
         def visit(r, dq, kp, vp, dk, dv):

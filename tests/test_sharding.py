@@ -240,7 +240,8 @@ def test_the_ring_in_rounds(balance, causal):
     """``rounds=R``: each K and V block (and in the backward dK and dV) travels in R pieces,
     the diagonal pair's causal mask cut along both axes (query piece q against key piece j:
     whole below, masked on, skipped above the diagonal). Forward, gradient and forward mode
-    equal the one-device ones in float64 for R = 2 and 4 (pieces of 2 keys under zigzag);
+    equal the one-device ones in float64 for R = 2 and 4 (pieces of 2 keys under zigzag), and
+    the compiled program holds as many conditionals for either (the pieces are a loop);
     the bytes sent are ``cost.ring_bytes``'s, which R does not change (the same blocks in
     smaller sends). A rounds count that does not cut the chunks evenly is refused."""
     mesh = _mesh((4,), ("seq",))
@@ -251,11 +252,13 @@ def test_the_ring_in_rounds(balance, causal):
     want = (one(q, k, v), jax.grad(loss(one), argnums=(0, 1, 2))(q, k, v), jax.jvp(one, (q, k, v), dots)[1])
     local = lambda x: (x.shape[0], x.shape[1] // 4) + x.shape[2:]  # noqa: E731
     shapes = (local(q), local(k), local(v))
+    branches = {}
     for rounds in (2, 4):
         f = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=causal,  # noqa: E731
                                            balance=balance, rounds=rounds)
         # jitted: eager, each of the ring's many small steps compiles on its own (minutes)
         assert rel_err(jax.jit(f)(q, k, v), want[0]) <= TOL[np.float64]
+        branches[rounds] = _hlo(jax.jit(f), q, k, v).count(" conditional(")
         for a, b in zip(jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v), want[1]):
             assert rel_err(a, b) <= TOL[np.float64]
         assert rel_err(jax.jit(lambda *a: jax.jvp(f, a, dots)[1])(q, k, v), want[2]) <= TOL[np.float64]
@@ -264,6 +267,8 @@ def test_the_ring_in_rounds(balance, causal):
         assert str(ring).endswith(f"{rounds} rounds)")
         assert max(_ppermute_bytes(both, d) for d in range(4)) == (
             cost.ring_bytes(ring, *shapes, 8) + cost.ring_bytes(ring, *shapes, 8, backward=True))
+    # the diagonal pair's pieces are a loop: the program does not grow with R (it held R copies)
+    assert branches[2] == branches[4] and (branches[2] > 0) == causal  # (no mask: no pieces to choose)
     with pytest.raises(ValueError, match="pieces each"):
         ring_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, balance=balance, rounds=3)
     for bad in (0, 1.5, True):
