@@ -165,10 +165,8 @@ def _piece(x, j, c: int):
 
 
 def _rows(xs, q, c: int):
-    """Rows q·c … q·c + c − 1 (q traced) of each array of ``xs`` (axis 1: the rows)."""
-    from jax import lax
-
-    return type(xs)(lax.dynamic_slice_in_dim(x, q * c, c, axis=1) for x in xs)
+    """Piece q (traced) of c rows of each array of ``xs`` (``_piece``)."""
+    return type(xs)(_piece(x, q, c) for x in xs)
 
 
 def _fold(ring: Ring, is_causal: bool, states, staying, travelling, blocks, merge):
