@@ -1,28 +1,91 @@
 #!/usr/bin/env python3
 """GPU check on a real NVIDIA GPU (the lent H200, a Delta node): correctness, then timing.
 
-Correctness: moajax.dot_product_attention's Pallas (Triton) kernel against the float64 NumPy
-reference for float64/float32/bfloat16/float16, causal, GQA, head dim 72, T ≠ S; and the fused
-forward+backward's atomic scatter-add ONF (paper II) against the float64 backward reference.
-Timing (median of repeated runs after warm-up, device-synchronised): moajax vs
-jax.nn.dot_product_attention (XLA and cuDNN where available) at transformer sizes.
-Writes a markdown table to $OUT (or bench/results/) and prints it last.
-Run it through scripts/gpu_check.sh; it needs only jax with CUDA and numpy.
+Sections, most wanted first, each written to ``gpu_check.md`` as soon as it ends (a run cut
+short keeps what it finished), each skipped once the time budget (``--budget``) is spent:
+
+1. the forward Pallas kernel against the float64 NumPy reference (float64/32, bfloat16,
+   float16; causal, GQA, head dim 72, T ≠ S);
+2. ``jax.grad`` under each backward ONF (owner, split, atomic) against the float64 backward;
+3. the fused forward+backward's atomic ONF (paper II) against the float64 references;
+4. issue 10's targets: ``jit(grad)`` at S = 1024, 4096, 8192 (B = 1, N = 8, H = 64) under
+   each backward ONF beside ``jax.grad`` of jax.nn (xla, cudnn), alternated in one process,
+   with each compiled program's temp memory; moajax's temp memory at S = 16384 and 32768;
+5. the forward beside jax.nn at transformer sizes;
+6. the fused forward+backward's time; issue 11's decode and block gradient.
+
+Timing: the contenders of one row group are compiled first, then run in turn
+(``moajax.timing.alternating``), the median of the rounds quoted. ``--quick`` shrinks every
+size (a dry run of the script itself, on any machine). It needs only jax and numpy:
+
+    scripts/gpu_check.sh                 # on the GPU machine; results in $OUT or bench/results/
+    python scripts/gpu_check.py --quick --out /tmp/x   # the script's own dry run, on a CPU
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
+import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
+
+
+class Report:
+    """The markdown report: lines appended, the file rewritten after each section."""
+
+    def __init__(self, path: Path, budget_s: float):
+        self.path, self.lines, self.t0, self.budget = path, [], time.perf_counter(), budget_s
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, *lines):
+        for line in lines:
+            self.lines.append(line)
+            print(line, flush=True)
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
+    def section(self, title: str, head: str, need_s: float) -> bool:
+        """Start a section if ``need_s`` seconds are left, else say it was not run."""
+        self.add("", f"## {title}", "")
+        if self.left() < need_s:
+            self.add(f"Not run: {self.left():.0f} s of the {self.budget:.0f} s budget left, it needs about {need_s:.0f}.")
+            return False
+        self.add(head, _rule(head))
+        return True
+
+    def flush(self):
+        self.add("", f"({time.perf_counter() - self.t0:.0f} s into the run)")
+        self.path.write_text("\n".join(self.lines) + "\n")
+
+
+def _rule(head: str) -> str:
+    cells = head.strip("|").split("|")
+    return "|" + "|".join("---:" if c.strip() in ("ms", "rel. error", "bound", "TFLOP/s", "temp MiB",
+                                                   "vs jax.nn xla", "vs jax.nn") or "×" in c else "---"
+                          for c in cells) + "|"
+
+
+def _fail(e: Exception) -> str:
+    traceback.print_exc()
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 400)),
+                    help="seconds; a section that would not fit is skipped (default 400)")
+    ap.add_argument("--quick", action="store_true", help="every size small: a dry run of the script")
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    args = ap.parse_args()
+
     import jax
 
     jax.config.update("jax_enable_x64", True)
@@ -31,205 +94,249 @@ def main():
 
     import moajax
     import references as R
-    from moajax.timing import median_seconds
+    from moajax import machines, ptx, schedule
+    from moajax.kernels import attention_forward_backward
+    from moajax.schedule import Preset
+    from moajax.timing import alternating
 
+    quick = args.quick
+    rep = Report(Path(args.out) / "gpu_check.md", args.budget)
     dev = jax.devices()[0]
-    lines = [f"# GPU check: {getattr(dev, 'device_kind', dev)} — JAX {jax.__version__}, "
-             f"{datetime.datetime.now().isoformat(timespec='minutes')}", ""]
-    print(lines[0], flush=True)
+    rep.add(f"# GPU check: {getattr(dev, 'device_kind', dev)}, JAX {jax.__version__}, "
+            f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}"
+            + (" (--quick: small sizes)" if quick else ""), "")
     # the GPU's profile derives its tilings with the spill check (machines.for_device): say
     # whether this machine's toolchain let it run, and with which ptxas
-    from moajax import ptx
-
     missing = ptx.toolchain_missing()
-    state = f"off, {missing}" if missing else f"on, ptxas {ptx.ptxas_version()}"
-    lines += [f"Spill check of the derived tilings: {state}.", ""]
-    print(lines[-2], flush=True)
+    rep.add(f"Spill check of the derived tilings: {f'off, {missing}' if missing else f'on, ptxas {ptx.ptxas_version()}'}.")
+    machine = machines.for_device(dev)
+    rep.add(f"Machine profile: {machine.name}.")
     rng = np.random.default_rng(0)
-
-    # ---- correctness
-    lines += ["## Correctness (Pallas kernel vs float64 NumPy reference)", "",
-              "| dtype | case | rel. error | bound | ok |", "|---|---|---:|---:|---|"]
     bounds = {"float64": 1e-12, "float32": 2e-6, "bfloat16": 2e-2, "float16": 4e-3}
+    # gradients: one more rounding chain than the forward (P recomputed, dS = P (dP − Δ))
+    grad_bounds = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2, "float16": 6e-3}
+    bad = 0
+
+    def rel(got, want):
+        got = np.asarray(got, np.float64)
+        if not np.all(np.isfinite(got)):
+            return float("inf")
+        return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+    def draw(shape, dt):
+        return jnp.asarray(rng.standard_normal(shape), dt)
+
+    # ---- 1. forward correctness
     cases = [("plain", dict(B=2, T=256, S=256, N=4, K=4, H=64)),
              ("causal GQA T≠S", dict(B=1, T=200, S=333, N=8, K=2, H=64, causal=True)),
              ("head dim 72", dict(B=1, T=128, S=96, N=2, K=1, H=72))]
-    bad = 0
-    for dt, bound in bounds.items():
-        for label, c in cases:
-            try:
-                q = rng.standard_normal((c["B"], c["T"], c["N"], c["H"]))
-                k = rng.standard_normal((c["B"], c["S"], c["K"], c["H"]))
-                v = rng.standard_normal((c["B"], c["S"], c["K"], c["H"]))
-                args = [jnp.asarray(a, dt) for a in (q, k, v)]
-                out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=c.get("causal", False)))(*args)
-                ref = R.mha(*(np.asarray(a.astype(jnp.float64)) for a in args), is_causal=c.get("causal", False))
-                err = float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
-                ok = err <= bound
-            except Exception as e:  # a failure is a finding: record it
-                err, ok = float("nan"), False
-                traceback.print_exc()
-                label += f" FAILED {type(e).__name__}: {str(e)[:80]}"
-            bad += not ok
-            lines.append(f"| {dt} | {label} | {err:.2e} | {bound:.0e} | {'yes' if ok else 'NO'} |")
-            print(lines[-1], flush=True)
+    if rep.section("1. Forward: Pallas kernel against the float64 NumPy reference",
+                   "| dtype | case | rel. error | bound | ok |", 20):
+        for dt, bound in bounds.items():
+            for label, c in cases:
+                causal = c.get("causal", False)
+                try:
+                    q, k, v = (draw((c["B"], L, n, c["H"]), dt) for L, n in ((c["T"], c["N"]), (c["S"], c["K"]), (c["S"], c["K"])))
+                    out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=causal))(q, k, v)
+                    err = rel(out, R.mha(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v)), is_causal=causal))
+                    ok = err <= bound
+                except Exception as e:  # a failure is a finding: record it
+                    err, ok, label = float("nan"), False, f"{label}: {_fail(e)}"
+                bad += not ok
+                rep.add(f"| {dt} | {label} | {err:.2e} | {bound:.0e} | {'yes' if ok else 'NO'} |")
+        rep.flush()
 
-    # ---- the fused forward+backward (paper II): dK, dV scatter-added with atomics on the GPU
+    # ---- 2. gradient correctness under each backward ONF
+    if rep.section("2. jax.grad under each backward ONF against the float64 backward (worst of dq, dk, dv)",
+                   "| backward | dtype | case | rel. error | bound | ok |", 30):
+        for plan in ("owner", "split", "atomic"):
+            for dt in ("float32", "bfloat16", "float64"):
+                for label, c in cases[:2]:
+                    causal = c.get("causal", False)
+                    try:
+                        q = draw((c["B"], c["T"], c["N"], c["H"]), dt)
+                        k, v = (draw((c["B"], c["S"], c["K"], c["H"]), dt) for _ in range(2))
+                        g = draw((c["B"], c["T"], c["N"], c["H"]), dt)
+                        # the cotangent is g itself, unrounded: the product summed in at least float32
+                        acc = jnp.promote_types(dt, jnp.float32)
+                        f = jax.jit(jax.grad(lambda a, b, d: jnp.sum((moajax.dot_product_attention(
+                            a, b, d, is_causal=causal, onf=Preset.of(backward=plan)) * g).astype(acc)),
+                            argnums=(0, 1, 2)))
+                        got = f(q, k, v)
+                        want = R.mha_backward(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v, g)), is_causal=causal)
+                        err = max(rel(a, b) for a, b in zip(got, want))
+                        ok = err <= grad_bounds[dt]
+                    except Exception as e:
+                        err, ok, label = float("nan"), False, f"{label}: {_fail(e)}"
+                    bad += not ok
+                    rep.add(f"| {plan} | {dt} | {label} | {err:.2e} | {grad_bounds[dt]:.0e} | {'yes' if ok else 'NO'} |")
+        rep.flush()
+
+    # ---- 3. the fused forward+backward (paper II): dK, dV scatter-added with atomics
     import pallas_kernels
-    from moajax import machines, schedule
-    from moajax.kernels import attention_forward_backward
-    from moajax.schedule import Preset
 
-    machine = machines.for_device(dev)
-    lines += ["", f"## Fused forward+backward, atomic scatter-add ONF ({machine.name} profile)", "",
-              "| dtype | T·S·H | causal | worst rel. error (out, dq, dk, dv) | bound | ok |", "|---|---|---|---:|---:|---|"]
-    for dt, bound in bounds.items():
-        for (T, S, H, causal) in ((512, 512, 64, False), (300, 700, 72, True)):
-            try:
-                a = [rng.standard_normal(s_) for s_ in ((T, H), (S, H), (S, H), (T, H))]
-                args = [jnp.asarray(x, dt) for x in a]
-                onf = schedule.derive(attention_forward_backward.dnf(*args, is_causal=causal), machine)
-                got = jax.jit(pallas_kernels.lower(onf))(*args)
-                a64 = [np.asarray(x.astype(jnp.float64)) for x in args]
-                want = (R.attention(*a64[:3], is_causal=causal),) + R.attention_backward(*a64, is_causal=causal)
-                err = max(float(np.max(np.abs(np.asarray(g, np.float64) - w)) / np.max(np.abs(w))) for g, w in zip(got, want))
-                ok = err <= bound
+    if rep.section(f"3. Fused forward+backward, atomic scatter-add ONF ({machine.name} profile)",
+                   "| dtype | T·S·H | causal | rel. error | bound | ok |", 20):
+        for dt, bound in bounds.items():
+            for (T, S, H, causal) in ((512, 512, 64, False), (300, 700, 72, True)):
                 label = f"{T}·{S}·{H}"
+                try:
+                    a = [draw(s_, dt) for s_ in ((T, H), (S, H), (S, H), (T, H))]
+                    onf = schedule.derive(attention_forward_backward.dnf(*a, is_causal=causal), machine)
+                    got = jax.jit(pallas_kernels.lower(onf))(*a)
+                    a64 = [np.asarray(x.astype(jnp.float64)) for x in a]
+                    want = (R.attention(*a64[:3], is_causal=causal),) + R.attention_backward(*a64, is_causal=causal)
+                    err = max(rel(g, w) for g, w in zip(got, want))
+                    ok = err <= grad_bounds[dt]
+                except Exception as e:
+                    err, ok, label = float("nan"), False, f"{label}: {_fail(e)}"
+                bad += not ok
+                rep.add(f"| {dt} | {label} | {causal} | {err:.2e} | {grad_bounds[dt]:.0e} | {'yes' if ok else 'NO'} |")
+        rep.flush()
+
+    # ---- timing helpers
+    def compiled(f, *a):
+        """(compiled, temp MiB) or raises: the program compiled once, run by every timing."""
+        c = jax.jit(f).lower(*a).compile()
+        try:
+            temp = c.memory_analysis().temp_size_in_bytes / 2**20
+        except Exception:
+            temp = float("nan")
+        return c, temp
+
+    def race(rows, contenders, a, flops, reps, base_name):
+        """Compile every contender, alternate the ones that compiled, add a row each."""
+        ready, temps = {}, {}
+        for name, f in contenders.items():
+            try:
+                ready[name], temps[name] = compiled(f, *a)
             except Exception as e:
-                err, ok = float("nan"), False
-                traceback.print_exc()
-                label = f"{T}·{S}·{H} FAILED {type(e).__name__}: {str(e)[:80]}"
-            bad += not ok
-            lines.append(f"| {dt} | {label} | {causal} | {err:.2e} | {bound:.0e} | {'yes' if ok else 'NO'} |")
-            print(lines[-1], flush=True)
+                rep.add(f"| {rows} | {name} | — | — | — | — | {_fail(e)} |")
+        if not ready:
+            return {}
+        try:
+            times = {n: statistics.median(ts) for n, ts in alternating(ready, a, reps=reps, warmups=2).items()}
+        except Exception as e:  # one failing at run time: time the others alone
+            rep.add(f"| {rows} | (alternation) | — | — | — | — | {_fail(e)} |")
+            times = {}
+            for n, c in ready.items():
+                try:
+                    times[n] = statistics.median(alternating({n: c}, a, reps=reps, warmups=2)[n])
+                except Exception as e2:
+                    rep.add(f"| {rows} | {n} | — | — | — | — | {_fail(e2)} |")
+        base = times.get(base_name)
+        for n, t in times.items():
+            rate = f"{flops / t / 1e12:.1f}" if flops else "—"
+            rep.add(f"| {rows} | {n} | {t * 1e3:.3f} | {rate} | {temps[n]:.0f} | "
+                    f"{f'{base / t:.2f}×' if base else '—'} | |")
+        return times
 
-    # ---- timing
-    def bench(f, *a, reps=20):
-        return median_seconds(f, *a, reps=reps, warmups=2)
+    def grad_fn(attn):
+        return jax.grad(lambda a, b, d: jnp.sum(attn(a, b, d).astype(jnp.float32)), argnums=(0, 1, 2))
 
-    def table(impls, shapes, flops_per, reps, wrap):
-        """One row per dtype × shape × causal × contender, jax.nn xla first (the baseline)."""
-        for dt in ("bfloat16", "float32"):
-            for (B, T, N, H) in shapes:
+    def moajax_attn(causal, **kw):
+        return lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=causal, **kw)
+
+    def jaxnn_attn(causal, impl):
+        return lambda a, b, d: jax.nn.dot_product_attention(a, b, d, is_causal=causal, implementation=impl)
+
+    # ---- 4. issue 10's targets: jit(grad) per backward ONF beside jax.grad of jax.nn
+    N, H = (2, 32) if quick else (8, 64)
+    sizes = (128, 256) if quick else (1024, 4096, 8192)
+    head = "| dtype, S, causal | impl | ms | TFLOP/s | temp MiB | vs jax.nn xla | error |"
+    if rep.section(f"4. jit(grad) w.r.t. q, k, v (B = 1, N = {N}, H = {H}): the backward ONFs beside jax.grad "
+                   "of jax.nn; TFLOP/s counts 14·T·S·N·H (halved when causal); median of alternated rounds",
+                   head, 40):
+        causal_speedup = {}
+        for dt in ("float32", "bfloat16"):
+            for S in sizes:
+                if dt == "bfloat16" and S != sizes[1]:
+                    continue
                 for causal in (False, True):
-                    q = jnp.asarray(rng.standard_normal((B, T, N, H)), dt)
-                    flops = flops_per * B * T * T * N * H / (2 if causal else 1)
-                    base = None
-                    for name, f in sorted(impls.items(), key=lambda kv: kv[0] != "jax.nn xla"):
-                        try:
-                            t = bench(wrap(f, causal), q, q, q, reps=reps)
-                        except Exception as e:
-                            lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | — | — | {type(e).__name__} |")
-                            print(lines[-1], flush=True)
-                            continue
-                        base = t if name == "jax.nn xla" else base
-                        rel = f"{base / t:.2f}×" if base else "—"
-                        lines.append(f"| {dt} | {B}·{T}·{N}·{H} | {causal} | {name} | {t * 1e3:.3f} | "
-                                     f"{flops / t / 1e12:.1f} | {rel} |")
-                        print(lines[-1], flush=True)
-
-    lines += ["", "## Timing (median of 20, after 2 warm-ups)", "",
-              "| dtype | B·T·N·H | causal | impl | ms | TFLOP/s | vs jax.nn xla |", "|---|---|---|---|---:|---:|---:|"]
-    impls = {
-        "moajax": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c),
-        # the masked tiles walked and masked (Preset skip=False): what skipping them buys
-        "moajax no skip": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c,
-                                                                          onf=Preset.of(skip=False)),
-        # the interior tiles walked without the mask (off by default on a GPU until timed here)
-        "moajax interior unmasked": lambda q, k, v, c: moajax.dot_product_attention(
-            q, k, v, is_causal=c, onf=Preset.of(unmask_interior=True)),
-        # the second GPU path: the ONF's Triton source launched by jax-triton, its tiling
-        # spill-checked through that compiler (Machine.gpu_path; it can differ from Pallas')
-        "moajax triton": lambda q, k, v, c: moajax.dot_product_attention(q, k, v, is_causal=c,
-                                                                         implementation="triton"),
-        "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla"),
-        "jax.nn cudnn": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn"),
-    }
-    table(impls, ((4, 2048, 16, 64), (1, 8192, 16, 128), (1, 16384, 8, 64)), 4, 20,
-          lambda f, c: jax.jit(lambda a, b, d: f(a, b, d, c)))
-    # jit(grad) of attention under each of the seed's backward ONFs (plans of the derived
-    # adjoint: "atomic", "split", "owner" — the default) against jax.grad of jax.nn
-    lines += ["", "## jit(grad) w.r.t. q, k, v: the backward ONFs (median of 10, after 2 warm-ups)", "",
-              "| dtype | B·T·N·H | causal | impl | ms | TFLOP/s (14·B·T²·N·H) | vs jax.nn xla |",
-              "|---|---|---|---|---:|---:|---:|"]
-    grads = {f"moajax {b}": (lambda b: lambda q, k, v, c: moajax.dot_product_attention(
-        q, k, v, is_causal=c, onf=Preset.of(backward=b)))(b) for b in ("owner", "split", "atomic")}
-    grads.update({f"moajax {b} triton": (lambda b: lambda q, k, v, c: moajax.dot_product_attention(
-        q, k, v, is_causal=c, onf=Preset.of(backward=b), implementation="triton"))(b)
-        for b in ("owner", "split", "atomic")})
-    grads["moajax owner, interior unmasked"] = lambda q, k, v, c: moajax.dot_product_attention(
-        q, k, v, is_causal=c, onf=Preset.of(backward="owner", unmask_interior=True))
-    grads.update({f"jax.nn {i}": (lambda i: lambda q, k, v, c: jax.nn.dot_product_attention(
-        q, k, v, is_causal=c, implementation=i))(i) for i in ("xla", "cudnn")})
-    table(grads, ((1, 4096, 8, 64),), 14, 10, lambda f, c: jax.jit(jax.grad(
-        lambda a, b, d: jnp.sum(f(a, b, d, c).astype(jnp.float32)), argnums=(0, 1, 2))))
-    # the fused forward+backward (one head, atomics) against jax.grad of jax.nn (XLA), float32
-    lines += ["", "| fused fwd+bwd | T·H | impl | ms | vs jax.grad(jax.nn xla) |", "|---|---|---|---:|---:|"]
-    for T, H in ((2048, 64), (8192, 64)):
-        q = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
-        onf = schedule.derive(attention_forward_backward.dnf(q, q, q, q), machine)
-        ours = jax.jit(pallas_kernels.lower(onf))
-
-        def ref(a, b, c, g):
-            out, vjp = jax.vjp(lambda x, y, z: jax.nn.dot_product_attention(
-                x[None, :, None], y[None, :, None], z[None, :, None], implementation="xla")[0, :, 0], a, b, c)
-            return (out,) + vjp(g)
-
-        times = {}
-        for name, f in (("jax.grad jax.nn xla", jax.jit(ref)), ("moajax (atomic ONF)", ours)):
-            try:
-                times[name] = bench(f, q, q, q, q, reps=10)
-            except Exception as e:
-                lines.append(f"| fused fwd+bwd | {T}·{H} | {name} | — | {type(e).__name__} |")
+                    if rep.left() < 15:
+                        rep.add(f"| {dt}, {S}, {causal} | (not run: time) | | | | | |")
+                        continue
+                    q, k, v = (draw((1, S, N, H), dt) for _ in range(3))
+                    con = {f"moajax {b}": grad_fn(moajax_attn(causal, onf=Preset.of(backward=b)))
+                           for b in ("owner", "split", "atomic")}
+                    con["jax.nn xla"] = grad_fn(jaxnn_attn(causal, "xla"))
+                    if dt != "float32":  # cuDNN's fused attention takes 16-bit inputs only
+                        con["jax.nn cudnn"] = grad_fn(jaxnn_attn(causal, "cudnn"))
+                    flops = 14 * S * S * N * H / (2 if causal else 1)
+                    t = race(f"{dt}, {S}, {causal}", con, (q, k, v), flops, 5 if S >= 8192 else 10, "jax.nn xla")
+                    if "moajax owner" in t:
+                        causal_speedup[(dt, S, causal)] = t["moajax owner"]
+        rep.add("", "Causal against non-causal, moajax owner (the skipped tiles): " + ", ".join(
+            f"{dt} S = {S}: {causal_speedup[(dt, S, False)] / causal_speedup[(dt, S, True)]:.2f}×"
+            for (dt, S, c) in causal_speedup if not c and (dt, S, True) in causal_speedup))
+        # temp memory at long sequences (issue 10: ≤ 1 GiB at 16384, ≤ 2 GiB at 32768), and
+        # the time where it fits the budget
+        for S in ((512, 1024) if quick else (16384, 32768)):
+            if rep.left() < 30:
+                rep.add(f"| float32, {S}, True | moajax owner | (not run: time) | | | | |")
                 continue
-            base = times.get("jax.grad jax.nn xla")
-            lines.append(f"| fused fwd+bwd | {T}·{H} | {name} | {times[name] * 1e3:.3f} | "
-                         f"{(base / times[name]) if base else float('nan'):.2f}× |")
-            print(lines[-1], flush=True)
-    # issue 11 on the GPU: a decode step over a ragged batch (split-K by the schedule, the
-    # parts past each length skipped) and the block's jit(grad), each beside jax.nn
-    lines += ["", "| issue 11 | shape | impl | ms | vs jax.nn |", "|---|---|---|---:|---:|"]
-    B, S, N, K, H = 8, 32768, 32, 8, 128
-    q = jnp.asarray(rng.standard_normal((B, N, H)), jnp.bfloat16)
-    kc = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.bfloat16)
-    lengths = jnp.asarray(rng.integers(S // 4, S + 1, B), jnp.int32)
-    T, D, F = 4096, 512, 1408
-    x = jnp.asarray(rng.standard_normal((1, T, D)), jnp.float32)
-    shapes = {"attn_norm": (D,), "wq": (D, 8, 64), "wk": (D, 8, 64), "wv": (D, 8, 64), "wo": (8, 64, D),
-              "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
-    p = {k: jnp.asarray(rng.standard_normal(v) / np.sqrt(v[0]), jnp.float32) for k, v in shapes.items()}
+            q = draw((1, S, N, H), "float32")
+            race(f"float32, {S}, True", {"moajax owner": grad_fn(moajax_attn(True))}, (q, q, q),
+                 14 * S * S * N * H / 2, 3, "")
+        rep.flush()
 
-    from plain_block import plain_block
+    # ---- 5. the forward beside jax.nn
+    shapes = ((1, 256, 2, 32),) if quick else ((4, 2048, 16, 64), (1, 8192, 16, 128), (1, 16384, 8, 64))
+    if rep.section("5. Forward beside jax.nn (median of alternated rounds); TFLOP/s counts 4·B·T²·N·H (halved when causal)",
+                   "| dtype, B·T·N·H, causal | impl | ms | TFLOP/s | temp MiB | vs jax.nn xla | error |", 40):
+        for dt in ("bfloat16", "float32"):
+            for (B, T, n, h) in shapes:
+                for causal in (False, True):
+                    if rep.left() < 15:
+                        rep.add(f"| {dt}, {B}·{T}·{n}·{h}, {causal} | (not run: time) | | | | | |")
+                        continue
+                    q = draw((B, T, n, h), dt)
+                    con = {"moajax": moajax_attn(causal)}
+                    if causal:  # the interior tiles walked without the mask (off by default on a GPU)
+                        con["moajax interior unmasked"] = moajax_attn(True, onf=Preset.of(unmask_interior=True))
+                    con["jax.nn xla"] = jaxnn_attn(causal, "xla")
+                    if dt != "float32":
+                        con["jax.nn cudnn"] = jaxnn_attn(causal, "cudnn")
+                    race(f"{dt}, {B}·{T}·{n}·{h}, {causal}", con, (q, q, q),
+                         4 * B * T * T * n * h / (2 if causal else 1), 10, "jax.nn xla")
+        rep.flush()
 
-    def grad_of(f):
-        return jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x)), argnums=(0, 1)))
+    # ---- 6. the fused forward+backward (one head, atomics), decode, the block's gradient
+    if rep.section("6. Fused forward+backward (one head, float32), decode, the block's gradient",
+                   "| case | impl | ms | TFLOP/s | temp MiB | vs jax.nn | error |", 40):
+        for T, h in (((256, 32),) if quick else ((2048, 64), (8192, 64))):
+            q = draw((T, h), "float32")
+            onf = schedule.derive(attention_forward_backward.dnf(q, q, q, q), machine)
 
-    cases = [
-        (f"decode B={B} S={S} N={N} K={K} H={H} bf16", (q, kc, kc, lengths), {
-            "jax.nn": jax.jit(lambda q, k, v, l: jax.nn.dot_product_attention(
-                q[:, None], k, v, key_value_seq_lengths=l)[:, 0]),
-            "moajax": jax.jit(moajax.decode_attention)}),
-        (f"block grad T={T} D={D} 8×64 F={F} f32", (p, x), {
-            "jax.nn": grad_of(plain_block),
-            "moajax": grad_of(lambda p, x: moajax.transformer_block(p, x, is_causal=True))}),
-    ]
-    for label, args, fns in cases:
-        base = None
-        for name, f in fns.items():
-            try:
-                t = bench(f, *args, reps=10)
-            except Exception as e:
-                lines.append(f"| issue 11 | {label} | {name} | — | {type(e).__name__} |")
-                print(lines[-1], flush=True)
-                continue
-            base = t if name == "jax.nn" else base
-            lines.append(f"| issue 11 | {label} | {name} | {t * 1e3:.3f} | {(base / t) if base else float('nan'):.2f}× |")
-            print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    out = Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "gpu_check.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
+            def ref(a, b, c, g):
+                out, vjp = jax.vjp(lambda x, y, z: jax.nn.dot_product_attention(
+                    x[None, :, None], y[None, :, None], z[None, :, None], implementation="xla")[0, :, 0], a, b, c)
+                return (out,) + vjp(g)
+
+            race(f"fused fwd+bwd T = {T}, H = {h}", {"jax.nn": ref, "moajax (atomic ONF)": pallas_kernels.lower(onf)},
+                 (q, q, q, q), 18 * T * T * h, 10, "jax.nn")
+        B, S, n, K, h = (2, 512, 4, 2, 32) if quick else (8, 32768, 32, 8, 128)
+        q = draw((B, n, h), "bfloat16")
+        kc = draw((B, S, K, h), "bfloat16")
+        lengths = jnp.asarray(rng.integers(S // 4, S + 1, B), jnp.int32)
+        race(f"decode B={B} S={S} N={n} K={K} H={h} bf16",
+             {"jax.nn": lambda q, k, v, l: jax.nn.dot_product_attention(q[:, None], k, v, key_value_seq_lengths=l)[:, 0],
+              "moajax": moajax.decode_attention}, (q, kc, kc, lengths), 4 * B * S * n * h, 10, "jax.nn")
+        from plain_block import plain_block
+
+        T, D, F = (256, 64, 128) if quick else (4096, 512, 1408)
+        x = draw((1, T, D), "float32")
+        shp = {"attn_norm": (D,), "wq": (D, 8, D // 8), "wk": (D, 8, D // 8), "wv": (D, 8, D // 8), "wo": (8, D // 8, D),
+               "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+        p = {k_: jnp.asarray(rng.standard_normal(s_) / np.sqrt(s_[0]), jnp.float32) for k_, s_ in shp.items()}
+
+        def grad_of(f):
+            return jax.grad(lambda p, x: jnp.sum(f(p, x)), argnums=(0, 1))
+
+        race(f"block grad T={T} D={D} F={F} f32",
+             {"jax.nn": grad_of(plain_block), "moajax": grad_of(lambda p, x: moajax.transformer_block(p, x, is_causal=True))},
+             (p, x), None, 10, "jax.nn")
+        rep.flush()
     return 1 if bad else 0
 
 

@@ -25,19 +25,19 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 
-def _jaxlib_knows(flag: str) -> bool:
-    """Is ``flag`` compiled into this jaxlib? XLA aborts the process on an unknown flag in
-    XLA_FLAGS, and a newer jaxlib (a GPU machine's) may have dropped one."""
-    import importlib.util
-    import mmap
-    from pathlib import Path
+def _xla_accepts(flag: str) -> bool:
+    """Does this jaxlib's XLA take ``flag``? XLA aborts the process on an unknown flag in
+    XLA_FLAGS, and a newer jaxlib (a GPU machine's) may have dropped one. Asked of a child
+    process, since the flag's name can outlive the flag in the shared library (jaxlib 0.11.2
+    still holds "xla_cpu_use_fusion_emitters" and aborts on it). The answer goes into
+    XLA_FLAGS, so pytest-xdist's workers, which inherit it, do not ask again."""
+    import subprocess
+    import sys
 
-    spec = importlib.util.find_spec("jaxlib")
-    for lib in Path(spec.origin).parent.glob("*.so") if spec and spec.origin else ():
-        with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m.find(flag.encode()) >= 0:
-                return True
-    return False
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                           capture_output=True, timeout=300)
+    return probe.returncode == 0
 
 
 # XLA:CPU's elemental emitters instead of its MLIR fusion emitters: the same HLO passes and
@@ -45,7 +45,7 @@ def _jaxlib_knows(flag: str) -> bool:
 # and an alternated subset of the suite ran 7 % faster (bench/results/test_suite_cpu_epyc_avx2.md). What the tests
 # check is unchanged: the HLO moajax emits, and values within their tolerances (the whole suite
 # passes either way). Only this conftest sets it; a developer's XLA_FLAGS can override it.
-if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _jaxlib_knows("xla_cpu_use_fusion_emitters"):
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _xla_accepts("--xla_cpu_use_fusion_emitters=false"):
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ["MOAJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="moajax-test-cache-")
 atexit.register(shutil.rmtree, os.environ["MOAJAX_CACHE_DIR"], ignore_errors=True)
