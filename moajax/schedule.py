@@ -273,10 +273,19 @@ GPU_SCATTER_TILES = {
 GPU_WHOLE_MAX = 128
 
 
+def _operand_width(onf: ONF) -> int:
+    """The itemsize the tables and ``lowp_dots`` go by: the narrowest of the kernel's outputs.
+    Not the first: a saving forward's first outputs are its float32 row statistics beside a
+    16-bit Out, and read as 4 bytes they made its dots float32 FMA work, no tensor cores, on
+    a 32 × 32 tiling: 5.8 ms of bfloat16 jit(grad)'s 7.1 at S = 4096 on the H200, where the
+    plain forward took 0.26 (bench/results/gpu_backward_sweep_h200.md)."""
+    return min(np.dtype(o.dtype).itemsize for o in onf.dnf.outputs)
+
+
 def _gpu_candidates(table: dict, onf: ONF, widths) -> list:
     """The (rows, keys, warps, stages) candidates for this operand width and held width (the
     widest of ``widths``, padded to a power of two: the axes held whole in a contraction)."""
-    item = min(np.dtype(onf.dnf.outputs[0].dtype).itemsize, 8)
+    item = min(_operand_width(onf), 8)
     width = max([next_pow2(w) for w in widths] or [16])
     if width > 128:
         return [(32, 16, 8, 2), (16, 16, 8, 1)]
@@ -288,7 +297,7 @@ def _first_fit(onf: ONF, machine: Machine, cands, lift, rank: int = 0) -> ONF:
     memory by the cost model's upper bound (``cost.onchip_bytes``, calibrated against ptxas in
     bench/results/smem_sweep.md), else the last, for validate to name. ``rank`` k > 0: the
     (k+1)-th that fits, or the last that fits where fewer do (the spill check's next try)."""
-    lowp = np.dtype(onf.dnf.outputs[0].dtype).itemsize == 2
+    lowp = _operand_width(onf) == 2
     fitting = None
     for bt, bs, warps, stages in cands:
         o = W.with_knobs(lift(bt, bs), num_warps=warps, num_stages=stages, lowp_dots=lowp)
@@ -681,22 +690,41 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
     rest = sorted((v for v in onf.program.vars() if v != r and v not in batch and v not in loops),
                   key=lambda v: v.name)
 
-    def lift(bt, bs):
+    def lift(bt, bs, walk_inner=False):
+        # walk_inner (GPU): a short loop around a longer sum (GQA's dK, dV = Σ_g Σ_t …: the
+        # query heads of a kv head around the queries) runs one element at a time and the
+        # longer sum is walked in tiles of bs inside it, as ``_apply_tiles`` does: each step a
+        # 2-D contraction over a tile of t. Held whole, the queries padded (T = 200 → 256)
+        # times the group times a key tile took 836 KB per program in bfloat16 (the H200 has
+        # 227 KB: bench/results/gpu_check_h200.md)
+        around, inner = set(), set()
+        if walk_inner:
+            for v, ws in _enclosed(onf):
+                longest = max((w for w in ws if w in rest), key=lambda w: (w.extent, w.name), default=None)
+                if v in loops and longest is not None and longest.extent > max(bs, v.extent):
+                    around.add(v)
+                    inner.add(longest)
         axes = [Axis(r.name, r.extent, min(bt, next_pow2(r.extent) if gpu else r.extent), "grid")]
         axes += [Axis(v.name, v.extent, 1, "grid") for v in batch]
         for v in loops:
-            t = min(bs, next_pow2(v.extent)) if gpu else min(bs, v.extent)
+            t = 1 if v in around else min(bs, next_pow2(v.extent)) if gpu else min(bs, v.extent)
             axes.append(Axis(v.name, v.extent, t, "sequential" if t < v.extent else "whole"))
         seen = {a.name for a in axes}
         for v in rest:
             if v.name not in seen:
                 seen.add(v.name)
-                axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
+                if v in inner:
+                    axes.append(Axis(v.name, v.extent, bs, "sequential"))
+                else:
+                    axes.append(Axis(v.name, v.extent, next_pow2(v.extent) if gpu else v.extent, "whole"))
         return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
 
     if gpu:
-        return _first_fit(onf, machine, _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest]), lift,
-                          rank)
+        cands = _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest])
+        o = _first_fit(onf, machine, cands, lift, rank)
+        if onchip_bytes(o) > machine.onchip_limit_bytes:  # none fits with the long sums held whole
+            o = _first_fit(onf, machine, cands, lambda bt, bs: lift(bt, bs, walk_inner=True), rank)
+        return o
     # every other axis of an output's row tile but its last is vectorised beside the rows
     # (batch-like grid axes, and head axes held whole): the score tile is that deep. Not the
     # walked axes: a loop holds one tile (256) of them, the bs of the budget (counted whole,

@@ -40,8 +40,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
 class Report:
     """The markdown report: lines appended, the file rewritten after each section."""
 
-    def __init__(self, path: Path, budget_s: float):
-        self.path, self.lines, self.t0, self.budget = path, [], time.perf_counter(), budget_s
+    def __init__(self, path: Path, budget_s: float, only=None):
+        self.path, self.lines, self.t0, self.budget, self.only = path, [], time.perf_counter(), budget_s, only
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def add(self, *lines):
@@ -55,6 +55,9 @@ class Report:
     def section(self, title: str, head: str, need_s: float) -> bool:
         """Start a section if ``need_s`` seconds are left, else say it was not run."""
         self.add("", f"## {title}", "")
+        if self.only and int(title.split(".")[0]) not in self.only:
+            self.add("Not run: not asked for (--only).")
+            return False
         if self.left() < need_s:
             self.add(f"Not run: {self.left():.0f} s of the {self.budget:.0f} s budget left, it needs about {need_s:.0f}.")
             return False
@@ -83,6 +86,7 @@ def main():
     ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 400)),
                     help="seconds; a section that would not fit is skipped (default 400)")
     ap.add_argument("--quick", action="store_true", help="every size small: a dry run of the script")
+    ap.add_argument("--only", type=int, nargs="*", default=None, help="run only these sections (numbers)")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     args = ap.parse_args()
 
@@ -100,7 +104,7 @@ def main():
     from moajax.timing import alternating
 
     quick = args.quick
-    rep = Report(Path(args.out) / "gpu_check.md", args.budget)
+    rep = Report(Path(args.out) / "gpu_check.md", args.budget, args.only)
     dev = jax.devices()[0]
     rep.add(f"# GPU check: {getattr(dev, 'device_kind', dev)}, JAX {jax.__version__}, "
             f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}"

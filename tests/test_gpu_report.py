@@ -94,11 +94,13 @@ def test_model_kernels_at_realistic_sizes_fit_without_spills(machine):
 @needs_compiler
 @pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
 def test_gqa_training_kernels_compile_without_spills(machine):
-    """jax.grad of GQA attention on a GPU: the saving forward (one kernel) and the adjoint's
-    dQ, dK, dV kernels — the group's query heads walked one at a time inside dK and dV, Δ
-    recomputed from dO and O in place — compile with 0 spill bytes."""
+    """jax.grad of GQA attention on a GPU: the saving forward (one kernel) and the owner
+    plan's dQ kernel and dK/dV kernel — programs owning key tiles, the group's query heads
+    walked one at a time around the walk of the queries, Δ recomputed from dO and O in
+    place — compile with 0 spill bytes. (Before the group's walk was taken one head at a
+    time there, dK and dV held the queries whole, did not fit one kernel, and ran as two.)"""
     cases = [c for c in gpu_report.training_cases(("bfloat16",), targets=[machine]) if "GQA" in c[0]]
-    assert [c[0].split("bfloat16 H=64")[-1].strip() for c in cases] == ["", "d_query", "d_key", "d_value"]
+    assert [c[0].split("bfloat16 H=64")[-1].strip() for c in cases] == ["", "d_query", "d_key_d_value"]
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
         reports = ptx.onf_reports(onf, machine.arch)
@@ -430,3 +432,33 @@ def test_an_unlisted_gpus_tilings_compile_for_its_own_arch():
     onf = schedule.derive(mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32), m)
     (r,) = ptx.onf_reports(onf, "sm_89")
     assert r.spill_stores == r.spill_loads == 0 and 0 < r.smem_bytes <= m.shared_memory_per_block == 101376
+
+
+@pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
+def test_a_16_bit_saving_forward_contracts_in_16_bits(machine):
+    """The forward jax.grad runs (it saves the row statistics) outputs float32 statistics
+    first, then the bfloat16 Out: its tiling and its dots go by its narrowest output, as the
+    plain forward's do. Read from the first output, its dots ran as float32 FMA on a 32 × 32
+    tiling: 5.8 ms of bfloat16 jit(grad)'s 7.1 at S = 4096 on the H200, where the plain
+    forward took 0.26 (bench/results/gpu_backward_sweep_h200.md). On the GPU the dots' PTX
+    holds the tensor-core instructions (mma; wgmma on sm_90a), not only FMAs."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels
+    from moajax.kernels.attention import mha_kernel
+
+    specs = [jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.bfloat16)] * 3
+    with compat.enable_x64_context(True):
+        kern = mha_kernel(None, None, False)
+        saving, plain = kern.with_row_statistics(()).dnf(*specs), kern.dnf(*specs)
+    assert np.dtype(saving.outputs[0].dtype) == np.float32 and np.dtype(saving.outputs[-1].dtype) == jnp.bfloat16
+    onf = schedule.derive(saving, machine)
+    assert onf.knobs.lowp_dots and schedule.derive(plain, machine).knobs.lowp_dots
+    if REASON is None:
+        (k,) = ptx.triton_kernels(pallas_kernels.lower(onf), *[jax.ShapeDtypeStruct(i.shape, i.dtype)
+                                                                for i in onf.dnf.inputs])
+        asm, _ = ptx.compile_ptx(k, machine.arch)
+        assert re.search(r"\bw?gmma\.|\bmma\.sync", asm), (machine.name, "no tensor-core instruction")
