@@ -422,12 +422,21 @@ class Axis:
 class Knobs:
     """Backend knobs. GPU (Triton): num_warps, num_stages. CPU (XLA): ``cpu_loop`` grid axes
     walked by an outer sequential loop (the rest of the grid is vectorised), and
-    ``lowp_dots``: contract a float32 factor with a 16-bit operand in 16 bits (float32 sums)."""
+    ``lowp_dots``: contract a float32 factor with a 16-bit operand in 16 bits (float32 sums).
+    ``dot_precision``: "highest" (float32 dots in IEEE float32, the default) or
+    "tensorfloat32" (float32 dot operands rounded to TF32 on a GPU's tensor cores, as XLA's
+    float32 dots there by default; relative errors near 1e-3 instead of 1e-6; the CPU's XLA
+    dots stay float32)."""
 
     num_warps: int = 4
     num_stages: int = 2
     cpu_loop: tuple = ()
     lowp_dots: bool = False
+    dot_precision: str = "highest"
+
+    def __post_init__(self):
+        if self.dot_precision not in DOT_PRECISIONS:
+            raise ValueError(f"Knobs: dot_precision must be one of {DOT_PRECISIONS}, got {self.dot_precision!r}")
 
     def text(self) -> str:
         parts = [f"num_warps {self.num_warps}", f"num_stages {self.num_stages}"]
@@ -435,7 +444,12 @@ class Knobs:
             parts.append(f"cpu_loop {' '.join(self.cpu_loop)}")
         if self.lowp_dots:
             parts.append("lowp_dots")
+        if self.dot_precision != "highest":
+            parts.append(f"{self.dot_precision} dots")
         return ", ".join(parts)
+
+
+DOT_PRECISIONS = ("highest", "tensorfloat32")
 
 
 @dataclasses.dataclass(frozen=True)

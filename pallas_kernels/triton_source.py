@@ -318,7 +318,11 @@ class _Emitter:
         out = eqn.outvars[0].aval
         kind = np.dtype(a.aval.dtype)
         acc = "tl.float64" if kind == np.float64 else "tl.float32"
-        text = f"tl.dot({x}, {y}, input_precision='ieee', out_dtype={acc})"
+        from jax import lax
+
+        exact = eqn.params.get("precision") in (None, lax.Precision.HIGHEST, (lax.Precision.HIGHEST,) * 2)
+        mode = "ieee" if exact or kind != np.float32 else "tf32"  # (Knobs.dot_precision)
+        text = f"tl.dot({x}, {y}, input_precision='{mode}', out_dtype={acc})"
         return text if _dtype(out) == acc else f"tl.cast({text}, {_dtype(out)})"
 
     def _named(self, transforms, indent):

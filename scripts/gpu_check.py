@@ -116,7 +116,9 @@ def main():
     machine = machines.for_device(dev)
     rep.add(f"Machine profile: {machine.name}.")
     rng = np.random.default_rng(0)
-    bounds = {"float64": 1e-12, "float32": 2e-6, "bfloat16": 2e-2, "float16": 4e-3}
+    bounds = {"float64": 1e-12, "float32": 2e-6, "bfloat16": 2e-2, "float16": 4e-3,
+              # TF32 keeps 10 mantissa bits: 2⁻¹¹ per rounded input, through QKᵀ, exp and PV
+              "float32 tf32": 5e-3}
     # gradients: one more rounding chain than the forward (P recomputed, dS = P (dP − Δ))
     grad_bounds = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2, "float16": 6e-3}
     bad = 0
@@ -139,9 +141,11 @@ def main():
         for dt, bound in bounds.items():
             for label, c in cases:
                 causal = c.get("causal", False)
+                pre = Preset.of(dot_precision="tensorfloat32") if dt.endswith("tf32") else None
                 try:
-                    q, k, v = (draw((c["B"], L, n, c["H"]), dt) for L, n in ((c["T"], c["N"]), (c["S"], c["K"]), (c["S"], c["K"])))
-                    out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=causal))(q, k, v)
+                    q, k, v = (draw((c["B"], L, n, c["H"]), dt.split()[0])
+                               for L, n in ((c["T"], c["N"]), (c["S"], c["K"]), (c["S"], c["K"])))
+                    out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=causal, onf=pre))(q, k, v)
                     err = rel(out, R.mha(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v)), is_causal=causal))
                     ok = err <= bound
                 except Exception as e:  # a failure is a finding: record it
@@ -181,7 +185,7 @@ def main():
 
     if rep.section(f"3. Fused forward+backward, atomic scatter-add ONF ({machine.name} profile)",
                    "| dtype | T·S·H | causal | rel. error | bound | ok |", 20):
-        for dt, bound in bounds.items():
+        for dt, bound in ((d, b) for d, b in bounds.items() if " " not in d):
             for (T, S, H, causal) in ((512, 512, 64, False), (300, 700, 72, True)):
                 label = f"{T}·{S}·{H}"
                 try:
@@ -263,6 +267,9 @@ def main():
                     q, k, v = (draw((1, S, N, H), dt) for _ in range(3))
                     con = {f"moajax {b}": grad_fn(moajax_attn(causal, onf=Preset.of(backward=b)))
                            for b in ("owner", "split", "atomic")}
+                    if dt == "float32":  # TF32 dots, as XLA's float32 dots on a GPU by default
+                        con["moajax owner tf32"] = grad_fn(moajax_attn(causal, onf=Preset.of(
+                            backward="owner", dot_precision="tensorfloat32")))
                     con["jax.nn xla"] = grad_fn(jaxnn_attn(causal, "xla"))
                     if dt != "float32":  # cuDNN's fused attention takes 16-bit inputs only
                         con["jax.nn cudnn"] = grad_fn(jaxnn_attn(causal, "cudnn"))
@@ -298,6 +305,8 @@ def main():
                     con = {"moajax": moajax_attn(causal)}
                     if causal:  # the interior tiles walked without the mask (off by default on a GPU)
                         con["moajax interior unmasked"] = moajax_attn(True, onf=Preset.of(unmask_interior=True))
+                    if dt == "float32":
+                        con["moajax tf32"] = moajax_attn(causal, onf=Preset.of(dot_precision="tensorfloat32"))
                     con["jax.nn xla"] = jaxnn_attn(causal, "xla")
                     if dt != "float32":
                         con["jax.nn cudnn"] = jaxnn_attn(causal, "cudnn")

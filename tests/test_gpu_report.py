@@ -462,3 +462,33 @@ def test_a_16_bit_saving_forward_contracts_in_16_bits(machine):
                                                                 for i in onf.dnf.inputs])
         asm, _ = ptx.compile_ptx(k, machine.arch)
         assert re.search(r"\bw?gmma\.|\bmma\.sync", asm), (machine.name, "no tensor-core instruction")
+
+
+def test_the_tensorfloat32_knob_puts_float32_dots_on_tensor_cores():
+    """``Preset.of(dot_precision="tensorfloat32")`` (``Knobs.dot_precision``): the float32
+    forward's dots become TF32 tensor-core instructions in its PTX; by default they stay IEEE
+    float32 FMAs (the H200 measured that default at 6–11 TFLOP/s against XLA's TF32 dots:
+    gpu_check_h200.md). A value it does not know is a named error."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels
+    from moajax.kernels.attention import mha_kernel
+    from moajax.schedule import Preset
+
+    specs = [jax.ShapeDtypeStruct((1, 1024, 8, 64), jnp.float32)] * 3
+    with compat.enable_x64_context(True):
+        dnf = mha_kernel(None, None, False).dnf(*specs)
+    a100 = machines.load("delta-a100")
+    onfs = {p: schedule.derive(dnf, a100, Preset.of(dot_precision=p)) for p in ("highest", "tensorfloat32")}
+    assert "tensorfloat32 dots" in onfs["tensorfloat32"].pretty() and "dots" not in onfs["highest"].knobs.text()
+    with pytest.raises(ValueError, match="dot_precision"):
+        schedule.derive(dnf, a100, Preset.of(dot_precision="tf32"))
+    if REASON is None:
+        for p, onf in onfs.items():
+            (k,) = ptx.triton_kernels(pallas_kernels.lower(onf), *[jax.ShapeDtypeStruct(i.shape, i.dtype)
+                                                                    for i in onf.dnf.inputs])
+            asm, _ = ptx.compile_ptx(k, "sm_80")
+            assert bool(re.search(r"mma\.sync[^;]*tf32", asm)) == (p == "tensorfloat32"), p

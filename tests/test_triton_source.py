@@ -223,3 +223,14 @@ def test_cuda_lowering_holds_the_jax_triton_call():
     assert int(_fresh_process(code)) >= 1
     onf = schedule.derive(mha_dnf(*[(1, 128, 2, 64)] * 3, np.float32), A100)
     assert runtime.compute_capability(onf) == 80
+
+
+def test_the_tensorfloat32_knob_reaches_the_source():
+    """``Preset.of(dot_precision="tensorfloat32")``: the float32 dots of the generated source
+    take TF32 inputs; by default, and for float64, they are IEEE."""
+    for dtype, knob, mode in ((np.float32, "highest", "ieee"), (np.float32, "tensorfloat32", "tf32"),
+                              (np.float64, "tensorfloat32", "ieee")):
+        dnf = mha_dnf((1, 128, 2, 32), (1, 128, 2, 32), (1, 128, 2, 32), dtype)
+        (k,) = triton_source.kernels(schedule.derive(dnf, A100, Preset.of(dot_precision=knob)))
+        modes = set(__import__("re").findall(r"input_precision='(\w+)'", k.source))
+        assert modes == {mode}, (dtype, knob, modes)
