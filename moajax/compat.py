@@ -105,9 +105,19 @@ def _platform_call_primitive():
     return prim
 
 
-def trace_lower(fn, *args, platforms=("cuda",)):
-    """Lower a jitted function for other platforms than this machine's (e.g. CUDA on a CPU)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=tuple(platforms))
+def trace_lower(fn, *args, platforms=("cuda",), device_kind: str = "NVIDIA A100"):
+    """Lower a jitted function for other platforms than this machine's (e.g. CUDA on a CPU).
+    JAX ≥ 0.11's Pallas Triton lowering asks the GPU it lowers for (its compute capability)
+    and, with none in the process, refuses: there the lowering runs under an abstract mesh
+    whose device is a GPU of ``device_kind`` (a name JAX knows, e.g. "NVIDIA H100")."""
+    lower = lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=tuple(platforms))  # noqa: E731
+    if jax_version() < (0, 11) or "cuda" not in platforms or any(d.platform == "gpu" for d in jax.devices()):
+        return lower()
+    from jax._src import mesh as mesh_lib
+
+    gpu = mesh_lib.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=gpu)):
+        return lower()
 
 
 def mlir_ir():

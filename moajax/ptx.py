@@ -83,6 +83,8 @@ def compiler_available() -> str | None:
         triton = compat.triton_compiler()
     except Exception as e:  # pragma: no cover
         return f"jaxlib's Triton compiler is unavailable ({e})"
+    if not hasattr(triton, "compile"):  # jaxlib ≥ 0.11: Triton is compiled inside XLA only
+        return f"jaxlib {jax_version_text()} compiles Triton to PTX only inside XLA (no offline compile)"
     try:
         import jax
 
@@ -93,6 +95,12 @@ def compiler_available() -> str | None:
         return f"Triton compilation handler check failed ({e})"
     return None
 
+
+
+def jax_version_text() -> str:
+    import jaxlib
+
+    return getattr(jaxlib, "__version__", "?")
 
 
 def toolchain_missing() -> str | None:
