@@ -12,6 +12,7 @@ Python object, so equality is identity and memoisation is a dict lookup.
 from __future__ import annotations
 
 import dataclasses
+import re
 import weakref
 from typing import Callable, Iterator, Mapping
 
@@ -609,6 +610,15 @@ class InputSpec:
 
     def __str__(self):
         return f"{self.name} ρ⟨{' '.join(map(str, self.shape))}⟩ {self.dtype.name}"
+
+
+# The row statistics a saving forward outputs first (``Kernel.with_row_statistics``) are named
+# saved0, saved1, … (saved2_0, … where those names are taken): float32 whatever its operands.
+SAVED_STATISTIC = re.compile(r"saved(\d+_)?\d+")
+
+
+def is_saved_statistic(name: str) -> bool:
+    return SAVED_STATISTIC.fullmatch(name) is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -273,13 +273,31 @@ GPU_SCATTER_TILES = {
 GPU_WHOLE_MAX = 128
 
 
+def _own_floating_outputs(onf: ONF) -> list:
+    """The kernel's floating outputs, less the row statistics a saving forward puts first
+    (``dnf.is_saved_statistic``: float32 whatever the operands)."""
+    import jax.numpy as jnp  # (NumPy's issubdtype does not count bfloat16 as floating)
+
+    outs = [o for o in onf.dnf.outputs if jnp.issubdtype(o.dtype, jnp.floating)]
+    return [o for o in outs if not D.is_saved_statistic(o.name)] or outs
+
+
 def _operand_width(onf: ONF) -> int:
-    """The itemsize the tables and ``lowp_dots`` go by: the narrowest of the kernel's outputs.
-    Not the first: a saving forward's first outputs are its float32 row statistics beside a
-    16-bit Out, and read as 4 bytes they made its dots float32 FMA work, no tensor cores, on
-    a 32 × 32 tiling: 5.8 ms of bfloat16 jit(grad)'s 7.1 at S = 4096 on the H200, where the
-    plain forward took 0.26 (bench/results/gpu_backward_sweep_h200.md)."""
-    return min(np.dtype(o.dtype).itemsize for o in onf.dnf.outputs)
+    """The itemsize the tile tables go by: the kernel's first own floating output's. A saving
+    forward's first outputs are its float32 row statistics beside a 16-bit Out; read as 4 bytes
+    they made its dots float32 FMA work, no tensor cores, on a 32 × 32 tiling: about 5.9 ms of
+    bfloat16 jit(grad)'s 7.1 at S = 4096 on the H200 (inferred: the other two kernels took 1.26 ms
+    alone), where the plain forward took 0.26 (bench/results/gpu_backward_sweep_h200.md)."""
+    own = _own_floating_outputs(onf)
+    return np.dtype(own[0].dtype).itemsize if own else 4
+
+
+def _lowp_dots(onf: ONF) -> bool:
+    """Contract a float32 factor with a 16-bit operand in 16 bits (``Knobs.lowp_dots``) only
+    where every own output is 16-bit: a float32 output beside a 16-bit one (SwiGLU's fused
+    forward + backward with a bfloat16 W_down) keeps float32 dots."""
+    own = _own_floating_outputs(onf)
+    return bool(own) and all(np.dtype(o.dtype).itemsize == 2 for o in own)
 
 
 def _gpu_candidates(table: dict, onf: ONF, widths) -> list:
@@ -297,7 +315,7 @@ def _first_fit(onf: ONF, machine: Machine, cands, lift, rank: int = 0) -> ONF:
     memory by the cost model's upper bound (``cost.onchip_bytes``, calibrated against ptxas in
     bench/results/smem_sweep.md), else the last, for validate to name. ``rank`` k > 0: the
     (k+1)-th that fits, or the last that fits where fewer do (the spill check's next try)."""
-    lowp = _operand_width(onf) == 2
+    lowp = _lowp_dots(onf)
     fitting = None
     for bt, bs, warps, stages in cands:
         o = W.with_knobs(lift(bt, bs), num_warps=warps, num_stages=stages, lowp_dots=lowp)
@@ -652,14 +670,24 @@ def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(
     # query rows (its 2.00× atomics)
     scattered = lambda v: 0 if machine.is_gpu else sum(v not in o.vars for o in onf.dnf.outputs)  # noqa: E731
     candidates.sort(key=lambda v: (v.extent <= 1, all(v in r.free for r in reads), scattered(v)))
+    unfit = None  # on a GPU, the first valid ONF that does not fit: a later variable may fit
     for separate in (False, True):
         for r in candidates:
             for spread in (True, False):
                 try:
-                    return _scatter_over(onf, machine, r, separate, spread, rank).validate()
+                    o = _scatter_over(onf, machine, r, separate, spread, rank).validate()
                 except ONFError as err:
                     if not spread:
                         errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
+                    continue
+                if machine.is_gpu and onchip_bytes(o) > machine.onchip_limit_bytes:
+                    # (GQA's dK in float64: programs owning query tiles hold the group whole in
+                    # each, 354.5 KB on the H200; owning key tiles, the group walked, 135.7 KB)
+                    unfit = unfit or o
+                    continue
+                return o
+    if unfit is not None:
+        return unfit  # for check_fits to name the limit
     raise ONFError(f"{onf.dnf.name}: no output variable can own the programs (" + "; ".join(errors) + ")")
 
 
@@ -699,8 +727,11 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
         # 227 KB: bench/results/gpu_check_h200.md)
         around, inner = set(), set()
         if walk_inner:
+            # the longest sum inside, a head dim (an output's last axis) only where nothing else is
+            lasts = {o.vars[-1] for o in outs}
             for v, ws in _enclosed(onf):
-                longest = max((w for w in ws if w in rest), key=lambda w: (w.extent, w.name), default=None)
+                longest = max((w for w in ws if w in rest), key=lambda w: (w not in lasts, w.extent, w.name),
+                              default=None)
                 if v in loops and longest is not None and longest.extent > max(bs, v.extent):
                     around.add(v)
                     inner.add(longest)
@@ -723,7 +754,9 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
         cands = _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest])
         o = _first_fit(onf, machine, cands, lift, rank)
         if onchip_bytes(o) > machine.onchip_limit_bytes:  # none fits with the long sums held whole
-            o = _first_fit(onf, machine, cands, lambda bt, bs: lift(bt, bs, walk_inner=True), rank)
+            # the candidates for what stays held: the walked sums no longer count whole
+            held = _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest if v.extent <= GPU_WHOLE_MAX])
+            o = _first_fit(onf, machine, held, lambda bt, bs: lift(bt, bs, walk_inner=True), rank)
         return o
     # every other axis of an output's row tile but its last is vectorised beside the rows
     # (batch-like grid axes, and head axes held whole): the score tile is that deep. Not the

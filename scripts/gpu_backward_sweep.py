@@ -125,16 +125,16 @@ def main():
         # the kernels one by one, as derived for this GPU
         with compat.enable_x64_context(True):
             kern = mha_kernel(None, None, False)
-            fwd_dnf = kern.dnf(*specs)
+            fwd_dnf, saving_dnf = kern.dnf(*specs), kern.with_row_statistics(()).dnf(*specs)
             adj, adj_args = kern.saved_adjoint(*specs)
             adj_dnf = adj.dnf(*adj_args)
         plan = schedule.derive_plan(adj_dnf, machine, Preset.of(plan="owner"))
         plan = plan if isinstance(plan, tuple) else (plan,)
-        fwd = schedule.derive(fwd_dnf, machine)
+        fwds = (schedule.derive(fwd_dnf, machine), schedule.derive(saving_dnf, machine))
         say("", "Derived: " + "; ".join(f"`{o.dnf.name}`: " + ", ".join(
             f"{a.name} {a.role} {a.tile}" for a in o.axes if a.extent > 1 and a.tile > 1)
-            + f", {o.knobs.num_warps} warps, {o.knobs.num_stages} stages" for o in (fwd,) + plan), "", *head)
-        for o in (fwd,) + plan:
+            + f", {o.knobs.num_warps} warps, {o.knobs.num_stages} stages" for o in fwds + plan), "", *head)
+        for o in fwds + plan:
             a = inputs(o.dnf.inputs)
             kind = "dk_dv" if "d_key" in o.dnf.name else "dq" if "d_query" in o.dnf.name else "fwd"
             race(o.dnf.name, {"derived": pallas_kernels.lower(o, interpret=not gpu)}, a,
@@ -162,7 +162,6 @@ def main():
             kind = "dk_dv" if "d_key" in o.dnf.name else "dq"
             race(o.dnf.name, variants, inputs(o.dnf.inputs), {"dq": 3, "dk_dv": 4}[kind] * base, reps=10)
             flush()
-    flush()
 
 
 if __name__ == "__main__":

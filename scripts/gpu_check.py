@@ -19,7 +19,7 @@ Timing: the contenders of one row group are compiled first, then run in turn
 size (a dry run of the script itself, on any machine). It needs only jax and numpy:
 
     scripts/gpu_check.sh                 # on the GPU machine; results in $OUT or bench/results/
-    python scripts/gpu_check.py --quick --out /tmp/x   # the script's own dry run, on a CPU
+    python scripts/gpu_check.py --quick --out DIR     # the script's own dry run, on a CPU
 """
 
 from __future__ import annotations

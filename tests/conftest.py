@@ -29,15 +29,22 @@ def _xla_accepts(flag: str) -> bool:
     """Does this jaxlib's XLA take ``flag``? XLA aborts the process on an unknown flag in
     XLA_FLAGS, and a newer jaxlib (a GPU machine's) may have dropped one. Asked of a child
     process, since the flag's name can outlive the flag in the shared library (jaxlib 0.11.2
-    still holds "xla_cpu_use_fusion_emitters" and aborts on it). The answer goes into
-    XLA_FLAGS, so pytest-xdist's workers, which inherit it, do not ask again."""
+    still holds "xla_cpu_use_fusion_emitters" and aborts on it). The answer is kept in the
+    environment, which pytest-xdist's workers inherit, so they do not ask again."""
     import subprocess
     import sys
 
+    known = os.environ.get("MOAJAX_TEST_XLA_ACCEPTS", "")
+    if known:
+        return known == "1"
     env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
-    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                           capture_output=True, timeout=300)
-    return probe.returncode == 0
+    try:
+        ok = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                            capture_output=True, timeout=300).returncode == 0
+    except subprocess.TimeoutExpired:  # no answer: leave the flag out
+        ok = False
+    os.environ["MOAJAX_TEST_XLA_ACCEPTS"] = "1" if ok else "0"
+    return ok
 
 
 # XLA:CPU's elemental emitters instead of its MLIR fusion emitters: the same HLO passes and

@@ -61,14 +61,17 @@ def _plan(dnf, plan):
 
 @pytest.mark.parametrize("backward", ["fused", (("d_query", "d_key"), ("d_value",)), "owner"], ids=["atomic", "split", "owner"])
 @pytest.mark.parametrize("profile", ["delta-a100", "h200"])
-def test_gqa_plans_walk_the_queries_with_the_group_inside(backward, profile):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_gqa_plans_walk_the_queries_with_the_group_inside(backward, profile, dtype):
     """GQA's dK, dV = Σ_g Σ_t …: a plan's kernels own the queries or walk them in tiles,
     the query heads of a kv head taken one at a time around that walk; none holds the queries
     whole inside the group. Held whole, causal T = 200 (padded to 256) in bfloat16 took 836 KB
     per program, over the H200's 227 KB: derivation refused the atomic and split plans on the
-    first H200 run (bench/results/gpu_check_h200.md). Every kernel of each plan now fits."""
+    first H200 run (bench/results/gpu_check_h200.md); in float64, programs owning query tiles
+    hold the group whole in each (354.5 KB), and programs owning key tiles are taken instead.
+    Every kernel of each plan now fits."""
     machine = machines.load(profile)
-    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(1, 200, 8, 64), (1, 333, 2, 64), (1, 333, 2, 64)]]
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in [(1, 200, 8, 64), (1, 333, 2, 64), (1, 333, 2, 64)]]
     with compat.enable_x64_context(True):
         adj, args = mha_kernel(None, None, True).saved_adjoint(*specs)
         dnf = adj.dnf(*args)
@@ -78,7 +81,30 @@ def test_gqa_plans_walk_the_queries_with_the_group_inside(backward, profile):
         assert all(a.role != "whole" for a in onf.axes if a.name == "t"), onf.pretty()  # walked or owned
 
 
-@pytest.mark.parametrize("backward", ["atomic", "split"])
+@pytest.mark.parametrize("profile", ["delta-a100", "h200"])
+def test_gqa_dk_dv_takes_the_tiles_of_plain_heads(profile):
+    """The owner plan's dK/dV kernel at S = T = 4096, bfloat16: with 4 query heads per kv head
+    it walks the group one head at a time and takes the same key and query tiles, warps and
+    stages as without groups (the table's candidates for what stays held, not for the queries
+    held whole: those gave 32 × 16)."""
+    import dataclasses
+
+    machine = dataclasses.replace(machines.load(profile), spill_check=False)
+    tiles = {}
+    for K, grouped in ((2, True), (8, False)):
+        specs = [jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.bfloat16)] + [
+            jax.ShapeDtypeStruct((1, 4096, K, 64), jnp.bfloat16)] * 2
+        with compat.enable_x64_context(True):
+            adj, args = mha_kernel(None, None, grouped).saved_adjoint(*specs)
+            plan = schedule.derive_plan(adj.dnf(*args), machine, Preset.of(plan="owner"))
+        (dkv,) = [o for o in plan if "d_key" in o.dnf.name]
+        tiles[K] = ({a.name: (a.tile, a.role) for a in dkv.axes if a.name in ("s", "t")}, dkv.knobs)
+        if grouped:
+            assert dkv.axis("g").tile == 1 and dkv.axis("g").role == "sequential", dkv.pretty()
+    assert tiles[2] == tiles[8]
+
+
+@pytest.mark.parametrize("backward", ["atomic", "split", "owner"])
 def test_gqa_plans_over_long_query_walks_give_the_gradient(backward):
     """The plans of the test above run (Pallas interpret, the default GPU profile's ONFs) and
     give the gradient: causal GQA, T = 200 (past the 128 a program holds whole), bfloat16.

@@ -439,7 +439,7 @@ def test_a_16_bit_saving_forward_contracts_in_16_bits(machine):
     """The forward jax.grad runs (it saves the row statistics) outputs float32 statistics
     first, then the bfloat16 Out: its tiling and its dots go by its narrowest output, as the
     plain forward's do. Read from the first output, its dots ran as float32 FMA on a 32 × 32
-    tiling: 5.8 ms of bfloat16 jit(grad)'s 7.1 at S = 4096 on the H200, where the plain
+    tiling: about 5.9 ms of bfloat16 jit(grad)'s 7.1 at S = 4096 on the H200 (inferred), where the plain
     forward took 0.26 (bench/results/gpu_backward_sweep_h200.md). On the GPU the dots' PTX
     holds the tensor-core instructions (mma; wgmma on sm_90a), not only FMAs."""
     import re
