@@ -261,3 +261,34 @@ def test_a_saving_forward_owns_query_rows_not_the_batch(machine):
         plan = schedule.derive_plan(kern.with_row_statistics().dnf(q, k, k, *extra), m)
         onf = plan[0] if isinstance(plan, tuple) else plan
         assert onf.axis("t").tile > 1 and onf.axis("b").tile == 1, onf
+
+
+def test_gpu_tables_and_16_bit_dots_go_by_the_kernels_own_floating_outputs():
+    """A GPU ONF's tile table and ``lowp_dots`` go by the kernel's floating outputs, less a
+    saving forward's statistics (``dnf.is_saved_statistic``): a bool output beside a float32
+    one derives (its 1-byte width is no table's); a float32 output beside a bfloat16 one keeps
+    float32 dots (16-bit dots would round the float32 output's operands: 3.0e-7 → 2.1e-3 on
+    SwiGLU's F, found in review)."""
+    import jax.numpy as jnp
+
+    import moajax
+    from moajax import compat, machines, moa
+    from moajax.dnf import is_saved_statistic
+    from moajax.kernels import swiglu_forward_backward
+
+    @moajax.kernel(example=dict(n=64, d=32), register=False)
+    def square_sum_and_sign(x: "n d"):
+        return moa.sum(x * x, axis=-1), x > 0
+
+    h200 = machines.load("h200")
+    onf = schedule.derive_plan(square_sum_and_sign.dnf(jax.ShapeDtypeStruct((64, 32), jnp.float32)), h200)
+    assert not onf.knobs.lowp_dots
+    specs = [jax.ShapeDtypeStruct(s, t) for s, t in (((64, 32), jnp.float32), ((32, 48), jnp.float32),
+                                                     ((32, 48), jnp.float32), ((48, 32), jnp.bfloat16),
+                                                     ((64, 32), jnp.float32))]
+    with compat.enable_x64_context(True):
+        mixed = swiglu_forward_backward.dnf(*specs)
+    assert [str(o.dtype) for o in mixed.outputs][-1] == "bfloat16"
+    assert not schedule.derive(mixed, h200).knobs.lowp_dots
+    assert [is_saved_statistic(n) for n in ("saved0", "saved12", "saved2_0", "saved", "out", "saved_x")] == [
+        True, True, True, False, False, False]
