@@ -685,6 +685,11 @@ def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(
                     # each, 354.5 KB on the H200; owning key tiles, the group walked, 135.7 KB)
                     unfit = unfit or o
                     continue
+                if unfit is not None and o.axis(r.name).tile < 16:
+                    # a stand-in owning rows of fewer than Triton's 16 (the heads, a batch of 1:
+                    # every key then a program of its own, its dots one row wide) is not taken:
+                    # the plan's own fallback (one kernel per output) does better
+                    continue
                 return o
     if unfit is not None:
         return unfit  # for check_fits to name the limit
