@@ -614,7 +614,8 @@ class InputSpec:
 
 # The row statistics a saving forward outputs first (``Kernel.with_row_statistics``) are named
 # saved0, saved1, … (saved2_0, … where those names are taken): float32 whatever its operands.
-SAVED_STATISTIC = re.compile(r"saved(\d+_)?\d+")
+SAVED = "saved"
+SAVED_STATISTIC = re.compile(SAVED + r"(\d+_)?\d+")
 
 
 def is_saved_statistic(name: str) -> bool:

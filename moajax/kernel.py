@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from moajax import dnf as D
 from moajax import identities as _identities
 from moajax import moa
 from moajax import psi as _psi
@@ -69,7 +70,7 @@ def _fresh_prefix(first: str, stem: str, suffixes, taken) -> str:
 def _saved_names(params, names, n: int) -> tuple:
     """The names of a saving forward's ``n`` statistics (saved0, …), beside its parameters and
     its primal outputs ``names``."""
-    pre = _fresh_prefix("saved", "saved", range(n), {p.name for p in params} | set(names))
+    pre = _fresh_prefix(D.SAVED, D.SAVED, range(n), {p.name for p in params} | set(names))
     return tuple(f"{pre}{i}" for i in range(n))
 
 

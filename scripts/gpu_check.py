@@ -121,7 +121,7 @@ def main():
               "float32 tf32": 5e-3}
     # gradients: one more rounding chain than the forward (P recomputed, dS = P (dP − Δ))
     grad_bounds = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2, "float16": 6e-3}
-    bad = 0
+    bad = []  # the correctness rows over their bound
 
     def rel(got, want):
         got = np.asarray(got, np.float64)
@@ -132,74 +132,74 @@ def main():
     def draw(shape, dt):
         return jnp.asarray(rng.standard_normal(shape), dt)
 
+    def check(before, label, after, bound, error):
+        """One correctness row: ``error()`` is the relative error against the float64
+        reference; a failure is a finding, recorded in the row (NaN, not ok)."""
+        try:
+            err = error()
+        except Exception as e:
+            err, label = float("nan"), f"{label}: {_fail(e)}"
+        ok = err <= bound
+        bad.extend([] if ok else [label])
+        rep.add("| " + " | ".join([*before, label, *after, f"{err:.2e}", f"{bound:.0e}", "yes" if ok else "NO"]) + " |")
+
     # ---- 1. forward correctness
     cases = [("plain", dict(B=2, T=256, S=256, N=4, K=4, H=64)),
              ("causal GQA T≠S", dict(B=1, T=200, S=333, N=8, K=2, H=64, causal=True)),
              ("head dim 72", dict(B=1, T=128, S=96, N=2, K=1, H=72))]
+
+    def forward_error(dt, c):
+        causal = c.get("causal", False)
+        pre = Preset.of(dot_precision="tensorfloat32") if dt.endswith("tf32") else None
+        q, k, v = (draw((c["B"], L, n, c["H"]), dt.split()[0])
+                   for L, n in ((c["T"], c["N"]), (c["S"], c["K"]), (c["S"], c["K"])))
+        out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=causal, onf=pre))(q, k, v)
+        return rel(out, R.mha(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v)), is_causal=causal))
+
     if rep.section("1. Forward: Pallas kernel against the float64 NumPy reference",
                    "| dtype | case | rel. error | bound | ok |", 20):
         for dt, bound in bounds.items():
             for label, c in cases:
-                causal = c.get("causal", False)
-                pre = Preset.of(dot_precision="tensorfloat32") if dt.endswith("tf32") else None
-                try:
-                    q, k, v = (draw((c["B"], L, n, c["H"]), dt.split()[0])
-                               for L, n in ((c["T"], c["N"]), (c["S"], c["K"]), (c["S"], c["K"])))
-                    out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=causal, onf=pre))(q, k, v)
-                    err = rel(out, R.mha(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v)), is_causal=causal))
-                    ok = err <= bound
-                except Exception as e:  # a failure is a finding: record it
-                    err, ok, label = float("nan"), False, f"{label}: {_fail(e)}"
-                bad += not ok
-                rep.add(f"| {dt} | {label} | {err:.2e} | {bound:.0e} | {'yes' if ok else 'NO'} |")
+                check([dt], label, [], bound, lambda: forward_error(dt, c))
         rep.flush()
 
     # ---- 2. gradient correctness under each backward ONF
+    def grad_error(plan, dt, c):
+        causal = c.get("causal", False)
+        q = draw((c["B"], c["T"], c["N"], c["H"]), dt)
+        k, v = (draw((c["B"], c["S"], c["K"], c["H"]), dt) for _ in range(2))
+        g = draw((c["B"], c["T"], c["N"], c["H"]), dt)
+        # the cotangent is g itself, unrounded: the product summed in at least float32
+        acc = jnp.promote_types(dt, jnp.float32)
+        f = jax.jit(jax.grad(lambda a, b, d: jnp.sum((moajax.dot_product_attention(
+            a, b, d, is_causal=causal, onf=Preset.of(backward=plan)) * g).astype(acc)), argnums=(0, 1, 2)))
+        want = R.mha_backward(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v, g)), is_causal=causal)
+        return max(rel(a, b) for a, b in zip(f(q, k, v), want))
+
     if rep.section("2. jax.grad under each backward ONF against the float64 backward (worst of dq, dk, dv)",
                    "| backward | dtype | case | rel. error | bound | ok |", 30):
         for plan in ("owner", "split", "atomic"):
             for dt in ("float32", "bfloat16", "float64"):
                 for label, c in cases[:2]:
-                    causal = c.get("causal", False)
-                    try:
-                        q = draw((c["B"], c["T"], c["N"], c["H"]), dt)
-                        k, v = (draw((c["B"], c["S"], c["K"], c["H"]), dt) for _ in range(2))
-                        g = draw((c["B"], c["T"], c["N"], c["H"]), dt)
-                        # the cotangent is g itself, unrounded: the product summed in at least float32
-                        acc = jnp.promote_types(dt, jnp.float32)
-                        f = jax.jit(jax.grad(lambda a, b, d: jnp.sum((moajax.dot_product_attention(
-                            a, b, d, is_causal=causal, onf=Preset.of(backward=plan)) * g).astype(acc)),
-                            argnums=(0, 1, 2)))
-                        got = f(q, k, v)
-                        want = R.mha_backward(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v, g)), is_causal=causal)
-                        err = max(rel(a, b) for a, b in zip(got, want))
-                        ok = err <= grad_bounds[dt]
-                    except Exception as e:
-                        err, ok, label = float("nan"), False, f"{label}: {_fail(e)}"
-                    bad += not ok
-                    rep.add(f"| {plan} | {dt} | {label} | {err:.2e} | {grad_bounds[dt]:.0e} | {'yes' if ok else 'NO'} |")
+                    check([plan, dt], label, [], grad_bounds[dt], lambda: grad_error(plan, dt, c))
         rep.flush()
 
     # ---- 3. the fused forward+backward (paper II): dK, dV scatter-added with atomics
     import pallas_kernels
 
+    def fused_error(dt, T, S, H, causal):
+        a = [draw(s_, dt) for s_ in ((T, H), (S, H), (S, H), (T, H))]
+        onf = schedule.derive(attention_forward_backward.dnf(*a, is_causal=causal), machine)
+        got = jax.jit(pallas_kernels.lower(onf))(*a)
+        a64 = [np.asarray(x.astype(jnp.float64)) for x in a]
+        want = (R.attention(*a64[:3], is_causal=causal),) + R.attention_backward(*a64, is_causal=causal)
+        return max(rel(g, w) for g, w in zip(got, want))
+
     if rep.section(f"3. Fused forward+backward, atomic scatter-add ONF ({machine.name} profile)",
                    "| dtype | T·S·H | causal | rel. error | bound | ok |", 20):
-        for dt, bound in ((d, b) for d, b in bounds.items() if " " not in d):
+        for dt in (d for d in bounds if " " not in d):
             for (T, S, H, causal) in ((512, 512, 64, False), (300, 700, 72, True)):
-                label = f"{T}·{S}·{H}"
-                try:
-                    a = [draw(s_, dt) for s_ in ((T, H), (S, H), (S, H), (T, H))]
-                    onf = schedule.derive(attention_forward_backward.dnf(*a, is_causal=causal), machine)
-                    got = jax.jit(pallas_kernels.lower(onf))(*a)
-                    a64 = [np.asarray(x.astype(jnp.float64)) for x in a]
-                    want = (R.attention(*a64[:3], is_causal=causal),) + R.attention_backward(*a64, is_causal=causal)
-                    err = max(rel(g, w) for g, w in zip(got, want))
-                    ok = err <= grad_bounds[dt]
-                except Exception as e:
-                    err, ok, label = float("nan"), False, f"{label}: {_fail(e)}"
-                bad += not ok
-                rep.add(f"| {dt} | {label} | {causal} | {err:.2e} | {grad_bounds[dt]:.0e} | {'yes' if ok else 'NO'} |")
+                check([dt], f"{T}·{S}·{H}", [str(causal)], grad_bounds[dt], lambda: fused_error(dt, T, S, H, causal))
         rep.flush()
 
     # ---- timing helpers
