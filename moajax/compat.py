@@ -280,6 +280,54 @@ def _interpreter_accepts_numpy() -> None:
     interpreter.GridExecutor._restore_args_dev = restore_args
 
 
+@functools.lru_cache(maxsize=None)
+def _interpreter_computes_bfloat16() -> None:
+    """Let Triton's interpreter compute with bfloat16 the way a GPU does: it stores bfloat16 as
+    its uint16 bits and, by design, does no arithmetic on them (triton-lang/triton#11584: a
+    ``tl.dot`` of two bfloat16 tiles multiplied the bit patterns, values near 1e9). Here a
+    bfloat16 dot takes its operands widened to float32 (exact: bfloat16 ⊂ float32; the GPU's
+    mma multiplies exactly and accumulates in float32 too), and elementwise bfloat16 arithmetic
+    is done in float32 and rounded to nearest-even bfloat16 (for + − × ÷ √ float32's 24 bits make
+    that equal to one bfloat16 rounding)."""
+    import ml_dtypes
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def widen(h):
+        return interpreter.TensorHandle(
+            (np.asarray(h.data).astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def narrow(data):
+        return np.asarray(data, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+    def is_bf16(h):
+        return h.dtype.scalar == tl.bfloat16
+
+    builder = interpreter.InterpreterBuilder
+    dot, binary, unary = builder.create_dot, builder.binary_op, builder.unary_op
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (widen(h) if is_bf16(h) else h for h in (a, b))
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def binary_op(self, lhs, rhs, op):
+        if not (is_bf16(lhs) or is_bf16(rhs)):
+            return binary(self, lhs, rhs, op)
+        out = binary(self, *(widen(h) if is_bf16(h) else h for h in (lhs, rhs)), op)
+        if out.data.dtype != np.float32:  # a comparison
+            return out
+        return interpreter.TensorHandle(narrow(out.data), tl.bfloat16)
+
+    def unary_op(self, arg, op):
+        if not is_bf16(arg):
+            return unary(self, arg, op)
+        return interpreter.TensorHandle(narrow(op(widen(arg).data)), tl.bfloat16)
+
+    # the create_* methods call self.binary_op / self.unary_op: patching these two covers them
+    builder.create_dot, builder.binary_op, builder.unary_op = create_dot, binary_op, unary_op
+
+
 def triton_interpret_call(kernel):
     """A generated Triton kernel (``pallas_kernels.triton_source.TritonKernel``) as a JAX
     function run by Triton's interpreter on the host (``jax.pure_callback``): NumPy semantics,
@@ -291,6 +339,7 @@ def triton_interpret_call(kernel):
     if os.environ.get("TRITON_INTERPRET") != "1":
         os.environ["TRITON_INTERPRET"] = "1"
     _interpreter_accepts_numpy()
+    _interpreter_computes_bfloat16()
     fn = kernel.function()
     aliased = dict((o, i) for i, o in kernel.aliases)
 
