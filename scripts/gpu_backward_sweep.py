@@ -12,7 +12,13 @@ For B = 1, S = T, N heads of H (defaults: the first H200 run's 4096, 8, 64), eac
 
 Writes ``gpu_backward_sweep.md`` to $OUT (or bench/results/) after each part.
 
+``--ptx ARCH`` (offline, no GPU: jaxlib's Triton and ptxas, JAX_PLATFORMS=cpu) times nothing: for
+the same kernels and tilings it reports ptxas' registers and spill bytes for ARCH, the H200's
+profile deriving (``gpu_backward_sweep_ptx_ARCH.md``): what a tiling costs in registers before a
+GPU times it.
+
     python scripts/gpu_backward_sweep.py [--S 4096] [--budget 240] [--quick]
+    JAX_PLATFORMS=cpu python scripts/gpu_backward_sweep.py --ptx sm_90a
 """
 
 from __future__ import annotations
@@ -30,6 +36,80 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
+# the other tilings tried of each backward kernel: (rows, walk tile, warps, stages)
+TILINGS = ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2),
+           (128, 128, 8, 2), (128, 32, 8, 3), (32, 64, 4, 3), (128, 64, 4, 3))
+
+
+def owner_plan(specs, machine):
+    """(the plain forward's ONF, the saving forward's, the owner plan's backward ONFs) of
+    attention for these specs on ``machine``."""
+    from moajax import compat, schedule
+    from moajax.kernels.attention import mha_kernel
+    from moajax.schedule import Preset
+
+    with compat.enable_x64_context(True):
+        kern = mha_kernel(None, None, False)
+        fwd_dnf, saving_dnf = kern.dnf(*specs), kern.with_row_statistics(()).dnf(*specs)
+        adj, adj_args = kern.saved_adjoint(*specs)
+        adj_dnf = adj.dnf(*adj_args)
+    plan = schedule.derive_plan(adj_dnf, machine, Preset.of(plan="owner"))
+    return schedule.derive(fwd_dnf, machine), schedule.derive(saving_dnf, machine), (
+        plan if isinstance(plan, tuple) else (plan,))
+
+
+def tilings(o, machine, quick_limit=None):
+    """name → the backward kernel ``o`` re-derived under each of ``TILINGS`` (or the exception
+    that refused it), the derived ONF first."""
+    from moajax import schedule
+    from moajax.schedule import Preset
+
+    rows = next(a for a in o.axes if a.role == "grid" and a.tile > 1)
+    walk = next(a for a in o.axes if a.role == "sequential")
+    out = {"derived": o}
+    for (bt, bs, w, st) in TILINGS:
+        if quick_limit is not None and bt > quick_limit:
+            continue
+        name = f"{rows.name} {bt} × {walk.name} {bs}, {w} warps, {st} stages"
+        try:
+            out[name] = schedule.derive(o.dnf, machine, Preset.of(tiles={rows.name: bt, walk.name: bs},
+                                                                num_warps=w, num_stages=st))
+        except Exception as e:
+            out[name] = e
+    return out
+
+
+def ptx_report(args):
+    """Registers and spills of each backward kernel's tilings for one arch, offline."""
+    import jax
+
+    from moajax import machines, ptx
+
+    S, N, H = (256, 2, 32) if args.quick else (args.S, args.heads, args.head_dim)
+    machine = machines.load("h200")
+    lines = [f"# Attention's backward kernels under other tilings: ptxas for {args.ptx}, offline",
+             "", f"jaxlib {ptx.jax_version_text()}, {ptx.ptxas_version()}; "
+             f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d')}. B = 1, S = T = {S}, N = {N}, "
+             f"H = {H}; the owner plan's kernels as the {machine.name} profile derives them, then each tiling of "
+             "`scripts/gpu_backward_sweep.py` (the ones its timed run tries). Registers a thread, and spill "
+             "stores/loads in bytes, per kernel the ONF launches.", "",
+             "| dtype | kernel | tiling | registers | spill stores | spill loads |", "|---|---|---|---:|---:|---:|"]
+    for dt in ("bfloat16", "float32"):
+        specs = [jax.ShapeDtypeStruct((1, S, N, H), dt)] * 3
+        for o in owner_plan(specs, machine)[2]:
+            for name, alt in tilings(o, machine, S // 2 if args.quick else None).items():
+                if isinstance(alt, Exception):
+                    lines.append(f"| {dt} | {o.dnf.name} | {name} | {type(alt).__name__}: "
+                                 f"{str(alt).splitlines()[0][:80]} | | |")
+                    continue
+                for r in ptx.onf_reports(alt, args.ptx):
+                    lines.append(f"| {dt} | {o.dnf.name} | {name} | {r.registers} | {r.spill_stores} | {r.spill_loads} |")
+    out = Path(args.out) / f"gpu_backward_sweep_ptx_{args.ptx}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--S", type=int, default=4096)
@@ -38,7 +118,10 @@ def main():
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later groups are skipped past it")
     ap.add_argument("--quick", action="store_true", help="small sizes: a dry run of the script")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    ap.add_argument("--ptx", default="", help="an arch (sm_80, sm_86, sm_90a): registers and spills, offline")
     args = ap.parse_args()
+    if args.ptx:
+        return ptx_report(args)
 
     import jax
 
@@ -48,8 +131,7 @@ def main():
 
     import moajax
     import pallas_kernels
-    from moajax import compat, machines, schedule
-    from moajax.kernels.attention import mha_kernel
+    from moajax import machines
     from moajax.schedule import Preset
     from moajax.timing import alternating
 
@@ -123,14 +205,8 @@ def main():
             con["jax.nn cudnn"] = loss(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, implementation="cudnn"))
         race("jit(grad)", con, (q, k, v), 7 * base)
         # the kernels one by one, as derived for this GPU
-        with compat.enable_x64_context(True):
-            kern = mha_kernel(None, None, False)
-            fwd_dnf, saving_dnf = kern.dnf(*specs), kern.with_row_statistics(()).dnf(*specs)
-            adj, adj_args = kern.saved_adjoint(*specs)
-            adj_dnf = adj.dnf(*adj_args)
-        plan = schedule.derive_plan(adj_dnf, machine, Preset.of(plan="owner"))
-        plan = plan if isinstance(plan, tuple) else (plan,)
-        fwds = (schedule.derive(fwd_dnf, machine), schedule.derive(saving_dnf, machine))
+        fwd, saving, plan = owner_plan(specs, machine)
+        fwds = (fwd, saving)
         say("", "Derived: " + "; ".join(f"`{o.dnf.name}`: " + ", ".join(
             f"{a.name} {a.role} {a.tile}" for a in o.axes if a.extent > 1 and a.tile > 1)
             + f", {o.knobs.num_warps} warps, {o.knobs.num_stages} stages" for o in fwds + plan), "", *head)
@@ -145,20 +221,12 @@ def main():
             if time.perf_counter() - t0 > args.budget:
                 say(f"| {o.dnf.name} | (tilings not run: budget) | | | |")
                 continue
-            rows = next(a for a in o.axes if a.role == "grid" and a.tile > 1)
-            walk = next(a for a in o.axes if a.role == "sequential")
-            variants = {"derived": pallas_kernels.lower(o, interpret=not gpu)}
-            for (bt, bs, w, st) in ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2),
-                                    (128, 128, 8, 2), (128, 32, 8, 3), (32, 64, 4, 3), (128, 64, 4, 3)):
-                if args.quick and bt > S // 2:
-                    continue
-                name = f"{rows.name} {bt} × {walk.name} {bs}, {w} warps, {st} stages"
-                try:
-                    alt = schedule.derive(o.dnf, machine, Preset.of(tiles={rows.name: bt, walk.name: bs},
-                                                                  num_warps=w, num_stages=st))
+            variants = {}
+            for name, alt in tilings(o, machine, S // 2 if args.quick else None).items():
+                if isinstance(alt, Exception):
+                    say(f"| {o.dnf.name} | {name} | — | — | {type(alt).__name__}: {str(alt).splitlines()[0][:90]} |")
+                else:
                     variants[name] = pallas_kernels.lower(alt, interpret=not gpu)
-                except Exception as e:
-                    say(f"| {o.dnf.name} | {name} | — | — | {type(e).__name__}: {str(e).splitlines()[0][:90]} |")
             kind = "dk_dv" if "d_key" in o.dnf.name else "dq"
             race(o.dnf.name, variants, inputs(o.dnf.inputs), {"dq": 3, "dk_dv": 4}[kind] * base, reps=10)
             flush()
