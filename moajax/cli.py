@@ -209,7 +209,7 @@ def cmd_measure(args) -> int:
 
     from moajax import machines, measure
 
-    m = measure.measure(gemm_n=512, copy_mb=64) if args.quick else measure.measure()
+    m = measure.measure(gemm_n=512, copy_mb=64, tune_seq=256) if args.quick else measure.measure()
     text = measure.to_toml(dataclasses.replace(m, name=args.name))
     out = Path(args.out) if args.out else machines.cache_dir() / "local.toml"
     out.parent.mkdir(parents=True, exist_ok=True)

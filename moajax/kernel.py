@@ -262,14 +262,15 @@ class Kernel:
         (``moa.name``) saves those values too, whatever their size (paper IV's MLP keeps U:
         ``("gate",)``), and the backward reads them instead of recomputing."""
         from moajax import adjoint as _adjoint
-        from moajax import runtime
+        from moajax import machines, runtime
         from moajax.onf import ONF
         from moajax.schedule import Preset
 
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
         residuals = runtime.residual_policy(residuals, onf, self.name)
-        key = (self._key(specs, options), onf, implementation, residuals)
+        # the profile too: ``machines.using`` changes what a call derives within a process
+        key = (self._key(specs, options), onf, implementation, residuals, repr(machines.local()))
         hit = self._compiled.get(key)
         if hit is not None:
             return hit

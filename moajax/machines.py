@@ -10,6 +10,8 @@ generic CPU profile with this machine's topology and a notice that it is unmeasu
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -49,10 +51,16 @@ class Machine:
     # "triton" (the ONF's Triton source, implementation="triton"): the same tiling can spill
     # through one compiler and not the other
     gpu_path: str = "pallas"
+    # CPU: the bytes of the score tile one step of a row loop holds (every batch-like program ×
+    # rows × keys; ``schedule._cpu_cache_budget``); 0: derived from the last-level cache
+    cpu_score_tile_bytes: int = 0
 
     def __post_init__(self):
         if self.gpu_path not in ("pallas", "triton"):
             raise ValueError(f"Machine {self.name!r}: gpu_path must be 'pallas' or 'triton', got {self.gpu_path!r}")
+        if not isinstance(self.cpu_score_tile_bytes, int) or self.cpu_score_tile_bytes < 0:
+            raise ValueError(f"Machine {self.name!r}: cpu_score_tile_bytes must be a non-negative int, "
+                             f"got {self.cpu_score_tile_bytes!r}")
 
     @property
     def is_gpu(self) -> bool:
@@ -240,13 +248,40 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "moajax"
 
 
-@functools.lru_cache(maxsize=None)
+_USING: contextvars.ContextVar = contextvars.ContextVar("moajax_machine_using", default=())
+
+
+@contextlib.contextmanager
+def using(machine):
+    """Inside the block, ``local()`` is ``machine`` (a ``Machine``, or a profile name for
+    ``load``): kernels called there are derived for it. Blocks nest. A function jitted inside
+    keeps what it traced there: JAX traces once per shape, not once per profile.
+
+        with moajax.machines.using(dataclasses.replace(machines.local(), cpu_score_tile_bytes=8 << 20)):
+            out = moajax.dot_product_attention(q, k, v)"""
+    m = load(machine) if isinstance(machine, str) else machine
+    if not isinstance(m, Machine):
+        raise TypeError(f"using: machine must be a Machine or a profile name, got {type(machine).__name__}")
+    token = _USING.set(_USING.get() + (m,))
+    try:
+        yield m
+    finally:
+        _USING.reset(token)
+
+
 def local() -> Machine:
-    """This machine's profile: the one named by $MOAJAX_MACHINE (any of ``available()``), else
-    the measured profile cached at ``cache_dir() / "local.toml"`` (``moajax measure`` writes it),
-    else ``GENERIC_CPU`` with this machine's topology, logging once that it is unmeasured.
+    """This machine's profile: the innermost ``using`` block's, else the one named by
+    $MOAJAX_MACHINE (any of ``available()``), else the measured profile cached at
+    ``cache_dir() / "local.toml"`` (``moajax measure`` writes it), else ``GENERIC_CPU`` with
+    this machine's topology, logging once that it is unmeasured.
 
     Read once per process; ``local.cache_clear()`` makes the next call look again."""
+    stack = _USING.get()
+    return stack[-1] if stack else _local()
+
+
+@functools.lru_cache(maxsize=None)
+def _local() -> Machine:
     name = os.environ.get("MOAJAX_MACHINE")
     if name:
         profs = available()
@@ -262,6 +297,9 @@ def local() -> Machine:
         "moajax: using a generic CPU profile (peak rates and bandwidth are guesses); "
         "`moajax measure` measures this machine and writes %s", cached)
     return dataclasses.replace(GENERIC_CPU, description=f"unmeasured CPU ({cpu_model}, {topo['cores']} cores)", **topo)
+
+
+local.cache_clear = _local.cache_clear
 
 
 def for_device(device=None) -> Machine:

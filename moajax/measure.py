@@ -8,12 +8,18 @@ bytes written. Topology is read, not timed (``machines.topology``), from the ker
 (``os.cpu_count()``), NUMA domains (``/sys/devices/system/node``), the L2 and last-level cache
 sizes of cpu0 (``/sys/devices/system/cpu/cpu0/cache``) and the CPU model (``/proc/cpuinfo``).
 
+One schedule choice is timed, not derived: the CPU score tile (``Machine.cpu_score_tile_bytes``,
+``tune_score_tile``): the attention forward at ``tune_seq`` under each of ``SCORE_TILE_BUDGETS``
+beside the derived default, alternated; the profile pins the fastest only where it beats the
+default by more than ``TUNE_MARGIN`` (else 0: derived).
+
 The profile goes to ``machines.cache_dir() / "local.toml"``, where ``machines.local()`` finds
 it; a profile is a property of one machine, so it is cached there and never committed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from moajax.machines import Machine, topology
@@ -22,13 +28,54 @@ from moajax.machines import Machine, topology
 CPU_LAUNCH_OVERHEAD_US = 2.0
 
 
-def measure(gemm_n: int = 2048, copy_mb: int = 512) -> Machine:
-    """Time this machine (see the module docstring) and return its profile, named "local".
+# the CPU score-tile budgets ``tune_score_tile`` times, and how much faster than the derived
+# default the best must be to be pinned (this shared 2-core host's alternated medians of one
+# contender vary by a few per cent between rounds)
+SCORE_TILE_BUDGETS = (1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20)
+TUNE_MARGIN = 0.05
+
+
+def tune_score_tile(machine: Machine, seq: int = 1024, budgets=SCORE_TILE_BUDGETS, reps: int = 5) -> tuple:
+    """(the score-tile bytes to pin, 0 to keep the derived default; budget → median seconds, the
+    default under key 0): ``moajax.dot_product_attention`` (B = 1, T = S = ``seq``, 8 heads of 64,
+    float32, XLA) compiled under ``machine`` with each budget (``machines.using``) and as derived,
+    the contenders alternated (``timing.alternating``)."""
+    import dataclasses
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    from moajax import machines
+    from moajax.timing import alternating
+
+    if seq < 1 or reps < 1 or not budgets or any(int(b) < 1 for b in budgets):
+        raise ValueError(f"tune_score_tile: seq, reps and every budget must be positive, got seq={seq}, "
+                         f"reps={reps}, budgets={list(budgets)}")
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, seq, 8, 64)), jnp.float32) for _ in range(3))
+    fns = {}
+    for b in (0,) + tuple(int(b) for b in budgets):
+        with machines.using(dataclasses.replace(machine, cpu_score_tile_bytes=b)):
+            # a new function per budget, compiled inside the block (JAX caches traces by function)
+            fns[b] = jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation="xla")
+                             ).lower(q, k, v).compile()
+    times = {b: statistics.median(ts) for b, ts in alternating(fns, (q, k, v), reps=reps).items()}
+    best = min(budgets, key=lambda b: times[int(b)])
+    return (int(best) if times[int(best)] < (1 - TUNE_MARGIN) * times[0] else 0), times
+
+
+def measure(gemm_n: int = 2048, copy_mb: int = 512, tune_seq: int = 1024) -> Machine:
+    """Time this machine (see the module docstring) and return its profile, named "local";
+    ``tune_seq`` 0 leaves the CPU score tile derived, untimed.
 
     float64 is switched on only around the float64 matmul (``enable_x64_context``), so the
     process's ``jax_enable_x64`` setting is left as it was."""
-    if gemm_n < 1 or copy_mb < 1:
-        raise ValueError(f"measure: gemm_n and copy_mb must be positive, got gemm_n={gemm_n}, copy_mb={copy_mb}")
+    if gemm_n < 1 or copy_mb < 1 or tune_seq < 0:
+        raise ValueError(f"measure: gemm_n and copy_mb must be positive and tune_seq not negative, got "
+                         f"gemm_n={gemm_n}, copy_mb={copy_mb}, tune_seq={tune_seq}")
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -58,7 +105,7 @@ def measure(gemm_n: int = 2048, copy_mb: int = 512) -> Machine:
     topo = topology()
     cpu_model = topo.pop("cpu_model")
     today = datetime.date.today().isoformat()
-    return Machine(
+    profile = Machine(
         name="local",
         kind="cpu",
         memory_bandwidth_gb_s=bandwidth,
@@ -68,6 +115,12 @@ def measure(gemm_n: int = 2048, copy_mb: int = 512) -> Machine:
         measured={"date": today, "gemm_n": gemm_n, "copy_mb": copy_mb},
         **topo,
     )
+    if not tune_seq:
+        return profile
+    tile, times = tune_score_tile(profile, seq=tune_seq)
+    said = ", ".join(("derived" if b == 0 else f"{b / 2**20:g} MiB") + f" {t * 1e3:.1f} ms" for b, t in times.items())
+    return dataclasses.replace(profile, cpu_score_tile_bytes=tile, measured={
+        **profile.measured, "tune_seq": tune_seq, "score_tile_ms": said})
 
 
 def _toml_value(v) -> str:
@@ -84,9 +137,11 @@ def to_toml(machine: Machine) -> str:
         f"({machine.arch}, {machine.cores} cores).",
         f"# Peak rates: median of a jitted {meas.get('gemm_n', '?')}^3 XLA matmul; "
         f"bandwidth: a {meas.get('copy_mb', '?')} MiB scale (read + write).",
+        "# cpu_score_tile_bytes: the fastest CPU score tile of the attention forward (measured.score_tile_ms), "
+        "pinned where it beat the derived one; 0 = derived.",
     ]
     for key in ("name", "description", "kind", "arch", "memory_bandwidth_gb_s", "cores", "numa_domains",
-                "l2_cache_bytes", "llc_bytes", "launch_overhead_us"):
+                "l2_cache_bytes", "llc_bytes", "launch_overhead_us", "cpu_score_tile_bytes"):
         lines.append(f"{key} = {_toml_value(getattr(machine, key))}")
     for table in ("peak_tflops", "measured"):
         lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in getattr(machine, table).items()]

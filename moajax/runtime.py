@@ -73,7 +73,6 @@ def check_implementation(implementation, who: str) -> None:
                          f"or 'triton_interpret', got {implementation!r}")
 
 
-@functools.lru_cache(maxsize=512)
 def schedules(dnf, onf_key=None, path: str = "pallas") -> tuple:
     """(CPU ONF, GPU ONF) for a DNF: derived for this machine and the GPU, or from an explicit
     ONF (it runs on the kind of machine it names; the other kind gets its default) or Preset.
@@ -81,6 +80,14 @@ def schedules(dnf, onf_key=None, path: str = "pallas") -> tuple:
     spill check asks.
     Where no fused ONF fits a multi-output DNF, that side is a tuple of ONFs: the owner plan's
     kernels, else one per output (``schedule.derive_plan``)."""
+    return _schedules(dnf, onf_key, path, repr(machines.local()))
+
+
+@functools.lru_cache(maxsize=512)
+def _schedules(dnf, onf_key, path: str, local: str) -> tuple:
+    # keyed by this machine's profile too (``local``: its repr; a profile holds dicts), which
+    # ``machines.using`` changes within a process
+    del local
     if isinstance(onf_key, ONF):
         same = (len(onf_key.dnf.outputs) == len(dnf.outputs)
                 and all(a.body is b.body for a, b in zip(onf_key.dnf.outputs, dnf.outputs))
@@ -111,6 +118,9 @@ def schedules(dnf, onf_key=None, path: str = "pallas") -> tuple:
             raise
         gpu = err  # no GPU here: the CUDA branch is only ever lowered offline (see ``dispatch``)
     return cpu, gpu
+
+
+schedules.cache_clear = _schedules.cache_clear
 
 
 def compute_capability(onf) -> int:

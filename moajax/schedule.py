@@ -15,8 +15,8 @@ lifting from the DNF's structure:
 
 Tile sizes come from the machine: on a GPU the first candidate of a calibrated table whose
 on-chip footprint fits shared memory (powers of two: Triton's block shapes) — and, where the
-profile's spill check is on, that ptxas compiles without spilling; on a CPU the tiles that keep
-a score tile inside the last-level cache.
+profile's spill check is on, that ptxas compiles without spilling; on a CPU the rows that make
+a score tile of the CPU budget (``_cpu_cache_budget``).
 """
 
 from __future__ import annotations
@@ -357,10 +357,9 @@ def _one_by_one(onf: ONF, axes) -> list:
 
 def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int:
     # CPU (XLA): the grid is vectorised except the row axis, which an outer loop walks in
-    # tiles; a score tile (every batch-like program × rows × keys, float32) of about 1/8 of
-    # the last-level cache keeps the softmax passes in cache while the dots stay large.
-    # Measured on the 2-core EPYC (bench/results/attention_forward_cpu.md): 512 × 256 at
-    # 8 heads beats 256 × 256 by 1.6× and 4096 × 256 (no loop) by 1.4×.
+    # tiles; the score tile (every batch-like program × rows × keys, float32) is made as
+    # large as the budget (``_cpu_cache_budget``) allows, so that each step's dots and
+    # softmax passes are large, but no larger: the whole sequence's rows at once lose.
     budget = _cpu_cache_budget(machine)
     bt = next_pow2(rows_ext)
     while bt > 128 and other * bt * bs * 4 > budget:
@@ -992,8 +991,25 @@ def plan_work(onfs) -> int:
     return sum(_reduction_points(*o.program.exprs()) for o in onfs)
 
 
+# The CPU score tile's least budget. Every host measured was fastest at a score tile of about
+# 4 MiB, whatever its cache: the 2-core EPYC with 32 MiB of L3 (512 × 256 at 8 heads beat
+# 256 × 256 by 1.6× and 4096 × 256 by 1.4×, bench/results/attention_forward_cpu.md) and the
+# 2-core EPYC with 8 MiB of L3 and 512 KiB of L2 a core, where 1/8 of the L3 (1 MiB: 128-row
+# tiles) made jit(grad) 1.45–1.48× and the forward 1.77–1.82× slower than 4 MiB at S = 1024 and
+# 4096 (bench/results/cpu_score_tile_epyc_avx2.md, cpu_score_tile_forward_epyc_avx2.md; 8 and
+# 16 MiB within 4 % of 4 MiB there, 2 MiB as slow as 1). So a tile past the L2 costs nothing
+# measurable (the dots reuse each score H times for one softmax pass over it); why the small ones
+# lose, a step between 256 and 512 rows, is not measured (XLA's per-step costs: each tile op
+# dispatched to the thread pool, each dot's operands packed, are the likely part).
+CPU_SCORE_TILE_MIN = 4 << 20
+
+
 def _cpu_cache_budget(machine: Machine) -> int:
-    return max(1 << 20, (machine.llc_bytes or 32 * 2**20) // 8)
+    """The bytes of a CPU score tile: the profile's ``cpu_score_tile_bytes``, else 1/8 of the
+    last-level cache, at least ``CPU_SCORE_TILE_MIN``."""
+    if machine.cpu_score_tile_bytes:
+        return machine.cpu_score_tile_bytes
+    return max(CPU_SCORE_TILE_MIN, (machine.llc_bytes or 32 * 2**20) // 8)
 
 
 @functools.lru_cache(maxsize=256)

@@ -111,6 +111,31 @@ def test_measure_command_writes_a_profile(tmp_path, capsys):
     assert m.kind == "cpu" and m.name == "local" and m.measured["gemm_n"] == 512
     assert all(m.peak_tflops[dt] > 0 for dt in ("float64", "float32", "bfloat16", "float16"))
     assert m.memory_bandwidth_gb_s > 0 and m.cores == (os.cpu_count() or 1)
+    # the CPU score tile was timed (the quick run at S = 256) and what it pinned, if anything, is one it timed
+    assert m.measured["tune_seq"] == 256 and "derived" in m.measured["score_tile_ms"]
+    assert m.cpu_score_tile_bytes in (0,) + measure.SCORE_TILE_BUDGETS
+
+
+def test_tuning_the_score_tile_pins_a_budget_only_where_it_beats_the_derived_one():
+    """``measure.tune_score_tile`` times the derived default and each budget (here two, at a
+    small size, one run each: the rule is checked on what it measured, not the machine's
+    speed): it pins the fastest only where it beats the default by more than the margin."""
+    import dataclasses
+
+    base = dataclasses.replace(machines.GENERIC_CPU, cores=2, llc_bytes=8 << 20)
+    tile, times = measure.tune_score_tile(base, seq=128, budgets=(1 << 20, 4 << 20), reps=1)
+    assert set(times) == {0, 1 << 20, 4 << 20} and all(t > 0 for t in times.values())
+    best = min((1 << 20, 4 << 20), key=times.get)
+    if times[best] < (1 - measure.TUNE_MARGIN) * times[0]:
+        assert tile == best
+    else:
+        assert tile == 0
+    pinned = dataclasses.replace(base, cpu_score_tile_bytes=4 << 20, measured={"score_tile_ms": "derived 1.0 ms"})
+    assert "cpu_score_tile_bytes = 4194304" in measure.to_toml(pinned)
+    with pytest.raises(ValueError, match="tune_score_tile: seq, reps and every budget must be positive"):
+        measure.tune_score_tile(base, seq=0)
+    with pytest.raises(ValueError, match="tune_seq not negative"):
+        measure.measure(tune_seq=-1)
 
 
 def test_median_seconds_warms_up_then_times_each_run():
@@ -193,3 +218,76 @@ def test_an_unlisted_gpu_gets_its_own_arch_and_shared_memory(caplog):
     assert any("has no profile" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="compute capability"):
         machines.generic_gpu("7.5")
+
+
+def test_the_cpu_score_tile_budget():
+    """A CPU score tile of at least 4 MiB (``schedule.CPU_SCORE_TILE_MIN``) whatever the cache:
+    an 8 MiB last-level cache used to give 1 MiB and 128-row tiles, which made jit(grad)
+    1.45× slower on such a host (bench/results/cpu_score_tile_epyc_avx2.md); above 32 MiB
+    it is 1/8 of the cache, as before; a profile's ``cpu_score_tile_bytes`` overrides both."""
+    import dataclasses
+
+    from moajax import schedule
+    from moajax.kernels.attention import mha_dnf
+
+    vm = dataclasses.replace(machines.GENERIC_CPU, cores=2, llc_bytes=8 << 20)
+    assert schedule._cpu_cache_budget(vm) == 4 << 20
+    assert schedule._cpu_cache_budget(dataclasses.replace(vm, llc_bytes=64 << 20)) == 8 << 20
+    assert schedule._cpu_cache_budget(dataclasses.replace(vm, cpu_score_tile_bytes=1 << 20)) == 1 << 20
+    dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
+    # [8 heads × t × 256 keys] float32: 512 rows in 4 MiB, 128 in 1 MiB
+    assert schedule.derive(dnf, vm).axis("t").tile == 512
+    assert schedule.derive(dnf, dataclasses.replace(vm, cpu_score_tile_bytes=1 << 20)).axis("t").tile == 128
+    with pytest.raises(ValueError, match="cpu_score_tile_bytes must be a non-negative int"):
+        dataclasses.replace(vm, cpu_score_tile_bytes=-1)
+
+
+def test_a_call_inside_using_runs_that_profiles_onf():
+    """``machines.using(profile)``: ``local()`` is that profile inside the block (nested blocks
+    too), and a call made there derives for it — not the ONF an earlier call outside cached
+    (the kernel's compiled functions and ``runtime.schedules`` are keyed by the profile). Its
+    result is the same up to float32 summation order: rel ≤ 1e-5 against the float64
+    reference (sums of ≤ 256 float32 terms in either tiling)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import moajax
+    import references as R
+    from helpers import rel_err
+    from moajax.kernels.attention import mha_kernel
+
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.standard_normal((1, 256, 2, 16)), jnp.float32) for _ in range(3))
+    base = dataclasses.replace(machines.GENERIC_CPU, cores=2, llc_bytes=8 << 20)
+    small = dataclasses.replace(base, cpu_score_tile_bytes=2 * 128 * 256 * 4)  # 2 heads × 128 rows × 256 keys
+    kern = mha_kernel(None, None, False)
+    tiles, hlo = {}, {}
+
+    def attn(a, b, c):
+        return moajax.dot_product_attention(a, b, c, implementation="xla")
+
+    with machines.using(base):
+        assert machines.local() is base
+        tiles["base"] = kern.onf(q, k, v, implementation="xla").axis("t").tile
+        out = attn(q, k, v)
+        # a new function each time: JAX caches a jitted function's trace by the function
+        hlo["base"] = jax.jit(lambda *a: attn(*a)).lower(q, k, v).as_text()
+        with machines.using(small):
+            assert machines.local() is small
+            tiles["small"] = kern.onf(q, k, v, implementation="xla").axis("t").tile
+            out_small = attn(q, k, v)
+            hlo["small"] = jax.jit(lambda *a: attn(*a)).lower(q, k, v).as_text()
+            grads = jax.grad(lambda a: jnp.sum(moajax.dot_product_attention(a, k, v, implementation="xla")))(q)
+        assert machines.local() is base
+    assert machines.local() is not base and machines.local() is not small
+    assert (tiles["base"], tiles["small"]) == (256, 128)
+    # the program run is the profile's: [2 heads, 128 rows, 256 keys] score tiles only in the small one's
+    assert "2x128x256" not in hlo["base"] and "2x128x256" in hlo["small"]
+    want = R.mha(*(np.asarray(x, np.float64) for x in (q, k, v)))
+    assert rel_err(out, want) <= 1e-5 and rel_err(out_small, want) <= 1e-5
+    assert np.all(np.isfinite(np.asarray(grads)))
+    with pytest.raises(TypeError, match="using: machine must be a Machine or a profile name"):
+        with machines.using(3):
+            pass
