@@ -49,7 +49,7 @@ def main():
         machine_line(),
         f"Run: `python scripts/sweep_grad_rows.py --size {' '.join(map(str, args.size))} --budgets "
         f"{' '.join(f'{b:g}' for b in args.budgets)}{' --rows ' + ' '.join(map(str, args.rows)) if args.rows else ''}"
-        f"{' --forward' if args.forward else ''}` — B=1, T = S, N=8, H=64, float32; {what}; the contenders "
+        f"{' --forward' if args.forward else ''} --reps {args.reps}` — B=1, T = S, N=8, H=64, float32; {what}; the contenders "
         f"alternate in one process, best and median of {args.reps} after a warm-up. Budget: the profile's CPU score "
         f"tile (`cpu_score_tile_bytes`); this machine's default is {schedule._cpu_cache_budget(here) / 2**20:g} MiB "
         f"(its last-level cache {here.llc_bytes / 2**20:g} MiB). Rows: the forward's rows per program at that budget.",
