@@ -40,7 +40,6 @@ def tune_score_tile(machine: Machine, seq: int = 1024, budgets=SCORE_TILE_BUDGET
     default under key 0): ``moajax.dot_product_attention`` (B = 1, T = S = ``seq``, 8 heads of 64,
     float32, XLA) compiled under ``machine`` with each budget (``machines.using``) and as derived,
     the contenders alternated (``timing.alternating``)."""
-    import dataclasses
     import statistics
 
     import jax
@@ -51,20 +50,21 @@ def tune_score_tile(machine: Machine, seq: int = 1024, budgets=SCORE_TILE_BUDGET
     from moajax import machines
     from moajax.timing import alternating
 
-    if seq < 1 or reps < 1 or not budgets or any(int(b) < 1 for b in budgets):
+    budgets = tuple(int(b) for b in budgets)
+    if seq < 1 or reps < 1 or not budgets or min(budgets) < 1:
         raise ValueError(f"tune_score_tile: seq, reps and every budget must be positive, got seq={seq}, "
                          f"reps={reps}, budgets={list(budgets)}")
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, seq, 8, 64)), jnp.float32) for _ in range(3))
     fns = {}
-    for b in (0,) + tuple(int(b) for b in budgets):
+    for b in (0,) + budgets:
         with machines.using(dataclasses.replace(machine, cpu_score_tile_bytes=b)):
             # a new function per budget, compiled inside the block (JAX caches traces by function)
             fns[b] = jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation="xla")
                              ).lower(q, k, v).compile()
     times = {b: statistics.median(ts) for b, ts in alternating(fns, (q, k, v), reps=reps).items()}
-    best = min(budgets, key=lambda b: times[int(b)])
-    return (int(best) if times[int(best)] < (1 - TUNE_MARGIN) * times[0] else 0), times
+    best = min(budgets, key=times.get)
+    return (best if times[best] < (1 - TUNE_MARGIN) * times[0] else 0), times
 
 
 def measure(gemm_n: int = 2048, copy_mb: int = 512, tune_seq: int = 1024) -> Machine:

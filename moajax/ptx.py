@@ -84,7 +84,7 @@ def compiler_available() -> str | None:
     except Exception as e:  # pragma: no cover
         return f"jaxlib's Triton compiler is unavailable ({e})"
     if not hasattr(triton, "compile"):  # jaxlib ≥ 0.11: Triton is compiled inside XLA only
-        return f"jaxlib {jax_version_text()} compiles Triton to PTX only inside XLA (no offline compile)"
+        return f"jaxlib {jaxlib_version_text()} compiles Triton to PTX only inside XLA (no offline compile)"
     try:
         import jax
 
@@ -97,7 +97,8 @@ def compiler_available() -> str | None:
 
 
 
-def jax_version_text() -> str:
+def jaxlib_version_text() -> str:
+    """The installed jaxlib's version ("0.10.2"): its Triton is what compiles offline."""
     import jaxlib
 
     return getattr(jaxlib, "__version__", "?")

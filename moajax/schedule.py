@@ -997,7 +997,7 @@ def plan_work(onfs) -> int:
 # 2-core EPYC with 8 MiB of L3 and 512 KiB of L2 a core, where 1/8 of the L3 (1 MiB: 128-row
 # tiles) made jit(grad) 1.45–1.48× and the forward 1.77–1.82× slower than 4 MiB at S = 1024 and
 # 4096 (bench/results/cpu_score_tile_epyc_avx2.md, cpu_score_tile_forward_epyc_avx2.md; 8 and
-# 16 MiB within 4 % of 4 MiB there, 2 MiB as slow as 1). So a tile past the L2 costs nothing
+# 16 MiB within 7 % of 4 MiB there, either way, 2 MiB nearly as slow as 1). So a tile past the L2 costs nothing
 # measurable (the dots reuse each score H times for one softmax pass over it); why the small ones
 # lose, a step between 256 and 512 rows, is not measured (XLA's per-step costs: each tile op
 # dispatched to the thread pool, each dot's operands packed, are the likely part).

@@ -88,7 +88,7 @@ def ptx_report(args):
     S, N, H = (256, 2, 32) if args.quick else (args.S, args.heads, args.head_dim)
     machine = machines.load("h200")
     lines = [f"# Attention's backward kernels under other tilings: ptxas for {args.ptx}, offline",
-             "", f"jaxlib {ptx.jax_version_text()}, {ptx.ptxas_version()}; "
+             "", f"jaxlib {ptx.jaxlib_version_text()}, {ptx.ptxas_version()}; "
              f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d')}. B = 1, S = T = {S}, N = {N}, "
              f"H = {H}; the owner plan's kernels as the {machine.name} profile derives them, then each tiling of "
              "`scripts/gpu_backward_sweep.py` (the ones its timed run tries). Registers a thread, and spill "
