@@ -426,17 +426,29 @@ class Knobs:
     ``dot_precision``: "highest" (float32 dots in IEEE float32, the default) or
     "tensorfloat32" (float32 dot operands rounded to TF32 on a GPU's tensor cores, as XLA's
     float32 dots there by default; relative errors near 1e-3 instead of 1e-6; the CPU's XLA
-    dots stay float32)."""
+    dots stay float32).
+    ``dot_layout`` (a GPU's 2-D tile dots; XLA's einsum gives its result in tile order either
+    way): "operands" (the default) — Σ_v a·b is dot(a, b) as the DNF writes the factors, the
+    result transposed into the program's tile order after (on Triton a layout conversion of
+    the accumulator); "tile" — dot(a, b) or dot(b, a), whichever gives the result in tile
+    order, its rows the axis the program owns. Attention's dK/dV kernel computes its scores
+    as Q·Kᵀ under "operands": 32-row dots where it walks 32 queries, below the 64 rows of
+    Hopper's wgmma, so ptxas gets Ampere's mma.sync for them; "tile" gives K·Qᵀ, 64 rows.
+    Not the default until a GPU times it: offline, ptxas' registers move both ways with it
+    (bench/results/gpu_backward_sweep_ptx_sm_90a.md)."""
 
     num_warps: int = 4
     num_stages: int = 2
     cpu_loop: tuple = ()
     lowp_dots: bool = False
     dot_precision: str = "highest"
+    dot_layout: str = "operands"
 
     def __post_init__(self):
         if self.dot_precision not in DOT_PRECISIONS:
             raise ValueError(f"Knobs: dot_precision must be one of {DOT_PRECISIONS}, got {self.dot_precision!r}")
+        if self.dot_layout not in DOT_LAYOUTS:
+            raise ValueError(f"Knobs: dot_layout must be one of {DOT_LAYOUTS}, got {self.dot_layout!r}")
 
     def text(self) -> str:
         parts = [f"num_warps {self.num_warps}", f"num_stages {self.num_stages}"]
@@ -446,10 +458,13 @@ class Knobs:
             parts.append("lowp_dots")
         if self.dot_precision != "highest":
             parts.append(f"{self.dot_precision} dots")
+        if self.dot_layout != "operands":
+            parts.append(f"dots in {self.dot_layout} layout")
         return ", ".join(parts)
 
 
 DOT_PRECISIONS = ("highest", "tensorfloat32")
+DOT_LAYOUTS = ("operands", "tile")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,10 @@ class PtxReport:
     spill_loads: int
     stack_bytes: int
     atomics: int
+    # tensor-core instructions: Hopper's warpgroup ``wgmma.mma_async`` and the warp-level
+    # ``mma.sync`` (Ampere's; on sm_90a the fallback for a dot wgmma cannot take)
+    wgmma: int = 0
+    mma_sync: int = 0
 
 
 def triton_kernels(fn, *args) -> list[TritonKernel]:
@@ -179,11 +183,22 @@ def count_atomics(ptx: str) -> int:
     return len(re.findall(r"(?:^|[\s;])(?:@!?%p\d+\s+)?(?:atom|red)\.[a-z]", code, flags=re.M))
 
 
+def count_mma(ptx: str) -> tuple[int, int]:
+    """(``wgmma.mma_async``, ``mma.sync``) instructions in the PTX text (static counts, comments
+    left out)."""
+    code = "\n".join(line.split("//", 1)[0] for line in ptx.splitlines())
+    return (len(re.findall(r"\bwgmma\.mma_async\b", code)),
+            len(re.findall(r"(?<![\w.])mma\.sync\b", code)))
+
+
+def _report(name: str, arch: str, ptx: str, smem: int, info: dict) -> PtxReport:
+    return PtxReport(name, arch, smem, info["registers"], info["spill_stores"], info["spill_loads"],
+                     info["stack_bytes"], count_atomics(ptx), *count_mma(ptx))
+
+
 def report(kernel: TritonKernel, arch: str) -> PtxReport:
     ptx, smem = compile_ptx(kernel, arch)
-    info = ptxas_info(ptx, arch)
-    return PtxReport(kernel.name, arch, smem, info["registers"], info["spill_stores"], info["spill_loads"],
-                     info["stack_bytes"], count_atomics(ptx))
+    return _report(kernel.name, arch, ptx, smem, ptxas_info(ptx, arch))
 
 
 def onf_reports(onf, arch: str) -> list[PtxReport]:
@@ -249,8 +264,7 @@ def _triton_source_reports(onf, arch: str) -> tuple:
             if "Unsupported .version" not in str(e):
                 raise
             info = ptxas_info(ptx, arch, triton_source.ptxas(newest=True))
-        out.append(PtxReport(k.name, arch, smem, info["registers"], info["spill_stores"], info["spill_loads"],
-                             info["stack_bytes"], count_atomics(ptx)))
+        out.append(_report(k.name, arch, ptx, smem, info))
     return tuple(out)
 
 

@@ -178,6 +178,13 @@ class PallasBackend(Backend):
         shared = set(a.vars) & set(b.vars) - {v}
         two_d = da.ndim == 2 and db.ndim == 2 and not shared and min(da.shape + db.shape) >= 16
         if two_d:
+            if self.dot_layout == "tile" and _rows_follow(b, a, v, self.rank):
+                # Σ_v a·b = (Σ_v b·a) with its axes swapped (Knobs.dot_layout): b as the left
+                # operand gives the result in the tile layout its consumers read, so no
+                # transpose of the accumulator (a layout conversion on Triton), its rows the
+                # axis the program owns (dK/dV's scores K·Qᵀ: 64 key rows, where Q·Kᵀ had the
+                # 32 queries of a step and Hopper's wgmma takes 64 rows at least)
+                a, b, da, db = b, a, db, da
             ca, cb = a.vars.index(v), b.vars.index(v)
             prec = self.precision if np.dtype(da.dtype).itemsize >= 4 else None
             out = lax.dot_general(da, db, (((ca,), (cb,)), ((), ())), precision=prec,
@@ -189,6 +196,13 @@ class PallasBackend(Backend):
         prod = datas[0] * datas[1]
         ax = vs.index(v)
         return Named(jnp.sum(prod, axis=ax), vs[:ax] + vs[ax + 1:])
+
+
+def _rows_follow(a: Named, b: Named, v, rank) -> bool:
+    """Is Σ_v a·b of two 2-D tiles, as dot(a, b), in the canonical order (``ranges.var_order``)
+    where dot(b, a) would not be? (the rows of a dot are its left operand's free axis)"""
+    (i,), (j,) = [x for x in a.vars if x != v], [x for x in b.vars if x != v]
+    return rank.get(i.name, 1 << 20) < rank.get(j.name, 1 << 20)
 
 
 def _window(r: Range, length: int, offset: int = 0):

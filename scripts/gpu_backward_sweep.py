@@ -8,14 +8,14 @@ For B = 1, S = T, N heads of H (defaults: the first H200 run's 4096, 8, 64), eac
 2. each kernel alone: the plain forward, the saving forward, the owner plan's dQ kernel and
    its dK/dV kernel (their ONFs as derived for this GPU), with their own flop counts;
 3. each backward kernel under other tilings (Preset tiles and knobs): rows × walk tile,
-   warps, stages; the derived one first.
+   warps, stages; the derived one first; each under both ``Knobs.dot_layout``.
 
 Writes ``gpu_backward_sweep.md`` to $OUT (or bench/results/) after each part.
 
 ``--ptx ARCH`` (offline, no GPU: jaxlib's Triton and ptxas, JAX_PLATFORMS=cpu) times nothing: for
 the same kernels and tilings it reports ptxas' registers and spill bytes for ARCH, the H200's
-profile deriving (``gpu_backward_sweep_ptx_ARCH.md``): what a tiling costs in registers before a
-GPU times it.
+profile deriving (``gpu_backward_sweep_ptx_ARCH.md``), and their tensor-core instructions: what a
+tiling costs in registers, and whether its dots reach wgmma, before a GPU times it.
 
     python scripts/gpu_backward_sweep.py [--S 4096] [--budget 240] [--quick]
     JAX_PLATFORMS=cpu python scripts/gpu_backward_sweep.py --ptx sm_90a
@@ -58,24 +58,28 @@ def owner_plan(specs, machine):
         plan if isinstance(plan, tuple) else (plan,))
 
 
-def tilings(o, machine, quick_limit=None):
+def tilings(o, machine, quick_limit=None, layouts=("operands", "tile")):
     """name → the backward kernel ``o`` re-derived under each of ``TILINGS`` (or the exception
-    that refused it), the derived ONF first."""
-    from moajax import schedule
+    that refused it), the derived ONF first; each under every ``Knobs.dot_layout`` of
+    ``layouts`` (a name ends in ", tile dots" for "tile")."""
+    from moajax import rewrites, schedule
     from moajax.schedule import Preset
 
     rows = next(a for a in o.axes if a.role == "grid" and a.tile > 1)
     walk = next(a for a in o.axes if a.role == "sequential")
-    out = {"derived": o}
-    for (bt, bs, w, st) in TILINGS:
-        if quick_limit is not None and bt > quick_limit:
-            continue
-        name = f"{rows.name} {bt} × {walk.name} {bs}, {w} warps, {st} stages"
-        try:
-            out[name] = schedule.derive(o.dnf, machine, Preset.of(tiles={rows.name: bt, walk.name: bs},
-                                                                num_warps=w, num_stages=st))
-        except Exception as e:
-            out[name] = e
+    out = {}
+    for layout in layouts:
+        tail = "" if layout == "operands" else f", {layout} dots"
+        out["derived" + tail] = rewrites.with_knobs(o, dot_layout=layout) if o.knobs.dot_layout != layout else o
+        for (bt, bs, w, st) in TILINGS:
+            if quick_limit is not None and bt > quick_limit:
+                continue
+            name = f"{rows.name} {bt} × {walk.name} {bs}, {w} warps, {st} stages{tail}"
+            try:
+                out[name] = schedule.derive(o.dnf, machine, Preset.of(tiles={rows.name: bt, walk.name: bs},
+                                                                    num_warps=w, num_stages=st, dot_layout=layout))
+            except Exception as e:
+                out[name] = e
     return out
 
 
@@ -92,18 +96,22 @@ def ptx_report(args):
              f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d')}. B = 1, S = T = {S}, N = {N}, "
              f"H = {H}; the owner plan's kernels as the {machine.name} profile derives them, then each tiling of "
              "`scripts/gpu_backward_sweep.py` (the ones its timed run tries). Registers a thread, and spill "
-             "stores/loads in bytes, per kernel the ONF launches.", "",
-             "| dtype | kernel | tiling | registers | spill stores | spill loads |", "|---|---|---|---:|---:|---:|"]
+             "stores/loads in bytes, and its tensor-core instructions (static counts in the PTX: Hopper's "
+             "`wgmma.mma_async`, and `mma.sync`, Ampere's, which sm_90a falls back to for a dot wgmma cannot "
+             "take), per kernel the ONF launches. \"tile dots\": `Knobs.dot_layout = \"tile\"`.", "",
+             "| dtype | kernel | tiling | registers | spill stores | spill loads | wgmma | mma.sync |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for dt in ("bfloat16", "float32"):
         specs = [jax.ShapeDtypeStruct((1, S, N, H), dt)] * 3
         for o in owner_plan(specs, machine)[2]:
             for name, alt in tilings(o, machine, S // 2 if args.quick else None).items():
                 if isinstance(alt, Exception):
                     lines.append(f"| {dt} | {o.dnf.name} | {name} | {type(alt).__name__}: "
-                                 f"{str(alt).splitlines()[0][:80]} | | |")
+                                 f"{str(alt).splitlines()[0][:80]} | | | | |")
                     continue
                 for r in ptx.onf_reports(alt, args.ptx):
-                    lines.append(f"| {dt} | {o.dnf.name} | {name} | {r.registers} | {r.spill_stores} | {r.spill_loads} |")
+                    lines.append(f"| {dt} | {o.dnf.name} | {name} | {r.registers} | {r.spill_stores} | {r.spill_loads} "
+                                 f"| {r.wgmma} | {r.mma_sync} |")
     out = Path(args.out) / f"gpu_backward_sweep_ptx_{args.ptx}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -267,6 +267,10 @@ def main():
                     q, k, v = (draw((1, S, N, H), dt) for _ in range(3))
                     con = {f"moajax {b}": grad_fn(moajax_attn(causal, onf=Preset.of(backward=b)))
                            for b in ("owner", "split", "atomic")}
+                    # the dots in tile layout (Knobs.dot_layout): dK/dV's scores as K·Qᵀ, rows
+                    # its own keys, so that Hopper's wgmma takes them (mma.sync under Q·Kᵀ)
+                    con["moajax owner tile dots"] = grad_fn(moajax_attn(causal, onf=Preset.of(
+                        backward="owner", dot_layout="tile")))
                     if dt == "float32":  # TF32 dots, as XLA's float32 dots on a GPU by default
                         con["moajax owner tf32"] = grad_fn(moajax_attn(causal, onf=Preset.of(
                             backward="owner", dot_precision="tensorfloat32")))

@@ -418,3 +418,66 @@ def test_the_xla_scale_stays_off_the_score_tiles_and_the_walked_operand(saved):
     assert str(jaxpr).count("dot_general") == (6 if saved == "adjoint" else 2)  # (one walk: one loop body)
     scaled = [tuple(e.outvars[0].aval.shape) for e in _scaled_dot_operands(jaxpr.jaxpr)]
     assert scaled == ([] if saved == "adjoint" else [(8, plan.axis("t").tile, 64)])
+
+
+def _kernel_dots_and_transposes(fn, *args) -> tuple[int, int]:
+    """(dot_generals, transposes) in the bodies of the Pallas kernels ``fn`` traces to."""
+    counts = [0, 0]
+
+    def walk(jaxpr, inside):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if inside and name in ("dot_general", "transpose"):
+                counts[name == "transpose"] += 1
+            for p in eqn.params.values():
+                for j in sub_jaxprs(p):
+                    walk(j, inside or name == "pallas_call")
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+    return tuple(counts)
+
+
+@pytest.mark.parametrize("backward", ["atomic", "split", "owner"])
+def test_tile_layout_dots_give_the_gradient_with_no_tile_transposed(backward):
+    """``Knobs.dot_layout="tile"`` (``Preset.of(dot_layout="tile")``; it reaches the gradient's
+    kernels from the call's Preset): each 2-D tile dot is dot(a, b) or dot(b, a), whichever
+    gives its result in the tile order, so the Pallas kernels transpose no tile (the default
+    "operands" transposes dot results back: the dK/dV kernel's Q·Kᵀ scores) — and the
+    gradient is the same, float64 rel ≤ 1e-12 against the independent reference. Causal,
+    H = 16 and 80 positions: every dot is 2-D and ≥ 16 (a Triton dot)."""
+    r = np.random.default_rng(5)
+    q, k, v, g = (r.standard_normal((1, 80, 2, 16)) for _ in range(4))
+    counts = {}
+    with compat.enable_x64_context(True):
+        for layout in ("operands", "tile"):
+            pre = Preset.of(backward=backward, dot_layout=layout)
+
+            def loss(q, k, v):
+                return jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=True, onf=pre,
+                                                            implementation="pallas_interpret") * g)
+
+            f = jax.grad(loss, argnums=(0, 1, 2))
+            counts[layout] = _kernel_dots_and_transposes(f, q, k, v)
+            if layout == "tile":
+                for a, b in zip(jax.jit(f)(q, k, v), R.mha_backward(q, k, v, g, is_causal=True)):
+                    assert rel_err(a, b) <= F64
+    assert counts["tile"][0] == counts["operands"][0] >= 7, counts  # the same dots
+    assert counts["tile"][1] == 0 < counts["operands"][1], counts
+
+
+def test_tile_layout_dots_give_gqas_gradient_with_a_bias():
+    """The same knob where GQA's group and a [B N T S] bias meet it (the bias tile, read
+    query-major in a kernel owning key tiles, is still transposed): float64 rel ≤ 1e-12,
+    dbias included. A layout the knob does not know is a named error."""
+    r = np.random.default_rng(6)
+    q, g = r.standard_normal((1, 80, 2, 16)), r.standard_normal((1, 80, 2, 16))
+    k, v = r.standard_normal((1, 80, 1, 16)), r.standard_normal((1, 80, 1, 16))
+    bias = r.standard_normal((1, 2, 80, 80))
+    pre = Preset.of(backward="owner", dot_layout="tile")
+    with compat.enable_x64_context(True):
+        f = jax.jit(jax.grad(lambda q, k, v, bias: jnp.sum(moajax.dot_product_attention(
+            q, k, v, bias, is_causal=True, onf=pre, implementation="pallas_interpret") * g), argnums=(0, 1, 2, 3)))
+        for a, b in zip(f(q, k, v, bias), R.mha_backward(q, k, v, g, bias=bias, is_causal=True, return_dbias=True)):
+            assert rel_err(a, b) <= F64
+        with pytest.raises(ValueError, match="dot_layout must be one of"):
+            schedule.derive(_seed_adjoint_dnf(), A100, Preset.of(dot_layout="rows"))

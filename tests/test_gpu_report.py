@@ -492,3 +492,62 @@ def test_the_tensorfloat32_knob_puts_float32_dots_on_tensor_cores():
                                                                     for i in onf.dnf.inputs])
             asm, _ = ptx.compile_ptx(k, "sm_80")
             assert bool(re.search(r"mma\.sync[^;]*tf32", asm)) == (p == "tensorfloat32"), p
+
+
+def _gradient_reports(arch, profile, dtype, **knobs):
+    """ptxas' reports of the kernels of jax.grad of attention (B = 1, S = T = 1024, N = 8,
+    H = 64) on ``profile``, the call's Preset holding ``knobs``, by kernel name."""
+    import jax
+    import jax.numpy as jnp
+
+    import moajax
+    from moajax.schedule import Preset
+
+    pre = Preset.of(backward="owner", **knobs)
+    spec = jax.ShapeDtypeStruct((1, 1024, 8, 64), dtype)
+    f = jax.grad(lambda a, b, c: jnp.sum(moajax.dot_product_attention(a, b, c, onf=pre).astype(jnp.float32)),
+                 argnums=(0, 1, 2))
+    with machines.using(machines.load(profile)):
+        kernels = ptx.triton_kernels(f, spec, spec, spec)
+    return {k.name.removeprefix("moajax_mha_mh"): (k, ptx.report(k, arch)) for k in kernels}
+
+
+@needs_compiler
+def test_tile_layout_dots_put_the_dk_dv_kernels_scores_on_wgmma():
+    """The H200's bfloat16 gradient, sm_90a: under the default ``Knobs.dot_layout``
+    ("operands") the dK/dV kernel, walking 32 queries a step, computes its scores and dP as
+    Q·Kᵀ and dO·Vᵀ, 32-row dots that Hopper's wgmma (64 rows at least) cannot take, and ptxas
+    gives them Ampere's mma.sync; under "tile" they are K·Qᵀ and V·dOᵀ, 64 key rows, and
+    every dot of the gradient is a wgmma. The knob reaches the gradient's kernels from the
+    call's Preset."""
+    reports = {layout: _gradient_reports("sm_90a", "h200", "bfloat16", dot_layout=layout)
+               for layout in ("operands", "tile")}
+    assert set(reports["tile"]) == {"_saving", "_adjoint_saved_d_query", "_adjoint_saved_d_key_d_value"}
+    dkv = {layout: r["_adjoint_saved_d_key_d_value"][1] for layout, r in reports.items()}
+    assert dkv["operands"].mma_sync > 0 and dkv["operands"].wgmma > 0, dkv
+    for name, (_, r) in reports["tile"].items():
+        assert r.mma_sync == 0 < r.wgmma and r.spill_stores == 0, (name, r)
+
+
+@needs_compiler
+def test_a_presets_tensorfloat32_knob_reaches_the_gradients_kernels():
+    """``Preset.of(dot_precision="tensorfloat32")`` on a differentiated call: the saving
+    forward's and both backward kernels' float32 dots are TF32 tensor-core instructions
+    (sm_80); by default none of them is. (Before, the backward kernels took the Preset's plan
+    and tiles but not its knobs: their dots stayed IEEE float32.)"""
+    import re
+
+    for knobs, tf32 in (({}, False), ({"dot_precision": "tensorfloat32"}, True)):
+        kernels = _gradient_reports("sm_80", "delta-a100", "float32", **knobs)
+        assert len(kernels) == 3
+        for name, (k, _) in kernels.items():
+            asm, _ = ptx.compile_ptx(k, "sm_80")
+            assert bool(re.search(r"mma\.sync[^;]*tf32", asm)) == tf32, (name, knobs)
+
+
+def test_mma_count_parser():
+    text = ("\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 1;\n"
+            "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};\n"
+            "\twgmma.fence.sync.aligned;\n\twgmma.commit_group.sync.aligned;\n"
+            "\t// mma.sync in a comment is not an instruction\n")
+    assert ptx.count_mma(text) == (1, 1)

@@ -44,6 +44,7 @@ class Backend:
         # DEFAULT: TF32 for float32 operands in Pallas' Triton lowering; float32 on a CPU
         self.precision = lax.Precision.HIGHEST if onf.knobs.dot_precision == "highest" else lax.Precision.DEFAULT
         self.lowp_dots = onf.knobs.lowp_dots
+        self.dot_layout = onf.knobs.dot_layout
         self.rank = var_order(onf)
 
     def read(self, ev, read: D.Read) -> Named:  # pragma: no cover - interface
