@@ -72,8 +72,8 @@ def cmd_gpu_report(args) -> int:
         for m in targets:
             cases.append((f"{name} float32 (example sizes)", m, schedule.derive(reg[name].dnf(), m)))
     header = ("| machine | arch | kernel | tiles (rows×keys) | warps | stages | smem B (ptxas) | smem B (model) "
-              "| smem limit B | registers | spill st/ld B | atomics | ok |")
-    lines = [header, "|" + "---|" * 13]
+              "| smem limit B | registers | spill st/ld B | atomics | wgmma / mma.sync | ok |")
+    lines = [header, "|" + "---|" * 14]
     rows, bad = report_rows(cases, args.arch)
     lines += rows
     paths = _two_paths(args, gpu_report)
@@ -88,7 +88,9 @@ def cmd_gpu_report(args) -> int:
             "for CUDA, compiles its Triton IR with jaxlib's Triton compiler for the machine's arch and runs "
             f"`ptxas -v` (ptxas {ptx.ptxas_version()}). smem (model) is the cost model's estimate used to reject ONFs. "
             "Each ONF is derived with its profile's spill check on (`Machine.spill_check`): the first table tiling "
-            "that fits shared memory and that ptxas compiles without spilling.",
+            "that fits shared memory and that ptxas compiles without spilling. wgmma / mma.sync: the tensor-core "
+            "instructions in the PTX (static counts; Hopper's warpgroup wgmma, and mma.sync, Ampere's and sm_90a's "
+            "fallback for a dot wgmma cannot take: fewer than 64 rows).",
             "",
         ]
         Path(args.out).write_text("\n".join(head + lines + paths) + "\n")
@@ -119,7 +121,7 @@ def report_rows(cases, archs=()) -> tuple:
             reports = ptx.onf_reports(onf, m.arch)
         except Exception as e:  # a failure is a finding: report it, do not hide it
             bad += 1
-            lines.append(f"| {m.name} | {m.arch} | {label} | — | — | — | — | — | — | — | — | — | FAILED: {str(e)[:120]} |")
+            lines.append(f"| {m.name} | {m.arch} | {label} | — | — | — | — | — | — | — | — | — | — | FAILED: {str(e)[:120]} |")
             print(lines[-1], flush=True)
             continue
         tiles = _tiles_text(onf)
@@ -134,7 +136,7 @@ def report_rows(cases, archs=()) -> tuple:
             lines.append(
                 f"| {m.name} | {m.arch} | {name} | {tiles} | {onf.knobs.num_warps} | {onf.knobs.num_stages} | "
                 f"{r.smem_bytes} | {onchip_bytes(onf)} | {m.shared_memory_per_block} | {r.registers} | "
-                f"{r.spill_stores}/{r.spill_loads} | {r.atomics} | {'yes' if ok else 'NO'} |"
+                f"{r.spill_stores}/{r.spill_loads} | {r.atomics} | {r.wgmma} / {r.mma_sync} | {'yes' if ok else 'NO'} |"
             )
             print(lines[-1], flush=True)
     return lines, bad

@@ -384,7 +384,10 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: i
         # bench/results/score_mod_tiles_gpu.md). Other walks keep the candidates of their
         # extent, as they were calibrated (GQA's dK and dV, spill-free in gpu_report.md)
         held = [min(v.extent, it) if it and v in nested else v.extent for v in inner]
-        held += [v.extent for v in out_vars[-1:]]
+        # a last output axis tiled over the grid is held lt at a time: RMSNorm→matmul's 128
+        # columns of f, not its 4096 (by the extent, the fallback for widths over 128 gave
+        # 32 × 128 tiles and a 16-wide walk, and 32-row dots that sm_90a's wgmma does not take)
+        held += [min(v.extent, lt) if lt else v.extent for v in out_vars[-1:]]
         cands = _gpu_candidates(GPU_TILES, onf, held)
         return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
             onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt, inner_tile=it,

@@ -551,3 +551,19 @@ def test_mma_count_parser():
             "\twgmma.fence.sync.aligned;\n\twgmma.commit_group.sync.aligned;\n"
             "\t// mma.sync in a comment is not an instruction\n")
     assert ptx.count_mma(text) == (1, 1)
+
+
+@needs_compiler
+def test_a_16_bit_matmul_on_hopper_is_all_wgmma():
+    """RMSNorm→matmul in bfloat16 at n = 4096, d = 1024, f = 4096 on the H200 (sm_90a): its
+    128 × 128 tiles give 128-row dots, and every tensor-core instruction is a wgmma, with no
+    spills (with 32 × 128 tiles it was 4 mma.sync and no wgmma)."""
+    import jax
+
+    from moajax.kernels import rmsnorm_matmul
+
+    bf16 = np.dtype("bfloat16")
+    h200 = machines.load("h200")
+    dnf = rmsnorm_matmul.dnf(*(jax.ShapeDtypeStruct(s, bf16) for s in ((4096, 1024), (1024,), (1024, 4096))))
+    (r,) = ptx.onf_reports(schedule.derive(dnf, h200), h200.arch)
+    assert r.wgmma > 0 and r.mma_sync == 0 and r.spill_stores == 0 and r.smem_bytes <= h200.shared_memory_per_block, r

@@ -82,6 +82,20 @@ def test_a_wide_nested_reduction_is_walked_even_where_it_fits():
     assert onf.axis("d_").role == "sequential" and onf.axis("d_").tile <= schedule.GPU_WHOLE_MAX
 
 
+@pytest.mark.parametrize("profile", ["delta-a100", "h200"])
+def test_a_tiled_output_axis_takes_the_candidates_of_its_tile(profile):
+    """RMSNorm→matmul in bfloat16 at n = 4096, d = 1024, f = 4096: f, the last output axis, is
+    tiled over the grid (128 columns), so a program holds 128 columns, not 4096, and the
+    tables' candidates are those for 128: 128 rows × 128 columns, the d walk 64 wide — a GEMM's
+    tile. The scheduler once looked the candidates up by f's whole extent and took the
+    fallback for widths over 128: 32 × 128 tiles and a 16-wide walk (four times the reads per
+    flop, and on sm_90a 32-row dots, which Hopper's wgmma does not take)."""
+    bf16 = np.dtype("bfloat16")
+    dnf = rmsnorm_matmul.dnf(S((4096, 1024), bf16), S((1024,), bf16), S((1024, 4096), bf16))
+    ax = _axes(schedule.derive(dnf, machines.load(profile)))
+    assert ax["n"] == (128, "grid") and ax["f"] == (128, "grid") and ax["d"] == (64, "sequential"), ax
+
+
 def test_cpu_schedules_are_unchanged_by_the_gpu_row_rule():
     # on a CPU, a read that depends on t keeps t from being the row loop (XLA vectorises it)
     dnf = mha_dnf((1, 64, 2, 16), (1, 64, 2, 16), (1, 64, 2, 16), np.float32, bias_shape=(1, 2, 64, 64),
