@@ -281,6 +281,21 @@ def main():
                     t = race(f"{dt}, {S}, {causal}", con, (q, k, v), flops, 5 if S >= 8192 else 10, "jax.nn xla")
                     if "moajax owner" in t:
                         causal_speedup[(dt, S, causal)] = t["moajax owner"]
+        # GQA training (never timed on a GPU before): the group's query heads share each kv
+        # head's dK and dV tiles; bfloat16, N query heads over N / 4 kv heads
+        S, K = sizes[1], max(1, N // 4)
+        for causal in (False, True):
+            if rep.left() < 15:
+                rep.add(f"| bfloat16, {S}, {causal}, GQA {N}/{K} | (not run: time) | | | | | |")
+                continue
+            q = draw((1, S, N, H), "bfloat16")
+            k, v = (draw((1, S, K, H), "bfloat16") for _ in range(2))
+            con = {"moajax owner": grad_fn(moajax_attn(causal)),
+                   "moajax owner tile dots": grad_fn(moajax_attn(causal, onf=Preset.of(dot_layout="tile"))),
+                   "jax.nn xla": grad_fn(jaxnn_attn(causal, "xla")),
+                   "jax.nn cudnn": grad_fn(jaxnn_attn(causal, "cudnn"))}
+            race(f"bfloat16, {S}, {causal}, GQA {N}/{K}", con, (q, k, v),
+                 14 * S * S * N * H / (2 if causal else 1), 10, "jax.nn xla")
         rep.add("", "Causal against non-causal, moajax owner (the skipped tiles): " + ", ".join(
             f"{dt} S = {S}: {causal_speedup[(dt, S, False)] / causal_speedup[(dt, S, True)]:.2f}×"
             for (dt, S, c) in causal_speedup if not c and (dt, S, True) in causal_speedup))
