@@ -12,7 +12,8 @@ short keeps what it finished), each skipped once the time budget (``--budget``) 
    each backward ONF beside ``jax.grad`` of jax.nn (xla, cudnn), alternated in one process,
    with each compiled program's temp memory; moajax's temp memory at S = 16384 and 32768;
 5. the forward beside jax.nn at transformer sizes;
-6. the fused forward+backward's time; issue 11's decode and block gradient.
+6. the fused forward+backward's time; issue 11's decode and block gradient; RMSNorm→matmul in
+   bfloat16 against the two ops in XLA.
 
 Timing: the contenders of one row group are compiled first, then run in turn
 (``moajax.timing.alternating``), the median of the rounds quoted. ``--quick`` shrinks every
@@ -368,6 +369,20 @@ def main():
         race(f"block grad T={T} D={D} F={F} f32",
              {"jax.nn": grad_of(plain_block), "moajax": grad_of(lambda p, x: moajax.transformer_block(p, x, is_causal=True))},
              (p, x), None, 10, "jax.nn")
+        # RMSNorm fused into the matmul after it, bfloat16 (128 × 128 tiles, a 64-wide walk
+        # over d since 1fb135f; 32 × 128 × 16 before): against the two ops in XLA
+        from moajax.kernels import rmsnorm_matmul
+
+        n, d, f = (256, 128, 256) if quick else (4096, 1024, 4096)
+        x, g, w = draw((n, d), "bfloat16"), draw((d,), "bfloat16"), draw((d, f), "bfloat16") / np.sqrt(d)
+
+        def rms_then_dot(x, g, w):
+            xf = x.astype(jnp.float32)
+            z = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6) * g.astype(jnp.float32)
+            return jnp.dot(z, w.astype(jnp.float32)).astype(x.dtype)
+
+        race(f"rmsnorm→matmul n={n} d={d} f={f} bf16", {"jax.nn": rms_then_dot, "moajax": rmsnorm_matmul},
+             (x, g, w), 2 * n * d * f, 20, "jax.nn")
         rep.flush()
     return 1 if bad else 0
 
