@@ -82,3 +82,12 @@ def sub_jaxprs(value) -> list:
     if isinstance(value, (tuple, list)):
         return [j for v in value for j in sub_jaxprs(v)]
     return []
+
+
+def walk_eqns(jaxpr, within: tuple = ()):
+    """Every equation of a jaxpr and of the jaxprs inside its equations' parameters, each with
+    the names of the primitives it lies inside (outermost first)."""
+    for eqn in jaxpr.eqns:
+        yield eqn, within
+        for j in sub_jaxprs(list(eqn.params.values())):
+            yield from walk_eqns(j, within + (eqn.primitive.name,))

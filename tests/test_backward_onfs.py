@@ -13,7 +13,7 @@ import pytest
 
 import moajax
 import references as R
-from helpers import rel_err, sub_jaxprs
+from helpers import rel_err, sub_jaxprs, walk_eqns
 from moajax import compat, cost, machines, ptx, rewrites, schedule
 from moajax.kernels.attention import mha_kernel
 from moajax.onf import ONFError
@@ -422,19 +422,8 @@ def test_the_xla_scale_stays_off_the_score_tiles_and_the_walked_operand(saved):
 
 def _kernel_dots_and_transposes(fn, *args) -> tuple[int, int]:
     """(dot_generals, transposes) in the bodies of the Pallas kernels ``fn`` traces to."""
-    counts = [0, 0]
-
-    def walk(jaxpr, inside):
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            if inside and name in ("dot_general", "transpose"):
-                counts[name == "transpose"] += 1
-            for p in eqn.params.values():
-                for j in sub_jaxprs(p):
-                    walk(j, inside or name == "pallas_call")
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
-    return tuple(counts)
+    names = [e.primitive.name for e, within in walk_eqns(jax.make_jaxpr(fn)(*args).jaxpr) if "pallas_call" in within]
+    return names.count("dot_general"), names.count("transpose")
 
 
 @pytest.mark.parametrize("backward", ["atomic", "split", "owner"])

@@ -361,14 +361,9 @@ def _while_bodies(jaxpr):
 
 
 def _prims(jaxpr) -> set:
-    from helpers import sub_jaxprs
+    from helpers import walk_eqns
 
-    out = set()
-    for e in jaxpr.eqns:
-        out.add(e.primitive.name)
-        for j in sub_jaxprs(list(e.params.values())):
-            out |= _prims(j)
-    return out
+    return {e.primitive.name for e, _ in walk_eqns(jaxpr)}
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
