@@ -59,7 +59,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     the bias and before the masks; it is traced into the kernel's array expression
     (``moajax.trace``), so both backends run it and its derivative is derived with the rest
     (an array it closes over, such as a table of relative-position biases, gets its gradient). float16/bfloat16 accumulate in float32; float32 and float64 in
-    themselves (float64 is float64-accurate).
+    themselves (float64 is float64-accurate). A GPU's float32 dots follow
+    ``jax.default_matmul_precision`` as jax.nn's do: TF32 under JAX's default, IEEE float32
+    under "highest" (the gradient takes the precision of the call); a CPU's are float32.
 
     ``onf``: None (the machine's default schedule), a ``moajax.ONF`` derived for exactly
     these shapes, or a ``moajax.schedule.Preset`` (carry, tiles, γ, store, knobs) applied

@@ -136,6 +136,36 @@ def triton_compiler():
     return triton
 
 
+def default_dot_precision() -> str:
+    """What ``jax.default_matmul_precision`` (the ``jax_default_matmul_precision`` config) asks
+    of a GPU's float32 dots, as ``Knobs.dot_precision``, the nearest a Triton dot carries (its
+    input precision is IEEE float32 or TF32) without rounding below what was asked:
+    "tensorfloat32" for JAX's default (None: XLA's float32 dots on an Ampere-or-later GPU take
+    TF32), "default", "bfloat16", "high", "tensorfloat32" and the one-pass 16-bit and TF32
+    algorithm presets; "highest" (IEEE float32) for "highest", "float32", the multi-pass presets
+    (…_X3, _X6, _X9: near float32 accuracy) and anything else."""
+    from jax import lax
+
+    value = jax.config.jax_default_matmul_precision
+    if value is None:
+        return "tensorfloat32"
+    try:
+        return "highest" if lax.Precision(value) == lax.Precision.HIGHEST else "tensorfloat32"
+    except (ValueError, KeyError, TypeError):
+        pass
+    name = str(getattr(value, "name", value)).upper()
+    if name.endswith(("_X3", "_X6", "_X9")):
+        return "highest"
+    return "tensorfloat32" if name.startswith(("TF32_", "BF16_", "F16_")) else "highest"
+
+
+def dot_precision_context(precision: str):
+    """A block in which ``default_dot_precision()`` is ``precision`` ("highest" or
+    "tensorfloat32", both config values JAX takes): a kernel's derivatives, traced after
+    its call, take the precision that call was made under."""
+    return jax.default_matmul_precision(precision)
+
+
 def enable_x64_context(enabled: bool = True):
     """A context manager that switches float64 on (or off) for a block."""
     try:

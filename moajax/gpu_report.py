@@ -219,7 +219,8 @@ def sweep_onf(kernel: str, dtype: str, h: int, rows: int, keys: int, warps: int,
     """One row of the shared-memory calibration sweep (scripts/sweep_smem.py): the attention
     ``"forward"`` (jax.nn layout, B=1, T=S=1024, N=8) or the fused ``"fwd+bwd"`` (one head,
     T=S=1024) with the given tiling, scheduled for a GPU without a shared-memory limit so that
-    tilings over every real limit are compiled too."""
+    tilings over every real limit are compiled too. ``dtype`` "float32" has IEEE float32 dots
+    (the committed table's, whatever the matmul precision config), "float32 tf32" TF32 ones."""
     import dataclasses
 
     import jax
@@ -230,6 +231,8 @@ def sweep_onf(kernel: str, dtype: str, h: int, rows: int, keys: int, warps: int,
     from moajax.kernels.attention import mha_dnf
     from moajax.schedule import Preset
 
+    precision = "tensorfloat32" if dtype.endswith(" tf32") else "highest"
+    dtype = dtype.split()[0]
     if kernel == "forward":
         dnf = mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), np.dtype(dtype))
     elif kernel == "fwd+bwd":
@@ -238,4 +241,4 @@ def sweep_onf(kernel: str, dtype: str, h: int, rows: int, keys: int, warps: int,
         raise ValueError(f"sweep_onf: kernel must be 'forward' or 'fwd+bwd', got {kernel!r}")
     unbounded = dataclasses.replace(machines.load("h200"), shared_memory_per_block=1 << 30)
     return schedule.derive(dnf, unbounded, Preset.of(tiles={"t": rows, "s": keys}, num_warps=warps,
-                                                     num_stages=stages))
+                                                     num_stages=stages, dot_precision=precision))

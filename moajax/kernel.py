@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from moajax import compat
 from moajax import dnf as D
 from moajax import identities as _identities
 from moajax import moa
@@ -269,8 +270,10 @@ class Kernel:
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
         residuals = runtime.residual_policy(residuals, onf, self.name)
-        # the profile too: ``machines.using`` changes what a call derives within a process
-        key = (self._key(specs, options), onf, implementation, residuals, repr(machines.local()))
+        # the profile too: ``machines.using`` changes what a call derives within a process; and
+        # jax.default_matmul_precision, which a GPU's float32 dots follow (``schedule.derive``)
+        key = (self._key(specs, options), onf, implementation, residuals, repr(machines.local()),
+               compat.default_dot_precision())
         hit = self._compiled.get(key)
         if hit is not None:
             return hit
@@ -295,9 +298,26 @@ class Kernel:
         tangent_preset = (Preset.of(target=onf.target, ring=onf.ring, ring_rounds=onf.ring_rounds, **dict(onf.knobs))
                           if isinstance(onf, Preset) and (onf.ring or onf.ring_rounds or onf.knobs) else None)
 
+        # the derivatives' kernels take the matmul precision this call was made under, as
+        # the transpose of a lax.dot_general takes its primal's precision: jax.grad traces
+        # the backward after the forward, outside a ``with jax.default_matmul_precision``
+        # block the forward may have been called in
+        precision = key[-1]
+
         def saving():
             """The forward that also saves the row statistics, or None — decided (and its
             adjoint derived) only when the call is first differentiated."""
+            with compat.dot_precision_context(precision):
+                run_saving = _saving()
+            if run_saving is None:
+                return None
+
+            def at_precision(*arrays):
+                with compat.dot_precision_context(precision):
+                    return run_saving(*arrays)
+            return at_precision
+
+        def _saving():
             if not chosen:
                 pays = residuals == "save" or labels or (residuals == "auto" and self._saving_pays(key[0], options))
                 chosen.append(self.with_row_statistics(labels).compiled(
@@ -311,14 +331,17 @@ class Kernel:
             cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
                    for ct, (shape, dt) in zip(cts, out_specs)]
             adj = self._adjoint_for(key[0], options, (labels or True) if outs is not None else False)
-            grads = adj(*args, *cts, *saved, *(outs or ()), implementation=implementation, residuals="none",
-                        onf=backward_preset, **options)
+            with compat.dot_precision_context(precision):
+                grads = adj(*args, *cts, *saved, *(outs or ()), implementation=implementation, residuals="none",
+                            onf=backward_preset, **options)
             grads = iter(grads if isinstance(grads, tuple) else (grads,))
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
         def tangent(args, dots):
             tk = self._tangent_for(key[0], options)
-            out = tk(*args, *dots, implementation=implementation, residuals="none", onf=tangent_preset, **options)
+            with compat.dot_precision_context(precision):
+                out = tk(*args, *dots, implementation=implementation, residuals="none", onf=tangent_preset,
+                         **options)
             return out if isinstance(out, tuple) else (out,)
 
         fn = runtime.differentiable(run, backward, len(dnf.outputs), saving, tangent, floats,

@@ -423,10 +423,12 @@ class Knobs:
     """Backend knobs. GPU (Triton): num_warps, num_stages. CPU (XLA): ``cpu_loop`` grid axes
     walked by an outer sequential loop (the rest of the grid is vectorised), and
     ``lowp_dots``: contract a float32 factor with a 16-bit operand in 16 bits (float32 sums).
-    ``dot_precision``: "highest" (float32 dots in IEEE float32, the default) or
-    "tensorfloat32" (float32 dot operands rounded to TF32 on a GPU's tensor cores, as XLA's
-    float32 dots there by default; relative errors near 1e-3 instead of 1e-6; the CPU's XLA
-    dots stay float32).
+    ``dot_precision``: "highest" (float32 dots in IEEE float32, the knob's default) or
+    "tensorfloat32" (float32 dot operands rounded to TF32 on a GPU's tensor cores; relative
+    errors near 1e-3 instead of 1e-6; the CPU's XLA dots stay float32). A GPU ONF of a float32
+    kernel derived without a Preset's choice takes it from ``jax.default_matmul_precision``,
+    as XLA's float32 dots do (``compat.default_dot_precision``): TF32 under JAX's default,
+    IEEE under "highest".
     ``dot_layout`` (a GPU's 2-D tile dots; XLA's einsum gives its result in tile order either
     way): "operands" (the default) — Σ_v a·b is dot(a, b) as the DNF writes the factors, the
     result transposed into the program's tile order after (on Triton a layout conversion of

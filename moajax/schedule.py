@@ -28,6 +28,7 @@ import math
 
 import numpy as np
 
+from moajax import compat
 from moajax import dnf as D
 from moajax import rewrites as W
 from moajax.cost import check_fits, estimate, onchip_bytes
@@ -1051,13 +1052,17 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
         raise TypeError("derive: give a preset or keywords, not both")
     if not preset.applies_to(machine):
         preset = Preset()
-    key = (dnf, repr(machine), preset)
+    # a GPU's float32 dots follow jax.default_matmul_precision where the preset is silent, as
+    # XLA's do (jax.nn's among them): TF32 by default, IEEE float32 under "highest"
+    precision = (compat.default_dot_precision()
+                 if machine.is_gpu and "dot_precision" not in dict(preset.knobs) else None)
+    key = (dnf, repr(machine), preset, precision)
     hit = _DERIVED.get(key)
     if hit is None:
         try:
-            hit = _derive(dnf, machine, preset)
+            hit = _derive(dnf, machine, preset, precision=precision)
             if machine.is_gpu and machine.spill_check and not (preset.tiles or preset.knobs):
-                hit = _spill_checked(dnf, machine, preset, hit)
+                hit = _spill_checked(dnf, machine, preset, hit, precision)
         except ONFError as e:
             hit = e
         _DERIVED[key] = hit
@@ -1076,7 +1081,7 @@ SPILL_CHECK_TRIES = max(len(c) for table in (GPU_TILES, GPU_SCATTER_TILES) for c
 _SPILLS_WARNED: set = set()
 
 
-def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF) -> ONF:
+def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF, precision: str | None = None) -> ONF:
     """``first`` if its kernels compile without spilling, else the next tiling the tables offer
     that fits and does (``rank``: the k-th that fits), else the one that spills least (the
     first of equals): gpu-report names its spills. Ranks step within each table; where one
@@ -1097,11 +1102,15 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF) -> 
     for rank in range(SPILL_CHECK_TRIES):
         if rank:
             try:
-                o = _derive(dnf, machine, preset, rank)
+                o = _derive(dnf, machine, preset, rank, precision)
             except ONFError:
                 break
         if any(o == t for _, t in tried):
-            break  # no further tiling fits
+            # the same ONF again: past the last tiling that fits, or two table entries that
+            # clamp to one tiling (tiles capped by the extents, as the score_mod table
+            # gradient's 32 × 16 with 8 warps at ranks 0 and 1 on the A40), where a later
+            # rank still differs (its 4 warps, clean where 8 spill)
+            continue
         try:
             spilled = ptx.spill_bytes(o, machine.arch, machine.gpu_path)
         except Exception as e:  # noqa: BLE001 - any toolchain failure: keep the table's choice
@@ -1118,7 +1127,7 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF) -> 
     return min(tried, key=lambda t: t[0])[1]
 
 
-def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0) -> ONF:
+def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precision: str | None = None) -> ONF:
     onf = dataclasses.replace(_hoisted(dnf, preset.store), target=machine.name)
     # sibling sums inside a sum walk once (rewrites.fuse_sums) on a CPU: the table gradient's
     # two terms of dS share their scores. Not by default on a GPU: both terms live in one loop
@@ -1174,6 +1183,10 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0) -> ONF:
         if "cpu_loop" in k and isinstance(k["cpu_loop"], (list, str)):
             k["cpu_loop"] = tuple([k["cpu_loop"]] if isinstance(k["cpu_loop"], str) else k["cpu_loop"])
         onf = W.with_knobs(onf, **k)
+    if precision is not None and precision != onf.knobs.dot_precision and _operand_width(onf) == 4:
+        # float32 kernels only (``_operand_width``: the kernel's own outputs, as the tile tables
+        # go by): a 16-bit kernel's dots are 16-bit, a float64 one's float64, whatever the knob
+        onf = W.with_knobs(onf, dot_precision=precision)
     grid = {a.name for a in onf.axes if a.role == "grid"}
     if any(n not in grid for n in onf.knobs.cpu_loop):  # a preset made a looped axis non-grid
         onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))

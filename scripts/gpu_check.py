@@ -15,6 +15,10 @@ short keeps what it finished), each skipped once the time budget (``--budget``) 
 6. the fused forward+backward's time; issue 11's decode and block gradient; RMSNorm→matmul in
    bfloat16 against the two ops in XLA.
 
+float32 follows ``jax.default_matmul_precision`` in moajax as in jax.nn: under JAX's default
+both take TF32 dots on this GPU; "ieee" rows run under ``jax.default_matmul_precision
+("highest")`` (IEEE float32). The correctness rows "float32" are IEEE, "float32 tf32" the default.
+
 Timing: the contenders of one row group are compiled first, then run in turn
 (``moajax.timing.alternating``), the median of the rounds quoted. ``--quick`` shrinks every
 size (a dry run of the script itself, on any machine). It needs only jax and numpy:
@@ -26,6 +30,7 @@ size (a dry run of the script itself, on any machine). It needs only jax and num
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -120,8 +125,9 @@ def main():
     bounds = {"float64": 1e-12, "float32": 2e-6, "bfloat16": 2e-2, "float16": 4e-3,
               # TF32 keeps 10 mantissa bits: 2⁻¹¹ per rounded input, through QKᵀ, exp and PV
               "float32 tf32": 5e-3}
-    # gradients: one more rounding chain than the forward (P recomputed, dS = P (dP − Δ))
-    grad_bounds = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2, "float16": 6e-3}
+    # gradients: one more rounding chain than the forward (P recomputed, dS = P (dP − Δ));
+    # TF32: dP and dS's two dots round their inputs to 10 mantissa bits again
+    grad_bounds = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2, "float16": 6e-3, "float32 tf32": 1e-2}
     bad = []  # the correctness rows over their bound
 
     def rel(got, want):
@@ -132,6 +138,19 @@ def main():
 
     def draw(shape, dt):
         return jnp.asarray(rng.standard_normal(shape), dt)
+
+    def precision(dt):
+        """The matmul precision a correctness row runs under: "float32" IEEE float32
+        (jax.default_matmul_precision("highest")); "float32 tf32" JAX's default, TF32 dots on
+        this GPU (moajax's float32 dots follow the config, as XLA's)."""
+        return jax.default_matmul_precision("highest") if dt == "float32" else contextlib.nullcontext()
+
+    def ieee(f):
+        """f traced under jax.default_matmul_precision("highest"): IEEE float32 dots."""
+        def g(*a):
+            with jax.default_matmul_precision("highest"):
+                return f(*a)
+        return g
 
     def check(before, label, after, bound, error):
         """One correctness row: ``error()`` is the relative error against the float64
@@ -151,10 +170,10 @@ def main():
 
     def forward_error(dt, c):
         causal = c.get("causal", False)
-        pre = Preset.of(dot_precision="tensorfloat32") if dt.endswith("tf32") else None
         q, k, v = (draw((c["B"], L, n, c["H"]), dt.split()[0])
                    for L, n in ((c["T"], c["N"]), (c["S"], c["K"]), (c["S"], c["K"])))
-        out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=causal, onf=pre))(q, k, v)
+        with precision(dt):
+            out = jax.jit(lambda a, b, d: moajax.dot_product_attention(a, b, d, is_causal=causal))(q, k, v)
         return rel(out, R.mha(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v)), is_causal=causal))
 
     if rep.section("1. Forward: Pallas kernel against the float64 NumPy reference",
@@ -167,20 +186,23 @@ def main():
     # ---- 2. gradient correctness under each backward ONF
     def grad_error(plan, dt, c):
         causal = c.get("causal", False)
-        q = draw((c["B"], c["T"], c["N"], c["H"]), dt)
-        k, v = (draw((c["B"], c["S"], c["K"], c["H"]), dt) for _ in range(2))
-        g = draw((c["B"], c["T"], c["N"], c["H"]), dt)
+        dtype = dt.split()[0]
+        q = draw((c["B"], c["T"], c["N"], c["H"]), dtype)
+        k, v = (draw((c["B"], c["S"], c["K"], c["H"]), dtype) for _ in range(2))
+        g = draw((c["B"], c["T"], c["N"], c["H"]), dtype)
         # the cotangent is g itself, unrounded: the product summed in at least float32
-        acc = jnp.promote_types(dt, jnp.float32)
+        acc = jnp.promote_types(dtype, jnp.float32)
         f = jax.jit(jax.grad(lambda a, b, d: jnp.sum((moajax.dot_product_attention(
             a, b, d, is_causal=causal, onf=Preset.of(backward=plan)) * g).astype(acc)), argnums=(0, 1, 2)))
         want = R.mha_backward(*(np.asarray(x.astype(jnp.float64)) for x in (q, k, v, g)), is_causal=causal)
-        return max(rel(a, b) for a, b in zip(f(q, k, v), want))
+        with precision(dt):
+            got = f(q, k, v)
+        return max(rel(a, b) for a, b in zip(got, want))
 
     if rep.section("2. jax.grad under each backward ONF against the float64 backward (worst of dq, dk, dv)",
                    "| backward | dtype | case | rel. error | bound | ok |", 30):
         for plan in ("owner", "split", "atomic"):
-            for dt in ("float32", "bfloat16", "float64"):
+            for dt in ("float32", "bfloat16", "float64") + (("float32 tf32",) if plan == "owner" else ()):
                 for label, c in cases[:2]:
                     check([plan, dt], label, [], grad_bounds[dt], lambda: grad_error(plan, dt, c))
         rep.flush()
@@ -190,7 +212,8 @@ def main():
 
     def fused_error(dt, T, S, H, causal):
         a = [draw(s_, dt) for s_ in ((T, H), (S, H), (S, H), (T, H))]
-        onf = schedule.derive(attention_forward_backward.dnf(*a, is_causal=causal), machine)
+        with precision(dt):
+            onf = schedule.derive(attention_forward_backward.dnf(*a, is_causal=causal), machine)
         got = jax.jit(pallas_kernels.lower(onf))(*a)
         a64 = [np.asarray(x.astype(jnp.float64)) for x in a]
         want = (R.attention(*a64[:3], is_causal=causal),) + R.attention_backward(*a64, is_causal=causal)
@@ -254,7 +277,8 @@ def main():
     sizes = (128, 256) if quick else (1024, 4096, 8192)
     head = "| dtype, S, causal | impl | ms | TFLOP/s | temp MiB | vs jax.nn xla | error |"
     if rep.section(f"4. jit(grad) w.r.t. q, k, v (B = 1, N = {N}, H = {H}): the backward ONFs beside jax.grad "
-                   "of jax.nn; TFLOP/s counts 14·T·S·N·H (halved when causal); median of alternated rounds",
+                   "of jax.nn; TFLOP/s counts 14·T·S·N·H (halved when causal); median of alternated rounds; "
+                   "float32 at JAX's default matmul precision (TF32 dots, moajax's as XLA's) but the ieee rows",
                    head, 40):
         causal_speedup = {}
         for dt in ("float32", "bfloat16"):
@@ -272,9 +296,9 @@ def main():
                     # its own keys, so that Hopper's wgmma takes them (mma.sync under Q·Kᵀ)
                     con["moajax owner tile dots"] = grad_fn(moajax_attn(causal, onf=Preset.of(
                         backward="owner", dot_layout="tile")))
-                    if dt == "float32":  # TF32 dots, as XLA's float32 dots on a GPU by default
-                        con["moajax owner tf32"] = grad_fn(moajax_attn(causal, onf=Preset.of(
-                            backward="owner", dot_precision="tensorfloat32")))
+                    if dt == "float32":  # both at IEEE float32 (the rows above: TF32 dots, JAX's default)
+                        con["moajax owner ieee"] = ieee(grad_fn(moajax_attn(causal, onf=Preset.of(backward="owner"))))
+                        con["jax.nn xla ieee"] = ieee(grad_fn(jaxnn_attn(causal, "xla")))
                     con["jax.nn xla"] = grad_fn(jaxnn_attn(causal, "xla"))
                     if dt != "float32":  # cuDNN's fused attention takes 16-bit inputs only
                         con["jax.nn cudnn"] = grad_fn(jaxnn_attn(causal, "cudnn"))
@@ -313,7 +337,8 @@ def main():
 
     # ---- 5. the forward beside jax.nn
     shapes = ((1, 256, 2, 32),) if quick else ((4, 2048, 16, 64), (1, 8192, 16, 128), (1, 16384, 8, 64))
-    if rep.section("5. Forward beside jax.nn (median of alternated rounds); TFLOP/s counts 4·B·T²·N·H (halved when causal)",
+    if rep.section("5. Forward beside jax.nn (median of alternated rounds); TFLOP/s counts 4·B·T²·N·H (halved when causal); "
+                   "float32 at JAX's default matmul precision (TF32 dots) but the ieee rows",
                    "| dtype, B·T·N·H, causal | impl | ms | TFLOP/s | temp MiB | vs jax.nn xla | error |", 40):
         for dt in ("bfloat16", "float32"):
             for (B, T, n, h) in shapes:
@@ -325,8 +350,9 @@ def main():
                     con = {"moajax": moajax_attn(causal)}
                     if causal:  # the interior tiles walked without the mask (off by default on a GPU)
                         con["moajax interior unmasked"] = moajax_attn(True, onf=Preset.of(unmask_interior=True))
-                    if dt == "float32":
-                        con["moajax tf32"] = moajax_attn(causal, onf=Preset.of(dot_precision="tensorfloat32"))
+                    if dt == "float32":  # both at IEEE float32 (the rows above: TF32 dots, JAX's default)
+                        con["moajax ieee"] = ieee(moajax_attn(causal))
+                        con["jax.nn xla ieee"] = ieee(jaxnn_attn(causal, "xla"))
                     con["jax.nn xla"] = jaxnn_attn(causal, "xla")
                     if dt != "float32":
                         con["jax.nn cudnn"] = jaxnn_attn(causal, "cudnn")

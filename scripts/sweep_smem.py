@@ -7,9 +7,12 @@ head dim × rows × keys × num_warps × num_stages), their Triton IR is compile
 sm_80 (A100), sm_86 (A40) and sm_90a (H100/H200), and the shared memory Triton allocates is
 set beside ``moajax.cost.onchip_bytes`` (the model the schedule rejects tilings by). No GPU is
 used. The model must be ≥ the compiler everywhere; ``tests/test_cost.py`` re-checks the
-committed table against the current model.
+committed table against the current model. float32 is swept with IEEE float32 dots; "float32
+tf32" with TF32 dots (``Knobs.dot_precision``: a GPU's float32 default under JAX's default
+matmul precision).
 
     python scripts/sweep_smem.py                # writes bench/results/smem_sweep.md
+    python scripts/sweep_smem.py --dtypes "float32 tf32" --out bench/results/smem_sweep_tf32.md
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-DTYPES = ("float16", "float32", "float64")  # bfloat16 compiles as float16 does
+DTYPES = ("float16", "float32", "float64")  # bfloat16 compiles as float16 does; also "float32 tf32"
 HEADS = (64, 128)
 WARPS = (4, 8)
 ARCHS = ("sm_80", "sm_86", "sm_90a")
@@ -41,6 +44,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", nargs="*", default=list(GRID), choices=list(GRID))
+    ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES) + ["float32 tf32"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "smem_sweep.md"))
     args = ap.parse_args(argv)
 
@@ -54,7 +58,7 @@ def main(argv=None) -> int:
     rows = []
     for kernel in args.kernels:
         tiles, stages = GRID[kernel]
-        for dt, h, (bt, bs), w, s in itertools.product(DTYPES, HEADS, tiles, WARPS, stages):
+        for dt, h, (bt, bs), w, s in itertools.product(args.dtypes, HEADS, tiles, WARPS, stages):
             onf = gpu_report.sweep_onf(kernel, dt, h, bt, bs, w, s)
             model = cost.onchip_bytes(onf)
             for arch in ARCHS:
@@ -76,7 +80,8 @@ def main(argv=None) -> int:
         f"Date {datetime.date.today().isoformat()}; JAX {jax.__version__}; machine: {machines.local().description} "
         "(no GPU: Triton IR compiled offline by `scripts/sweep_smem.py`). Kernels: the attention forward "
         "(jax.nn layout, B = 1, T = S = 1024, N = 8) and the fused forward+backward (one head, T = S = 1024, "
-        "dK and dV scatter-added); tiles are rows (t) × keys (s).",
+        "dK and dV scatter-added); tiles are rows (t) × keys (s). float32 dots: IEEE float32 for \"float32\", "
+        "TF32 for \"float32 tf32\" (`Knobs.dot_precision`).",
         "",
         *summary,
         "",

@@ -2,6 +2,7 @@
 shared memory at head dims ≤ 128, for every dtype. Skips (with the reason) only where the
 CUDA plugin or ptxas is truly unavailable."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -166,10 +167,12 @@ def test_decode_with_lengths_compiles_split_without_spills():
 @needs_compiler
 def test_the_seeds_block_gradients_compile_without_spills():
     """jax.grad of rms_norm and gated_mlp at the seed's block (n = 1024, d = 64, d_ff = 256) on
-    the A100: the staged first kernel, the weight gradients' split-K parts and the combine that
-    sums them — which held every part's [32 × 256] block at once and spilled 9.9 KB until it
-    walked the parts one at a time (``Backend.walks_parts``)."""
-    cases = [c for c in gpu_report.model_training_cases(("float32",), targets=[machines.load("delta-a100")])
+    the A100, derived as a GPU derives them (its spill check on): the staged first kernel, the
+    weight gradients' split-K parts and the combine that sums them — which held every part's
+    [32 × 256] block at once and spilled 9.9 KB until it walked the parts one at a time
+    (``Backend.walks_parts``). (With TF32 dots, JAX's default, the table's first tiling of
+    dZ spills 28 B; the check takes the next.)"""
+    cases = [c for c in gpu_report.model_training_cases(("float32",), targets=gpu_report.gpus(("sm_80",)))
              if "n=1024 d=64" in c[0]]
     assert {c[0].split()[1] for c in cases} == {"rmsnorm", "swiglu"} and len(cases) >= 6
     for label, m, onf in cases:
@@ -194,7 +197,7 @@ def test_score_mod_table_reads_are_gathers_on_the_gpu():
 
 
 @needs_compiler
-@pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
+@pytest.mark.parametrize("machine", gpu_report.gpus(), ids=lambda m: m.name)
 def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine):
     """The gradient of a score_mod's table (ALiBi's 8 slopes, a 33-entry relative-position
     table), whose programs own table entries and walk every score: split-K cuts its heads and
@@ -203,7 +206,10 @@ def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine):
     kernel of it (the partials and the combines) compiles with 0 spill bytes, where one cut
     over the heads left 8 (or 16) programs and the 64 × 64 tiles before spilled (820 B on
     sm_90a for ALiBi in gpu_report.md at 2ccdd62; bench/results/score_mod_tiles_gpu.md
-    sweeps the tiles now)."""
+    sweeps the tiles now). Derived as a GPU derives them, its spill check on: with TF32 dots
+    the relative-position table's first kernel on the A40 spills 8 B with 8 warps at the
+    table's first two ranks, which clamp to one tiling, and compiles clean with the 4 warps
+    of the third (the check stopped at the repeat before)."""
     cases = [c for c in gpu_report.score_mod_cases(("float32",), targets=[machine])
              if "d_score_mod_const" in c[0]]
     assert {c[0].split()[1] for c in cases} == {"alibi", "relpos"}
@@ -219,7 +225,9 @@ def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine):
 
 def _softcap_forward():
     """The causal forward of tanh soft-capping (B=1, T=S=1024, N=8, H=64, float32): on sm_80
-    the table's first tiling (64 × 32, 8 warps, 3 stages) spills under ptxas 12.9."""
+    the table's first tiling (64 × 32, 8 warps, 3 stages) spills under ptxas 12.9 with IEEE
+    float32 dots (the tests using it derive under jax.default_matmul_precision("highest"):
+    with TF32 dots that tiling compiles clean)."""
     import jax
     import jax.numpy as jnp
 
@@ -250,8 +258,9 @@ def test_the_spill_check_steps_down_the_table_where_ptxas_spills():
     # interior loop without it (Skip.interior) does not spill at the first tiling
     # (test_the_unmasked_interior_keeps_the_first_tiling_of_the_soft_capped_forward)
     whole = schedule.Preset.of(unmask_interior=False)
-    table = schedule.derive(dnf, a100, whole)
-    checked = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True), whole)
+    with jax.default_matmul_precision("highest"):
+        table = schedule.derive(dnf, a100, whole)
+        checked = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True), whole)
     assert ptx.spill_bytes(table, "sm_80") > 0  # a finding of ptxas 12.9: if it moves, so does this test
     assert ptx.spill_bytes(checked, "sm_80") == 0
     assert checked == schedule._derive(dnf, a100, whole, rank=1) != table
@@ -268,11 +277,12 @@ def test_the_unmasked_interior_keeps_the_first_tiling_of_the_soft_capped_forward
     a100 = machines.load("delta-a100")
     dnf = _softcap_forward()
     inner = schedule.Preset.of(unmask_interior=True)
-    table = schedule.derive(dnf, a100, inner)
+    with jax.default_matmul_precision("highest"):
+        table = schedule.derive(dnf, a100, inner)
+        assert not any(sk.interior for sk in schedule.derive(dnf, a100).skips)  # a GPU's default
+        assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True), inner) == table
     assert table.skips and all(sk.interior for sk in table.skips)
-    assert not any(sk.interior for sk in schedule.derive(dnf, a100).skips)  # a GPU's default
     assert ptx.spill_bytes(table, "sm_80") == 0
-    assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True), inner) == table
 
 
 @needs_compiler
@@ -317,7 +327,25 @@ def test_where_every_tiling_spills_the_least_spilling_is_kept(monkeypatch):
     dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
     got = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True))
     assert len(asked) == 4 and len(set(asked)) == 4  # each fitting tiling once, then the table ran out
-    assert got == schedule._derive(dnf, a100, schedule.Preset(), rank=1)  # (64, 16): 8 B, before (16, 16)
+    # (64, 16): 8 B, before (16, 16); at the precision derive took from the config
+    assert got == schedule._derive(dnf, a100, schedule.Preset(), 1, compat.default_dot_precision())
+
+
+def test_two_ranks_that_clamp_to_one_tiling_do_not_end_the_check(monkeypatch):
+    """Table entries can give one ONF (tiles capped by the extents: the score_mod table
+    gradient's first kernel on the A40, ranks 0 and 1): the check skips the repeat and goes
+    on to the next rank that differs, where before it stopped and kept the spilling one."""
+    import dataclasses
+
+    a100 = machines.load("delta-a100")
+    dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
+    spilling = schedule.derive(dnf, a100)
+    clean = dataclasses.replace(spilling, knobs=dataclasses.replace(spilling.knobs, num_warps=4))
+    by_rank = [spilling, spilling, clean]
+    monkeypatch.setattr(schedule, "_derive", lambda d, m, p, rank=0, precision=None: by_rank[min(rank, 2)])
+    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch, path: 0 if onf == clean else 8)
+    monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
+    assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True)) == clean
 
 
 def test_a_plan_compiles_only_the_kernels_it_keeps(monkeypatch):
@@ -348,7 +376,7 @@ def test_the_table_ranks_are_its_fitting_tilings_in_order():
     GPU_TILES' (64, 32, 8, 3), (64, 16, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)."""
     a100 = machines.load("delta-a100")
     dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
-    got = [schedule._derive(dnf, a100, schedule.Preset(), rank=k) for k in range(6)]
+    got = [schedule._derive(dnf, a100, schedule.Preset(), k, compat.default_dot_precision()) for k in range(6)]
     tiles = [(dict(_tiling(o)[0])["t"], dict(_tiling(o)[0])["s"], *_tiling(o)[1:]) for o in got]
     assert tiles == [tuple(c) for c in schedule.GPU_TILES[(4, 64)]] + [tuple(schedule.GPU_TILES[(4, 64)][-1])] * 2
     assert got[0] == schedule.derive(dnf, a100)
@@ -416,7 +444,9 @@ def test_inside_jit_the_gpu_branch_is_spill_checked(monkeypatch):
     # the mask on every tile (a GPU's default; pinned): with the interior unmasked the first
     # tiling fits
     whole = schedule.Preset.of(unmask_interior=False)
-    out = jax.jit(lambda q: moajax.dot_product_attention(q, q, q, is_causal=True, score_mod=softcap, onf=whole))(q)
+    with jax.default_matmul_precision("highest"):  # (the IEEE float32 dots' finding: _softcap_forward)
+        out = jax.jit(lambda q: moajax.dot_product_attention(q, q, q, is_causal=True, score_mod=softcap,
+                                                             onf=whole))(q)
     runtime.schedules.cache_clear()
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
     assert seen[0] > 0 and seen[-1] == 0, seen
@@ -465,9 +495,9 @@ def test_a_16_bit_saving_forward_contracts_in_16_bits(machine):
 
 
 def test_the_tensorfloat32_knob_puts_float32_dots_on_tensor_cores():
-    """``Preset.of(dot_precision="tensorfloat32")`` (``Knobs.dot_precision``): the float32
-    forward's dots become TF32 tensor-core instructions in its PTX; by default they stay IEEE
-    float32 FMAs (the H200 measured that default at 6–11 TFLOP/s against XLA's TF32 dots:
+    """``Preset.of(dot_precision=...)`` (``Knobs.dot_precision``): "tensorfloat32" puts the
+    float32 forward's dots on TF32 tensor-core instructions in its PTX, "highest" keeps IEEE
+    float32 FMAs (the H200 measured those at 6–11 TFLOP/s against XLA's TF32 dots:
     gpu_check_h200.md). A value it does not know is a named error."""
     import re
 
@@ -530,19 +560,26 @@ def test_tile_layout_dots_put_the_dk_dv_kernels_scores_on_wgmma():
 
 
 @needs_compiler
-def test_a_presets_tensorfloat32_knob_reaches_the_gradients_kernels():
-    """``Preset.of(dot_precision="tensorfloat32")`` on a differentiated call: the saving
-    forward's and both backward kernels' float32 dots are TF32 tensor-core instructions
-    (sm_80); by default none of them is. (Before, the backward kernels took the Preset's plan
-    and tiles but not its knobs: their dots stayed IEEE float32.)"""
+def test_the_gradients_kernels_take_the_calls_dot_precision():
+    """The float32 gradient's three kernels (the saving forward, dQ, dK/dV) on sm_80: their
+    dots are TF32 tensor-core instructions under JAX's default matmul precision (as XLA's
+    float32 dots on that GPU) and IEEE float32 FMAs under jax.default_matmul_precision
+    ("highest"); a Preset's ``dot_precision`` wins over the config in all three. (Before,
+    the backward kernels took the Preset's plan and tiles but not its knobs: their dots
+    stayed IEEE float32.)"""
+    import contextlib
     import re
 
-    for knobs, tf32 in (({}, False), ({"dot_precision": "tensorfloat32"}, True)):
-        kernels = _gradient_reports("sm_80", "delta-a100", "float32", **knobs)
+    import jax
+
+    for config, knobs, tf32 in ((None, {}, True), ("highest", {}, False),
+                                ("highest", {"dot_precision": "tensorfloat32"}, True)):
+        with jax.default_matmul_precision(config) if config else contextlib.nullcontext():
+            kernels = _gradient_reports("sm_80", "delta-a100", "float32", **knobs)
         assert len(kernels) == 3
         for name, (k, _) in kernels.items():
             asm, _ = ptx.compile_ptx(k, "sm_80")
-            assert bool(re.search(r"mma\.sync[^;]*tf32", asm)) == tf32, (name, knobs)
+            assert bool(re.search(r"mma\.sync[^;]*tf32", asm)) == tf32, (name, config, knobs)
 
 
 def test_mma_count_parser():

@@ -78,9 +78,10 @@ def test_history_tells_every_rewrite(dnf):
     assert o.history == ("hoist", "fuse_online", "tile(s, 4, sequential)", "with_gamma(key, F)", "with_knobs(num_warps=8)")
     assert "rewrites: hoist → fuse_online → tile(s, 4, sequential) → with_gamma(key, F) → with_knobs(num_warps=8)" in o.pretty()
     d = schedule.derive(dnf, machines.load("delta-a100"), Preset.of(tiles={"t": 16}, gamma={"key": "F"}))
-    # the schedule's own choices are rewrites too: the lifting and the knobs it picked
+    # the schedule's own choices are rewrites too: the lifting, the knobs it picked, and the
+    # float32 dots' precision it took from jax.default_matmul_precision (JAX's default: TF32)
     assert d.history == ("hoist", "fuse_online", "lift(t grid 8)", "with_knobs(lowp_dots=False, num_stages=3, num_warps=8)",
-                         "tile(t, 16, grid)", "with_gamma(key, F)")
+                         "tile(t, 16, grid)", "with_gamma(key, F)", "with_knobs(dot_precision=tensorfloat32)")
 
 
 def _with_axes(o, *axes):

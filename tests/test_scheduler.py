@@ -306,3 +306,106 @@ def test_gpu_tables_and_16_bit_dots_go_by_the_kernels_own_floating_outputs():
     assert not schedule.derive(mixed, h200).knobs.lowp_dots
     assert [is_saved_statistic(n) for n in ("saved0", "saved12", "saved2_0", "saved", "out", "saved_x")] == [
         True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("config, want", [
+    (None, "tensorfloat32"), ("default", "tensorfloat32"), ("bfloat16", "tensorfloat32"), ("high", "tensorfloat32"),
+    ("tensorfloat32", "tensorfloat32"), ("TF32_TF32_F32", "tensorfloat32"), ("BF16_BF16_F32", "tensorfloat32"),
+    ("highest", "highest"), ("float32", "highest"), ("F32_F32_F32", "highest"), ("TF32_TF32_F32_X3", "highest"),
+    ("BF16_BF16_F32_X6", "highest"), ("ANY_F8_ANY_F8_F32", "highest")])
+def test_jaxs_matmul_precision_config_as_a_dot_precision(config, want):
+    # JAX's default (None) is TF32 for a GPU's float32 dots, as XLA's; the multi-pass
+    # algorithms are near float32 and are not rounded down to one TF32 pass
+    with jax.default_matmul_precision(config):
+        assert compat.default_dot_precision() == want
+
+
+def test_a_gpus_float32_dots_follow_jax_default_matmul_precision():
+    """jax.nn's float32 dots on a GPU take TF32 unless ``jax.default_matmul_precision`` says
+    "highest" (XLA's default); a GPU ONF of a float32 kernel derived without a Preset's
+    ``dot_precision`` follows the same switch (``Knobs.dot_precision``), each setting its own
+    derivation (never the other's cached ONF). A Preset's choice wins over the config; 16-bit
+    and float64 kernels, and a CPU's, keep the knob's default (their dots are 16-bit, float64,
+    or XLA:CPU's float32 whatever it says)."""
+    from moajax.schedule import Preset
+
+    a100, cpu = machines.load("delta-a100"), machines.load("anvil-epyc-7543")
+    with compat.enable_x64_context(True):
+        dnfs = {dt: mha_dnf((1, 256, 2, 64), (1, 256, 2, 64), (1, 256, 2, 64), np.dtype(dt))
+                for dt in ("float32", "bfloat16", "float64")}
+    prec = lambda dt, m=a100, pre=None: schedule.derive(dnfs[dt], m, pre).knobs.dot_precision  # noqa: E731
+    assert prec("float32") == "tensorfloat32"
+    with jax.default_matmul_precision("highest"):
+        assert prec("float32") == "highest"
+        assert prec("float32", pre=Preset.of(dot_precision="tensorfloat32")) == "tensorfloat32"
+    with jax.default_matmul_precision("float32"):
+        assert prec("float32") == "highest"
+    assert prec("float32") == "tensorfloat32"  # the default's derivation again, not the last one
+    assert prec("float32", pre=Preset.of(dot_precision="highest")) == "highest"
+    assert prec("bfloat16") == prec("float64") == prec("float32", cpu) == "highest"
+    with jax.default_matmul_precision("highest"):  # the tilings are the same: only the dots change
+        ieee = schedule.derive(dnfs["float32"], a100)
+    tf32 = schedule.derive(dnfs["float32"], a100)
+    assert tf32.axes == ieee.axes and dataclasses.replace(tf32.knobs, dot_precision="highest") == ieee.knobs
+
+
+def test_a_call_follows_the_matmul_precision_it_is_traced_under():
+    """The compiled call (``Kernel.compiled``, cached per shapes and options) is keyed by the
+    precision config too: the same call traced under jax.default_matmul_precision("highest")
+    runs IEEE float32 dots (Precision.HIGHEST in the Pallas kernel's jaxpr), under JAX's
+    default TF32 ones (Precision.DEFAULT: Triton's tf32 on a GPU; float32 on this CPU, so the
+    two agree here to float32 rounding)."""
+    import jax.numpy as jnp
+
+    import moajax
+    from helpers import walk_eqns
+
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.standard_normal((1, 64, 2, 16)), jnp.float32) for _ in range(3))
+
+    def precisions():
+        f = lambda a, b, c: moajax.dot_product_attention(a, b, c, implementation="pallas_interpret")  # noqa: E731
+        jaxpr = jax.make_jaxpr(f)(q, k, v)
+        return {str(e.params["precision"]) for e, _ in walk_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"}
+
+    default = precisions()
+    with jax.default_matmul_precision("highest"):
+        highest = precisions()
+        out_ieee = moajax.dot_product_attention(q, k, v, implementation="pallas_interpret")
+    assert default and all("DEFAULT" in p for p in default), default
+    assert highest and all("HIGHEST" in p for p in highest), highest
+    out = moajax.dot_product_attention(q, k, v, implementation="pallas_interpret")
+    assert rel_err(out, out_ieee) <= 1e-6  # float32 on this CPU either way
+
+
+@pytest.mark.parametrize("config", [None, "highest"])
+def test_a_gradient_takes_the_matmul_precision_of_its_forward(config):
+    """jax.grad traces the backward after the forward, outside a ``with
+    jax.default_matmul_precision(...)`` block the loss calls attention in: the saving forward
+    and both backward kernels still take the precision of the call (as a dot_general's
+    transpose takes its primal's), every dot of the three Pallas kernels HIGHEST under
+    "highest", DEFAULT (TF32 on a GPU) under JAX's default."""
+    import contextlib
+
+    import jax.numpy as jnp
+
+    import moajax
+    from helpers import walk_eqns
+
+    r = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(r.standard_normal((1, 64, 2, 16)), jnp.float32) for _ in range(3))
+
+    def loss(a, b, c):
+        with jax.default_matmul_precision(config) if config else contextlib.nullcontext():
+            out = moajax.dot_product_attention(a, b, c, implementation="pallas_interpret")
+        return jnp.sum(out * out)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    kernels = [e for e, _ in walk_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    names = [str(e.params.get("name")) for e in kernels]
+    for part in ("saving", "d_query", "d_key"):  # (and at this size, a staged kernel of what dQ and dK share)
+        assert any(n.endswith(part) or f"{part}_" in n for n in names), names
+    want = "HIGHEST" if config == "highest" else "DEFAULT"
+    for e, name in zip(kernels, names):
+        dots = [str(d.params["precision"]) for d, _ in walk_eqns(e.params["jaxpr"]) if d.primitive.name == "dot_general"]
+        assert dots and all(want in p for p in dots), (name, dots)

@@ -15,7 +15,8 @@ class Backend:
     """Reads, contractions and loops, for one ONF.
 
     Every backend contracts in full precision (float32 dots are IEEE float32, not TF32)
-    unless ``knobs.dot_precision`` is "tensorfloat32" (a GPU's float32 dots on TF32),
+    unless ``knobs.dot_precision`` is "tensorfloat32" (a GPU's float32 dots on TF32: a GPU
+    ONF's default under JAX's default matmul precision, ``schedule.derive``),
     downcasts a float32 operand next to a 16-bit one only under ``knobs.lowp_dots``, lays
     tiles out in the ONF's canonical variable order, and reads operand ``a`` with its axes
     permuted by ``perms[a]`` (its physical layout: γ, or the XLA loop order). A variable
