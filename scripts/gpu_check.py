@@ -353,6 +353,11 @@ def main():
                     if dt == "float32":  # both at IEEE float32 (the rows above: TF32 dots, JAX's default)
                         con["moajax ieee"] = ieee(moajax_attn(causal))
                         con["jax.nn xla ieee"] = ieee(jaxnn_attn(causal, "xla"))
+                        # TF32 at the 16-bit tables' tile, which the float32 table (IEEE's FMA
+                        # dots) does not reach: 0 spills offline on sm_80/86/90a at H = 64
+                        # (smem_sweep_tf32.md); over the A40's shared memory
+                        con["moajax 128×64"] = moajax_attn(causal, onf=Preset.of(
+                            target="gpu", tiles={"t": 128, "s": 64}, num_warps=8, num_stages=2))
                     con["jax.nn xla"] = jaxnn_attn(causal, "xla")
                     if dt != "float32":
                         con["jax.nn cudnn"] = jaxnn_attn(causal, "cudnn")
