@@ -88,7 +88,7 @@ def _schedules(dnf, onf_key, path: str, local: str, precision: str) -> tuple:
     # keyed by this machine's profile too (``local``: its repr; a profile holds dicts), which
     # ``machines.using`` changes within a process, and by jax.default_matmul_precision, which
     # a GPU's float32 dots follow (``schedule.derive``)
-    del local, precision
+    del local
     if isinstance(onf_key, ONF):
         same = (len(onf_key.dnf.outputs) == len(dnf.outputs)
                 and all(a.body is b.body for a, b in zip(onf_key.dnf.outputs, dnf.outputs))
@@ -111,7 +111,15 @@ def _schedules(dnf, onf_key, path: str, local: str, precision: str) -> tuple:
             return derive(dnf, machines.local()), onf_key
         return onf_key, derive(dnf, gpu_machine(path))
     preset = onf_key if isinstance(onf_key, Preset) else Preset()
-    cpu = derive_plan(dnf, machines.local(), preset)
+    cpu_preset = preset
+    if precision != "highest" and "dot_precision" not in dict(preset.knobs) and has_gpu():
+        # implementation="xla" on a GPU runs this ONF there: its float32 dots follow the
+        # config too, as the GPU's own ONF's and XLA's (on a CPU the knob changes nothing)
+        import dataclasses
+
+        base = preset if preset.applies_to(machines.local()) else Preset()
+        cpu_preset = dataclasses.replace(base, knobs=tuple(sorted(dict(base.knobs, dot_precision=precision).items())))
+    cpu = derive_plan(dnf, machines.local(), cpu_preset)
     try:
         gpu = derive_plan(dnf, gpu_machine(path), preset)
     except ONFError as err:

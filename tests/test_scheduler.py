@@ -409,3 +409,28 @@ def test_a_gradient_takes_the_matmul_precision_of_its_forward(config):
     for e, name in zip(kernels, names):
         dots = [str(d.params["precision"]) for d, _ in walk_eqns(e.params["jaxpr"]) if d.primitive.name == "dot_general"]
         assert dots and all(want in p for p in dots), (name, dots)
+
+
+def test_xla_on_a_gpu_follows_the_matmul_precision_too(monkeypatch):
+    """implementation="xla" in a process on a GPU runs the XLA ONF there: its float32 dots
+    follow jax.default_matmul_precision as the GPU's own ONF's do (TF32 under JAX's default,
+    as XLA's einsum in jax.nn); on a machine without a GPU its knob stays the default (XLA:CPU's
+    float32 dots are float32 whatever it says)."""
+    from moajax import runtime
+
+    with compat.enable_x64_context(True):
+        dnf = mha_dnf((1, 64, 2, 16), (1, 64, 2, 16), (1, 64, 2, 16), np.dtype("float32"))
+    runtime.schedules.cache_clear()
+    assert runtime.schedules(dnf)[0].knobs.dot_precision == "highest"  # no GPU here
+    monkeypatch.setattr(runtime, "has_gpu", lambda: True)
+    runtime.schedules.cache_clear()
+    try:
+        cpu, gpu = runtime.schedules(dnf)
+        assert cpu.knobs.dot_precision == gpu.knobs.dot_precision == "tensorfloat32"
+        with jax.default_matmul_precision("highest"):
+            cpu, gpu = runtime.schedules(dnf)
+        assert cpu.knobs.dot_precision == gpu.knobs.dot_precision == "highest"
+        cpu, _ = runtime.schedules(dnf, schedule.Preset.of(dot_precision="highest"))  # a Preset's choice wins
+        assert cpu.knobs.dot_precision == "highest"
+    finally:
+        runtime.schedules.cache_clear()
