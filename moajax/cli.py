@@ -51,7 +51,7 @@ def cmd_gpu_report(args) -> int:
     import jax
 
     jax.config.update("jax_enable_x64", True)  # float64 kernels are compiled as float64
-    from moajax import gpu_report, ptx, schedule
+    from moajax import compat, gpu_report, ptx, schedule
 
     reason = ptx.toolchain_missing()
     if reason:
@@ -90,7 +90,9 @@ def cmd_gpu_report(args) -> int:
             "Each ONF is derived with its profile's spill check on (`Machine.spill_check`): the first table tiling "
             "that fits shared memory and that ptxas compiles without spilling. wgmma / mma.sync: the tensor-core "
             "instructions in the PTX (static counts; Hopper's warpgroup wgmma, and mma.sync, Ampere's and sm_90a's "
-            "fallback for a dot wgmma cannot take: fewer than 64 rows).",
+            "fallback for a dot wgmma cannot take: fewer than 64 rows). Float32 dots: "
+            f"{'IEEE float32' if compat.default_dot_precision() == 'highest' else 'TF32'} "
+            f"(jax.default_matmul_precision: {compat.matmul_precision_config() or 'JAX default'}).",
             "",
         ]
         Path(args.out).write_text("\n".join(head + lines + paths) + "\n")

@@ -159,11 +159,33 @@ def default_dot_precision() -> str:
     return "tensorfloat32" if name.startswith(("TF32_", "BF16_", "F16_")) else "highest"
 
 
-def dot_precision_context(precision: str):
-    """A block in which ``default_dot_precision()`` is ``precision`` ("highest" or
-    "tensorfloat32", both config values JAX takes): a kernel's derivatives, traced after
-    its call, take the precision that call was made under."""
-    return jax.default_matmul_precision(precision)
+def matmul_precision_config():
+    """The ``jax_default_matmul_precision`` config as set (None: JAX's default), which a call's
+    derivatives, traced after it, are traced under again (``at_matmul_precision``)."""
+    return jax.config.jax_default_matmul_precision
+
+
+def dot_precision_context(value):
+    """A block under ``jax.default_matmul_precision(value)``: a value of
+    ``matmul_precision_config`` (None included) or of ``Knobs.dot_precision``."""
+    return jax.default_matmul_precision(value)
+
+
+def at_matmul_precision(fn, value):
+    """``fn`` called under ``dot_precision_context(value)``: what a kernel's call hands on to
+    the code JAX traces later — its backward, tangent and saving forward (jax.grad traces them
+    after the forward, outside a ``with`` block the forward was called in), the per-device
+    kernels of a sharded call (XLA's partitioner asks for them at compile time) and the batched
+    kernel of a vmap across a jit boundary — so that they take the call's precision, as the
+    transpose of a dot_general takes its primal's."""
+    import functools
+
+    @functools.wraps(fn)
+    def at_precision(*args, **kwargs):
+        with jax.default_matmul_precision(value):
+            return fn(*args, **kwargs)
+
+    return at_precision
 
 
 def enable_x64_context(enabled: bool = True):

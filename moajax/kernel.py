@@ -273,13 +273,20 @@ class Kernel:
         # the profile too: ``machines.using`` changes what a call derives within a process; and
         # jax.default_matmul_precision, which a GPU's float32 dots follow (``schedule.derive``)
         key = (self._key(specs, options), onf, implementation, residuals, repr(machines.local()),
-               compat.default_dot_precision())
+               compat.matmul_precision_config())
         hit = self._compiled.get(key)
         if hit is not None:
             return hit
         dnf = self._build(specs, options)[2]
-        run = self._batchable(self._partitioned(dnf, onf, implementation, options), len(dnf.outputs),
-                              options, onf, implementation)
+        # what JAX traces after this call takes the matmul precision the call was made under
+        # (``compat.at_matmul_precision``): the derivatives' kernels, as the transpose of a
+        # lax.dot_general takes its primal's (jax.grad traces the backward after the forward,
+        # outside a ``with jax.default_matmul_precision`` block the forward may have been
+        # called in), the per-device kernels of a sharded call and a vmap's batched kernel
+        precision = key[-1]
+        at = functools.partial(compat.at_matmul_precision, value=precision)
+        run = self._batchable(self._partitioned(dnf, onf, implementation, options, precision), len(dnf.outputs),
+                              options, onf, implementation, precision)
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
         chosen: list = []
@@ -298,50 +305,33 @@ class Kernel:
         tangent_preset = (Preset.of(target=onf.target, ring=onf.ring, ring_rounds=onf.ring_rounds, **dict(onf.knobs))
                           if isinstance(onf, Preset) and (onf.ring or onf.ring_rounds or onf.knobs) else None)
 
-        # the derivatives' kernels take the matmul precision this call was made under, as
-        # the transpose of a lax.dot_general takes its primal's precision: jax.grad traces
-        # the backward after the forward, outside a ``with jax.default_matmul_precision``
-        # block the forward may have been called in
-        precision = key[-1]
-
+        @at
         def saving():
             """The forward that also saves the row statistics, or None — decided (and its
             adjoint derived) only when the call is first differentiated."""
-            with compat.dot_precision_context(precision):
-                run_saving = _saving()
-            if run_saving is None:
-                return None
-
-            def at_precision(*arrays):
-                with compat.dot_precision_context(precision):
-                    return run_saving(*arrays)
-            return at_precision
-
-        def _saving():
             if not chosen:
                 pays = residuals == "save" or labels or (residuals == "auto" and self._saving_pays(key[0], options))
                 chosen.append(self.with_row_statistics(labels).compiled(
                     *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
                     **options) if pays else None)
-            return chosen[0]
+            return chosen[0] and at(chosen[0])
 
+        @at
         def backward(args, saved, outs, cts):
             import jax
 
             cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
                    for ct, (shape, dt) in zip(cts, out_specs)]
             adj = self._adjoint_for(key[0], options, (labels or True) if outs is not None else False)
-            with compat.dot_precision_context(precision):
-                grads = adj(*args, *cts, *saved, *(outs or ()), implementation=implementation, residuals="none",
-                            onf=backward_preset, **options)
+            grads = adj(*args, *cts, *saved, *(outs or ()), implementation=implementation, residuals="none",
+                        onf=backward_preset, **options)
             grads = iter(grads if isinstance(grads, tuple) else (grads,))
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
+        @at
         def tangent(args, dots):
             tk = self._tangent_for(key[0], options)
-            with compat.dot_precision_context(precision):
-                out = tk(*args, *dots, implementation=implementation, residuals="none", onf=tangent_preset,
-                         **options)
+            out = tk(*args, *dots, implementation=implementation, residuals="none", onf=tangent_preset, **options)
             return out if isinstance(out, tuple) else (out,)
 
         fn = runtime.differentiable(run, backward, len(dnf.outputs), saving, tangent, floats,
@@ -349,17 +339,19 @@ class Kernel:
         self._compiled[key] = fn
         return fn
 
-    def _partitioned(self, dnf, onf, implementation, options):
+    def _partitioned(self, dnf, onf, implementation, options, precision=None):
         """The DNF's compiled function, split over a device mesh when its inputs are: each
-        device runs the kernel derived for its own block (``moajax.shard``)."""
+        device runs the kernel derived for its own block (``moajax.shard``), under the call's
+        matmul precision config (``precision``; XLA's partitioner asks at compile time)."""
         from moajax import runtime
 
         names = tuple(o.name for o in dnf.outputs)
         lift = self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift is not None else None
         return shard.partitioned(runtime.dispatch(*runtime.schedules(dnf, onf, runtime.gpu_path(implementation)),
                                                   implementation, names), dnf,
-                                 functools.partial(self._local_run, options=options, onf=onf,
-                                                   implementation=implementation, names=names), self.name, lift)
+                                 compat.at_matmul_precision(functools.partial(
+                                     self._local_run, options=options, onf=onf, implementation=implementation,
+                                     names=names), precision), self.name, lift, precision=precision)
 
     def _local_run(self, specs, *, options, onf, implementation, names):
         """The kernel's compiled function for one device's block of the arrays (``specs``): its
@@ -507,7 +499,7 @@ class Kernel:
         layouts = self.with_row_statistics(labels).layouts(*specs, **options)
         return [jax.ShapeDtypeStruct(x.shape if lay is None else lay.shape, x.dtype) for x, lay in zip(stats, layouts)]
 
-    def _batchable(self, run, n_outputs: int, options, onf, implementation):
+    def _batchable(self, run, n_outputs: int, options, onf, implementation, precision=None):
         """``run`` under ``jax.vmap`` becomes the batched kernel's own compiled code: the
         definition under Ω over the batch axis (``batched``), scheduled with the batch as an
         axis of its own (a grid axis on a GPU; on a CPU the row tiles shrink to keep the
@@ -519,6 +511,7 @@ class Kernel:
         f = custom_batching.custom_vmap(run)
 
         @f.def_vmap
+        @functools.partial(compat.at_matmul_precision, value=precision)  # (a vmap across a jit is traced later)
         def rule(axis_size, in_batched, *args):
             if not any(in_batched):  # only values the kernel does not read vary (a tangent)
                 out = run(*args)

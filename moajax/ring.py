@@ -35,6 +35,7 @@ import math
 
 import numpy as np
 
+from moajax import compat
 from moajax.schedule import RING_BALANCES as BALANCES  # (a Preset names them too)
 from moajax.schedule import check_ring_rounds
 
@@ -466,8 +467,11 @@ def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementa
         t_out = tangent_local(ring, *args, *dots, **kw)[1].astype(args[0].dtype)
         return (t_out, jnp.zeros(args[0].shape[:3], args[0].dtype)) if residual else (t_out,)
 
-    return runtime.differentiable(run, backward, n_out, lambda: saving, tangent, (True,) * 3, (True,) * n_out,
-                                  name="ring_attention", second_order=SECOND_ORDER)
+    # the backward, tangent and saving forward, traced after this call (jax.grad), take its
+    # matmul precision config, as ``Kernel.compiled``'s do
+    at = functools.partial(compat.at_matmul_precision, value=compat.matmul_precision_config())
+    return runtime.differentiable(run, at(backward), n_out, lambda: at(saving), at(tangent), (True,) * 3,
+                                  (True,) * n_out, name="ring_attention", second_order=SECOND_ORDER)
 
 
 class SequenceLift:

@@ -1031,14 +1031,15 @@ def _hoisted(dnf: D.DNF, store: tuple) -> ONF:
     return W.hoist(onf)
 
 
-_DERIVED: collections.OrderedDict = collections.OrderedDict()  # (dnf, machine, preset) → ONF or ONFError
+_DERIVED: collections.OrderedDict = collections.OrderedDict()  # (dnf, machine, preset, precision) → ONF or ONFError
 
 
 def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> ONF:
     """The default ONF of ``dnf`` for ``machine``, with a preset's (or keyword) choices applied.
 
-    A pure function of its arguments (ONFs are immutable values; with a spill check, of the
-    installed ptxas too), so it is made once: a
+    A pure function of its arguments and of ``jax.default_matmul_precision`` on a GPU (ONFs
+    are immutable values; with a spill check, of the installed ptxas too), so it is made once,
+    keyed by all of them: a
     plan's derivation (``derive_plan``, ``plan_groups``) and the cost model's comparison of
     residual policies ask for the same ONFs again. The machine is keyed by its ``repr`` (a
     profile holds dicts).
@@ -1061,7 +1062,10 @@ def derive(dnf: D.DNF, machine: Machine, preset: Preset | None = None, **kw) -> 
     if hit is None:
         try:
             hit = _derive(dnf, machine, preset, precision=precision)
-            if machine.is_gpu and machine.spill_check and not (preset.tiles or preset.knobs):
+            # a Preset's own tiling (tiles, warps, stages, …) is the user's, unchecked; the
+            # dots' precision is arithmetic, not tiling: checked as the config's is
+            tiling = [k for k, _ in preset.knobs if k != "dot_precision"]
+            if machine.is_gpu and machine.spill_check and not (preset.tiles or tiling):
                 hit = _spill_checked(dnf, machine, preset, hit, precision)
         except ONFError as e:
             hit = e

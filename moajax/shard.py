@@ -23,9 +23,11 @@ and an input split along an axis the kernel cannot honour raises a ValueError na
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
+from moajax import compat
 from moajax import dnf as D
 from moajax.ix import FloorDiv, Ix, Var
 
@@ -378,14 +380,17 @@ def _sequence_axis(r: Rule, specs, seq, who: str):
     return rest, next(iter(found))[0]
 
 
-def partitioned(run, dnf, relower, who: str, lift=None):
+def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
     """``run`` (the kernel's compiled function of its inputs) partitioned over a device mesh:
     under ``jax.jit`` with sharded inputs, each device runs ``relower(local input specs)`` on
     its block, and an output missing a monoid class that is split is finished by its
     collective. ``lift`` (or None): a kernel's own lifting of classes no plain split honours
     (``classes(rule)``, ``per_device(mesh axis, devices, local input shapes, local output
     shapes)``: attention's sequence, the ring). On one device (or inside ``shard_map``) it
-    is ``run`` itself."""
+    is ``run`` itself. ``precision``: the matmul precision config of the call (None: JAX's
+    default), under which the per-device kernels are derived and traced — XLA's partitioner
+    asks for them when it compiles, outside the block the call was made in."""
+
     import jax
     from jax.experimental.custom_partitioning import custom_partitioning
 
@@ -417,6 +422,7 @@ def partitioned(run, dnf, relower, who: str, lift=None):
         outs = plan(mesh, arg_shapes)[2]
         return outs if n_out > 1 else outs[0]
 
+    @functools.partial(compat.at_matmul_precision, value=precision)
     def partition(mesh, arg_shapes, result_shape):
         assign, args, outs, lifted = plan(mesh, arg_shapes)
         local = [jax.ShapeDtypeStruct(sh.shard_shape(s), a.dtype) for s, sh, a in zip(in_shapes, args, arg_shapes)]
@@ -430,6 +436,7 @@ def partitioned(run, dnf, relower, who: str, lift=None):
             for i, monoid in (r.monoids[c] if c not in seq else ()):
                 finish.append((i, _COLLECTIVE[monoid], m))
 
+        @functools.partial(compat.at_matmul_precision, value=precision)
         def lower_fn(*xs):
             res = inner(*xs)
             res = list(res) if n_out > 1 else [res]

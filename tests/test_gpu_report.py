@@ -18,13 +18,18 @@ GPUS = [m for m in machines.available().values() if m.is_gpu]
 
 @needs_compiler
 @pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float32 ieee", "float64"])
 @pytest.mark.parametrize("head_dim", [64, 72, 128])
 def test_default_onf_compiles_without_spills(machine, dtype, head_dim):
-    with compat.enable_x64_context(dtype == "float64"):
+    # the tables' first fit, unchecked; float32 with TF32 dots (JAX's default matmul
+    # precision) and with IEEE float32 ones (under "highest"), which share the table
+    ieee = dtype.endswith(" ieee")
+    dtype = dtype.split()[0]
+    with compat.enable_x64_context(dtype == "float64"), jax.default_matmul_precision("highest" if ieee else None):
         dnf = mha_dnf((1, 1024, 8, head_dim), (1, 1024, 8, head_dim), (1, 1024, 8, head_dim), np.dtype(dtype))
         onf = schedule.derive(dnf, machine)
         r = ptx.onf_report(onf, machine.arch)
+    assert onf.knobs.dot_precision == ("tensorfloat32" if dtype == "float32" and not ieee else "highest")
     assert r.spill_stores == 0 and r.spill_loads == 0, r
     assert r.smem_bytes <= machine.shared_memory_per_block, r
     assert 0 < r.registers <= 255
@@ -165,15 +170,18 @@ def test_decode_with_lengths_compiles_split_without_spills():
 
 
 @needs_compiler
-def test_the_seeds_block_gradients_compile_without_spills():
+@pytest.mark.parametrize("config", ["highest", None])
+def test_the_seeds_block_gradients_compile_without_spills(config):
     """jax.grad of rms_norm and gated_mlp at the seed's block (n = 1024, d = 64, d_ff = 256) on
-    the A100, derived as a GPU derives them (its spill check on): the staged first kernel, the
-    weight gradients' split-K parts and the combine that sums them — which held every part's
-    [32 × 256] block at once and spilled 9.9 KB until it walked the parts one at a time
-    (``Backend.walks_parts``). (With TF32 dots, JAX's default, the table's first tiling of
-    dZ spills 28 B; the check takes the next.)"""
-    cases = [c for c in gpu_report.model_training_cases(("float32",), targets=gpu_report.gpus(("sm_80",)))
-             if "n=1024 d=64" in c[0]]
+    the A100: the staged first kernel, the weight gradients' split-K parts and the combine that
+    sums them — which held every part's [32 × 256] block at once and spilled 9.9 KB until it
+    walked the parts one at a time (``Backend.walks_parts``). With IEEE float32 dots
+    ("highest") at the tables' first tilings; with TF32 ones (JAX's default) as a GPU derives
+    them, its spill check on (the table's first tiling of dZ spills 28 B there; the check
+    takes the next)."""
+    with jax.default_matmul_precision(config):
+        targets = [machines.load("delta-a100")] if config else gpu_report.gpus(("sm_80",))
+        cases = [c for c in gpu_report.model_training_cases(("float32",), targets=targets) if "n=1024 d=64" in c[0]]
     assert {c[0].split()[1] for c in cases} == {"rmsnorm", "swiglu"} and len(cases) >= 6
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -197,8 +205,9 @@ def test_score_mod_table_reads_are_gathers_on_the_gpu():
 
 
 @needs_compiler
-@pytest.mark.parametrize("machine", gpu_report.gpus(), ids=lambda m: m.name)
-def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine):
+@pytest.mark.parametrize("config", ["highest", None])
+@pytest.mark.parametrize("machine", GPUS, ids=lambda m: m.name)
+def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine, config):
     """The gradient of a score_mod's table (ALiBi's 8 slopes, a 33-entry relative-position
     table), whose programs own table entries and walk every score: split-K cuts its heads and
     then its keys (``schedule._split_to_fill``, two cuts) until the programs fill the machine,
@@ -206,12 +215,16 @@ def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine):
     kernel of it (the partials and the combines) compiles with 0 spill bytes, where one cut
     over the heads left 8 (or 16) programs and the 64 × 64 tiles before spilled (820 B on
     sm_90a for ALiBi in gpu_report.md at 2ccdd62; bench/results/score_mod_tiles_gpu.md
-    sweeps the tiles now). Derived as a GPU derives them, its spill check on: with TF32 dots
-    the relative-position table's first kernel on the A40 spills 8 B with 8 warps at the
-    table's first two ranks, which clamp to one tiling, and compiles clean with the 4 warps
-    of the third (the check stopped at the repeat before)."""
-    cases = [c for c in gpu_report.score_mod_cases(("float32",), targets=[machine])
-             if "d_score_mod_const" in c[0]]
+    sweeps the tiles now). With IEEE float32 dots ("highest") at the tables' first tilings;
+    with TF32 ones (JAX's default) as a GPU derives them, its spill check on: there the
+    relative-position table's first kernel on the A40 spills 8 B with 8 warps at the table's
+    first two ranks, which clamp to one tiling, and compiles clean with the 4 warps of the
+    third (the check stopped at the repeat before)."""
+    import dataclasses
+
+    with jax.default_matmul_precision(config):
+        target = machine if config else dataclasses.replace(machine, spill_check=True)
+        cases = [c for c in gpu_report.score_mod_cases(("float32",), targets=[target]) if "d_score_mod_const" in c[0]]
     assert {c[0].split()[1] for c in cases} == {"alibi", "relpos"}
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -306,6 +319,21 @@ def test_a_presets_tiles_or_knobs_are_not_spill_checked(monkeypatch, preset):
     a100 = dataclasses.replace(machines.load("delta-a100"), spill_check=True)
     dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
     assert schedule.derive(dnf, a100, **preset) == schedule.derive(dnf, machines.load("delta-a100"), **preset)
+
+
+def test_a_presets_dot_precision_is_spill_checked(monkeypatch):
+    """The dots' precision is arithmetic, not a tiling: a Preset giving only ``dot_precision``
+    is spill-checked as the config's precision is (before, any knob turned the check off, so
+    the two ways of asking for IEEE float32 could run different tilings)."""
+    import dataclasses
+
+    checked = []
+    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch, path: checked.append(onf) or 0)
+    monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
+    a100 = dataclasses.replace(machines.load("delta-a100"), spill_check=True)
+    dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
+    onf = schedule.derive(dnf, a100, dot_precision="highest")
+    assert checked == [onf] and onf.knobs.dot_precision == "highest"
 
 
 def test_where_every_tiling_spills_the_least_spilling_is_kept(monkeypatch):

@@ -1,0 +1,217 @@
+"""A GPU's float32 dots follow ``jax.default_matmul_precision``, as XLA's and jax.nn's do: TF32
+under JAX's default, IEEE float32 under "highest" (``compat.default_dot_precision``,
+``Knobs.dot_precision``). The config is read when a call is traced; what JAX traces after it —
+the gradient's and tangent's kernels, the per-device kernels of a sharded call, the ring's
+backward, a vmap's batched kernel across a jit — takes the call's precision, as the transpose
+of a dot_general takes its primal's. On this CPU the dots are float32 either way: the tests
+read the precision of the dot_generals in the Pallas kernels' jaxprs (interpret mode), or the
+knob of the derived GPU ONFs."""
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moajax
+from helpers import rel_err, walk_eqns
+from moajax import compat, machines, schedule
+from moajax.kernels.attention import mha_dnf
+
+
+def _kernel_precisions(jaxpr) -> dict:
+    """{Pallas kernel name: the precisions of its dot_generals} in a jaxpr."""
+    out: dict = {}
+    for e, _ in walk_eqns(jaxpr.jaxpr):
+        if e.primitive.name == "pallas_call":
+            dots = {str(d.params["precision"]) for d, _ in walk_eqns(e.params["jaxpr"]) if d.primitive.name == "dot_general"}
+            out.setdefault(str(e.params.get("name")), set()).update(dots)
+    return out
+
+
+def _draw(*shapes, seed=0):
+    r = np.random.default_rng(seed)
+    return [jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes]
+
+
+@pytest.mark.parametrize("config, want", [
+    (None, "tensorfloat32"), ("default", "tensorfloat32"), ("bfloat16", "tensorfloat32"), ("high", "tensorfloat32"),
+    ("tensorfloat32", "tensorfloat32"), ("TF32_TF32_F32", "tensorfloat32"), ("BF16_BF16_F32", "tensorfloat32"),
+    ("highest", "highest"), ("float32", "highest"), ("F32_F32_F32", "highest"), ("TF32_TF32_F32_X3", "highest"),
+    ("BF16_BF16_F32_X6", "highest"), ("ANY_F8_ANY_F8_F32", "highest")])
+def test_jaxs_matmul_precision_config_as_a_dot_precision(config, want):
+    # JAX's default (None) is TF32 for a GPU's float32 dots, as XLA's; the multi-pass
+    # algorithms are near float32 and are not rounded down to one TF32 pass
+    with jax.default_matmul_precision(config):
+        assert compat.default_dot_precision() == want
+
+
+def test_a_gpus_float32_dots_follow_jax_default_matmul_precision():
+    """jax.nn's float32 dots on a GPU take TF32 unless ``jax.default_matmul_precision`` says
+    "highest" (XLA's default); a GPU ONF of a float32 kernel derived without a Preset's
+    ``dot_precision`` follows the same switch (``Knobs.dot_precision``), each setting its own
+    derivation (never the other's cached ONF). A Preset's choice wins over the config; 16-bit
+    and float64 kernels, and a CPU's, keep the knob's default (their dots are 16-bit, float64,
+    or XLA:CPU's float32 whatever it says)."""
+    from moajax.schedule import Preset
+
+    a100, cpu = machines.load("delta-a100"), machines.load("anvil-epyc-7543")
+    with compat.enable_x64_context(True):
+        dnfs = {dt: mha_dnf((1, 256, 2, 64), (1, 256, 2, 64), (1, 256, 2, 64), np.dtype(dt))
+                for dt in ("float32", "bfloat16", "float64")}
+    prec = lambda dt, m=a100, pre=None: schedule.derive(dnfs[dt], m, pre).knobs.dot_precision  # noqa: E731
+    assert prec("float32") == "tensorfloat32"
+    with jax.default_matmul_precision("highest"):
+        assert prec("float32") == "highest"
+        assert prec("float32", pre=Preset.of(dot_precision="tensorfloat32")) == "tensorfloat32"
+    with jax.default_matmul_precision("float32"):
+        assert prec("float32") == "highest"
+    assert prec("float32") == "tensorfloat32"  # the default's derivation again, not the last one
+    assert prec("float32", pre=Preset.of(dot_precision="highest")) == "highest"
+    assert prec("bfloat16") == prec("float64") == prec("float32", cpu) == "highest"
+    with jax.default_matmul_precision("highest"):  # the tilings are the same: only the dots change
+        ieee = schedule.derive(dnfs["float32"], a100)
+    tf32 = schedule.derive(dnfs["float32"], a100)
+    assert tf32.axes == ieee.axes and dataclasses.replace(tf32.knobs, dot_precision="highest") == ieee.knobs
+
+
+def test_a_call_follows_the_matmul_precision_it_is_traced_under():
+    """The compiled call (``Kernel.compiled``, cached per shapes and options) is keyed by the
+    precision config too: the same call traced under jax.default_matmul_precision("highest")
+    runs IEEE float32 dots (Precision.HIGHEST in the Pallas kernel's jaxpr), under JAX's
+    default TF32 ones (Precision.DEFAULT: Triton's tf32 on a GPU; float32 on this CPU, so the
+    two agree here to float32 rounding)."""
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.standard_normal((1, 64, 2, 16)), jnp.float32) for _ in range(3))
+
+    def precisions():
+        f = lambda a, b, c: moajax.dot_product_attention(a, b, c, implementation="pallas_interpret")  # noqa: E731
+        jaxpr = jax.make_jaxpr(f)(q, k, v)
+        return {str(e.params["precision"]) for e, _ in walk_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"}
+
+    default = precisions()
+    with jax.default_matmul_precision("highest"):
+        highest = precisions()
+        out_ieee = moajax.dot_product_attention(q, k, v, implementation="pallas_interpret")
+    assert default and all("DEFAULT" in p for p in default), default
+    assert highest and all("HIGHEST" in p for p in highest), highest
+    out = moajax.dot_product_attention(q, k, v, implementation="pallas_interpret")
+    assert rel_err(out, out_ieee) <= 1e-6  # float32 on this CPU either way
+
+
+def _under(config):
+    return jax.default_matmul_precision(config) if config else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("config", [None, "highest"])
+def test_a_gradient_takes_the_matmul_precision_of_its_forward(config):
+    """jax.grad traces the backward after the forward, outside a ``with
+    jax.default_matmul_precision(...)`` block the loss calls attention in: the saving forward
+    and the backward kernels still take the precision of the call (as a dot_general's
+    transpose takes its primal's), every dot of the Pallas kernels HIGHEST under "highest",
+    DEFAULT (TF32 on a GPU) under JAX's default; through a jit boundary too."""
+    q, k, v = _draw(*[(1, 64, 2, 16)] * 3, seed=1)
+
+    def loss(a, b, c):
+        with _under(config):
+            out = moajax.dot_product_attention(a, b, c, implementation="pallas_interpret")
+        return jnp.sum(out * out)
+
+    want = "HIGHEST" if config == "highest" else "DEFAULT"
+    for f in (loss, jax.jit(loss)):
+        kernels = _kernel_precisions(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
+        for part in ("saving", "d_query", "d_key"):  # (and at this size, a staged kernel of what dQ and dK share)
+            assert any(n.endswith(part) or f"{part}_" in n for n in kernels), kernels
+        assert all(dots and all(want in p for p in dots) for dots in kernels.values()), kernels
+
+
+def test_a_vmap_across_a_jit_and_a_tangent_take_the_calls_precision():
+    """The batched kernel of ``jax.vmap`` of a jitted function (its rule traced when the vmap
+    is, outside the function's block) and the tangent kernel of ``jax.jvp`` take the
+    precision the call was made under."""
+    q, k, v = _draw(*[(2, 1, 64, 2, 16)] * 3, seed=2)
+
+    def g(a, b, c):
+        with jax.default_matmul_precision("highest"):
+            return moajax.dot_product_attention(a, b, c, implementation="pallas_interpret")
+
+    for f, args in ((jax.vmap(jax.jit(g)), (q, k, v)),
+                    (lambda *a: jax.jvp(jax.jit(g), a[:3], a[3:]), (q[0], k[0], v[0], q[0], k[0], v[0]))):
+        kernels = _kernel_precisions(jax.make_jaxpr(f)(*args))
+        assert kernels and all(dots and all("HIGHEST" in p for p in dots) for dots in kernels.values()), kernels
+
+
+def test_a_sharded_calls_device_kernels_take_its_precision(monkeypatch):
+    """XLA's partitioner asks for each device's kernel when it compiles, outside the block
+    the call was made in: the per-device ONFs (a batch split over 2 devices) are derived under
+    the call's precision all the same."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from moajax import runtime
+
+    seen = []
+    schedules = runtime.schedules
+
+    def spy(dnf, onf_key=None, path="pallas"):
+        cpu, gpu = schedules(dnf, onf_key, path)
+        seen.append((dnf.inputs[0].shape, [o.knobs.dot_precision for o in (gpu if isinstance(gpu, tuple) else (gpu,))]))
+        return cpu, gpu
+
+    monkeypatch.setattr(runtime, "schedules", spy)
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), PartitionSpec("data"))
+    q, k, v = (jax.device_put(x, sharding) for x in _draw(*[(2, 32, 2, 16)] * 3, seed=3))
+
+    def g(a, b, c):
+        with jax.default_matmul_precision("highest"):
+            return moajax.dot_product_attention(a, b, c, implementation="pallas_interpret")
+
+    jax.jit(g).lower(q, k, v).compile()
+    blocks = [knobs for shape, knobs in seen if shape[0] == 1]
+    assert blocks and all(kn == ["highest"] for kn in blocks), seen
+
+
+def test_the_rings_backward_takes_the_calls_precision():
+    """Ring attention over 2 devices (``moajax.ring``), differentiated outside the block its
+    call was made in: every kernel of its forward and backward has HIGHEST dots."""
+    from jax.sharding import Mesh
+
+    from moajax.ring import ring_attention
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    q, k, v = _draw(*[(1, 64, 2, 16)] * 3, seed=4)
+
+    def loss(a, b, c):
+        with jax.default_matmul_precision("highest"):
+            o = ring_attention(a, b, c, mesh=mesh, axis_name="seq", implementation="pallas_interpret")
+        return jnp.sum(o ** 2)
+
+    kernels = _kernel_precisions(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    assert any("adjoint" in n for n in kernels), kernels
+    assert all(dots and all("HIGHEST" in p for p in dots) for dots in kernels.values()), kernels
+
+
+def test_xla_on_a_gpu_follows_the_matmul_precision_too(monkeypatch):
+    """implementation="xla" in a process on a GPU runs the XLA ONF there: its float32 dots
+    follow jax.default_matmul_precision as the GPU's own ONF's do (TF32 under JAX's default,
+    as XLA's einsum in jax.nn); on a machine without a GPU its knob stays the default (XLA:CPU's
+    float32 dots are float32 whatever it says)."""
+    from moajax import runtime
+
+    with compat.enable_x64_context(True):
+        dnf = mha_dnf((1, 64, 2, 16), (1, 64, 2, 16), (1, 64, 2, 16), np.dtype("float32"))
+    runtime.schedules.cache_clear()
+    assert runtime.schedules(dnf)[0].knobs.dot_precision == "highest"  # no GPU here
+    monkeypatch.setattr(runtime, "has_gpu", lambda: True)
+    runtime.schedules.cache_clear()
+    try:
+        cpu, gpu = runtime.schedules(dnf)
+        assert cpu.knobs.dot_precision == gpu.knobs.dot_precision == "tensorfloat32"
+        with jax.default_matmul_precision("highest"):
+            cpu, gpu = runtime.schedules(dnf)
+        assert cpu.knobs.dot_precision == gpu.knobs.dot_precision == "highest"
+        cpu, _ = runtime.schedules(dnf, schedule.Preset.of(dot_precision="highest"))  # a Preset's choice wins
+        assert cpu.knobs.dot_precision == "highest"
+    finally:
+        runtime.schedules.cache_clear()
