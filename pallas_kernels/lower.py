@@ -113,6 +113,7 @@ class PallasBackend(Backend):
 
     stored_rows = False
     walks_parts = True
+    joint_sums = True
 
     def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict):
         super().__init__(onf, perms)
@@ -191,11 +192,49 @@ class PallasBackend(Backend):
                                   preferred_element_type=out_dtype)
             out_vars = [x for x in a.vars if x != v] + [x for x in b.vars if x != v]
             return Named(out, out_vars)
+        if not shared:
+            # a 3-D tile (GQA's [t h g] queries with the group held whole): its free axes
+            # folded into the dot's rows
+            folded = self._folded_dot(a, b, da, db, (v,), out_dtype)
+            if folded is not None:
+                return folded
         # small or batched tiles: multiply and sum (Triton's dot needs 2-D tiles ≥ 16)
         datas, vs = align([Named(da.astype(out_dtype), a.vars), Named(db.astype(out_dtype), b.vars)], self.rank)
         prod = datas[0] * datas[1]
         ax = vs.index(v)
         return Named(jnp.sum(prod, axis=ax), vs[:ax] + vs[ax + 1:])
+
+
+    def contract_joint(self, a: Named, b: Named, vs: tuple, out_dtype):
+        """Σ_{vs} a·b as one tl.dot: each operand's summed axes folded into the dot's inner
+        dimension (GQA's Σ_t Σ_g dS·Q over t·g), its other axes into its rows; None where an
+        axis is in both operands but not summed (a batch axis) or a side is under 16."""
+        if (set(a.vars) & set(b.vars)) - set(vs):
+            return None
+        da, db = self.operands(a, b, out_dtype)
+        return self._folded_dot(a, b, da, db, vs, out_dtype)
+
+    def _folded_dot(self, a: Named, b: Named, da, db, vs: tuple, out_dtype):
+        """Σ_{vs} a·b with no batch axis as dot(A, Bᵀ): A the tile ``da`` transposed to
+        (its free axes…, vs…) and reshaped to (their product, the product of vs), B likewise;
+        the result reshaped back to a's free axes then b's. None where a side is under
+        Triton's 16."""
+        import math
+
+        from jax import lax
+
+        fa, fb = [x for x in a.vars if x not in vs], [x for x in b.vars if x not in vs]
+        sa = [da.shape[a.vars.index(x)] for x in fa]
+        sb = [db.shape[b.vars.index(x)] for x in fb]
+        k = math.prod(da.shape[a.vars.index(x)] for x in vs)
+        m, n = math.prod(sa), math.prod(sb)
+        if min(m, n, k) < 16:
+            return None
+        ta = lax.transpose(da, [a.vars.index(x) for x in fa + list(vs)]).reshape(m, k)
+        tb = lax.transpose(db, [b.vars.index(x) for x in fb + list(vs)]).reshape(n, k)
+        prec = self.precision if np.dtype(da.dtype).itemsize >= 4 else None
+        out = lax.dot_general(ta, tb, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=out_dtype)
+        return Named(out.reshape(tuple(sa + sb)), fa + fb)
 
 
 def _rows_follow(a: Named, b: Named, v, rank) -> bool:

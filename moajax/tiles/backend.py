@@ -36,6 +36,12 @@ class Backend:
     # larger: the first one is the hoisted one (the forward's scale stays on the Q tile, out
     # of the walk over key tiles)
     scalars_on_smaller_result = False
+    # Σ_v Σ_w of a product, w held whole in the tile, as one contraction over (v, w)
+    # (``contract_joint``): GQA's dK partial Σ_t Σ_g dS·Q in a program owning query tiles with
+    # the group held whole is one 2-D dot on Triton over t·g rows, where Σ_g alone (t a batch
+    # axis of both operands) is a multiply-and-sum of 3-D tiles, no tensor cores. XLA's
+    # batched einsum takes Σ_g as it is
+    joint_sums = False
 
     def __init__(self, onf: ONF, perms: dict):
         from jax import lax
@@ -92,6 +98,10 @@ class Backend:
 
     def contract(self, a: Named, b: Named, var: Var, out_dtype) -> Named:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def contract_joint(self, a: Named, b: Named, vs: tuple, out_dtype):  # pragma: no cover - interface
+        """Σ_{vs} a·b as one contraction, or None where this backend cannot (``joint_sums``)."""
+        return None
 
     def window(self, ev, full) -> Named:  # pragma: no cover - interface
         """The current ranges' window of a stage value held in memory (``stages.InMemory``)."""

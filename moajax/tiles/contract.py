@@ -32,6 +32,20 @@ def contract_factors(ev, factors, v: Var, out_dtype) -> Named:
     return contract(ev, [operand(ev, f) for f in factors], v, out_dtype, zeros)
 
 
+def contract_joint(ev, factors, vs: tuple, out_dtype):
+    """Σ_{vs} Π factors (DNF expressions) in scope ``ev`` as one contraction over every
+    variable of ``vs`` (``Backend.contract_joint``), each masked past its end; None where the
+    factors do not split into two operands that both hold all of ``vs``, or the backend
+    declines."""
+    vals = [operand(ev, f) for f in factors]
+    for v in vs:
+        vals = mask_operands(ev, vals, v, [zero_padded(f, v) for f in factors])
+    a, b = two_operands(vals, vs[0], ev.rank)
+    if b is None or not all(v in a.vars and v in b.vars for v in vs):
+        return None
+    return ev.backend.contract_joint(a, b, tuple(vs), out_dtype)
+
+
 def contract(ev, vals: list, v: Var, out_dtype, zeros=None) -> Named:
     """Σ_v of a product of already-evaluated operands, past-the-end positions of v masked
     (``masking.mask_operands``; ``zeros[i]``: operand i is exactly 0 there already)."""

@@ -17,7 +17,7 @@ from moajax import ops as _ops
 from moajax.ix import Ix, Var
 from moajax.reference import Named, align
 from moajax.tiles import skipping
-from moajax.tiles.contract import contract_factors
+from moajax.tiles.contract import contract_factors, contract_joint
 from moajax.tiles.masking import fill_past_end, valid
 from moajax.tiles.ranges import broadcast_to_vars, index_values, same_range
 from moajax.tiles.scope import Scope
@@ -232,6 +232,10 @@ class TileEval(Scope):
                 return Named(_ops.OPS[op].jnp_fn()(*datas), vs)
             if len(factors) >= 2:
                 return contract_factors(self, factors, v, body.dtype)
+            if self.backend.joint_sums:
+                joint = self._joint_sum(v, body)
+                if joint is not None:
+                    return joint
         x = self.eval(body)
         mask = valid(self, v)
         if mask is not None:
@@ -242,6 +246,37 @@ class TileEval(Scope):
             x = Named(jnp.broadcast_to(x.data[None], (self.range_of(v).size,) + x.data.shape), (v,) + x.vars)
         ax = x.vars.index(v)
         return Named(mono.jnp_reduce(x.data, axis=ax), x.vars[:ax] + x.vars[ax + 1:])
+
+    def _joint_sum(self, v: Var, body: D.Expr):
+        """Σ_v Σ_w Π f as one contraction over (v, w) (``Backend.joint_sums``), where the
+        inner Σ_w is a contraction of w held whole in the tile (one step, no walk, no skipped
+        tiles, not a table's gather), or a sum or difference of such products (the causal
+        dK's two dS terms), each its own. None: evaluate Σ_w, then Σ_v, as written."""
+        inner = body
+        while isinstance(inner, D.Tag):
+            inner = inner.body
+        if not (isinstance(inner, D.Red) and inner.monoid == "add") or D.selection(inner) is not None:
+            return None
+        w = inner.var
+        if self.onf.axis_of(w).ntiles > 1 or skipping.skip_for(self.onf, inner) is not None:
+            return None
+        rng = self.backend.whole(w)
+        sub = self if same_range(rng, self.ranges.get(w)) else self.child({w: rng})
+        return sub._joint_terms(v, w, inner.body, body.dtype)
+
+    def _joint_terms(self, v: Var, w: Var, e: D.Expr, dtype):
+        while isinstance(e, D.Tag):
+            e = e.body
+        if isinstance(e, D.Call) and e.op in ("add", "sub"):
+            parts = [self._joint_terms(v, w, c, dtype) for c in e.children]
+            if any(p is None for p in parts):
+                return None
+            datas, vs = self.align(parts)
+            return Named(_ops.OPS[e.op].jnp_fn()(*datas), vs)
+        factors = D.product_factors(e)
+        if len(factors) < 2 or D.one_hot_write(w, e) is not None:
+            return None
+        return contract_joint(self, factors, (v, w), dtype)
 
     def scatter_sum(self, v: Var, c: Var, index: D.Expr, value: D.Expr) -> Named:
         """Σ_v ((c = i) ? X : 0) over this scope (``dnf.one_hot_write``): X, over v's range
