@@ -24,6 +24,10 @@ from pathlib import Path
 import numpy as np
 
 
+# the tile tables a profile's ``gpu_tiles`` may add measured tilings to (``schedule._gpu_candidates``)
+GPU_TILE_TABLES = ("tiles", "scatter", "scatter_walk")
+
+
 @dataclasses.dataclass(frozen=True)
 class Machine:
     name: str
@@ -54,6 +58,12 @@ class Machine:
     # CPU: the bytes of the score tile one step of a row loop holds (every batch-like program ×
     # rows × keys; ``schedule._cpu_cache_budget``); 0: derived from the last-level cache
     cpu_score_tile_bytes: int = 0
+    # GPU: this profile's own tilings, measured on it, tried before the schedule's tables'
+    # (``schedule._gpu_candidates``): "<table> <operand bytes> <held width>" → [[rows, keys,
+    # warps, stages], …], table "tiles" (``GPU_TILES``), "scatter" (``GPU_SCATTER_TILES``) or
+    # "scatter_walk" (the scatter schedule walking a long sum inside a short one: GQA's dK
+    # and dV), e.g. the H200's "scatter 2 64" (bench/results/gpu_backward_sweep_h200.md)
+    gpu_tiles: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.gpu_path not in ("pallas", "triton"):
@@ -61,6 +71,20 @@ class Machine:
         if not isinstance(self.cpu_score_tile_bytes, int) or self.cpu_score_tile_bytes < 0:
             raise ValueError(f"Machine {self.name!r}: cpu_score_tile_bytes must be a non-negative int, "
                              f"got {self.cpu_score_tile_bytes!r}")
+        for key, tilings in self.gpu_tiles.items():
+            parts = str(key).split()
+            if len(parts) != 3 or parts[0] not in GPU_TILE_TABLES or not all(p.isdigit() for p in parts[1:]):
+                raise ValueError(f"Machine {self.name!r}: a gpu_tiles key is '<{'|'.join(GPU_TILE_TABLES)}> "
+                                 f"<operand bytes> <held width>', got {key!r}")
+            if not (isinstance(tilings, (list, tuple)) and tilings and all(
+                    isinstance(t, (list, tuple)) and len(t) == 4 and all(isinstance(x, int) and x > 0 for x in t)
+                    for t in tilings)):
+                raise ValueError(f"Machine {self.name!r}: gpu_tiles[{key!r}] must be a list of [rows, keys, warps, "
+                                 f"stages] of positive ints, got {tilings!r}")
+
+    def tilings(self, table: str, item: int, held: int) -> list:
+        """This profile's own (rows, keys, warps, stages) for one entry of a tile table."""
+        return [tuple(t) for t in self.gpu_tiles.get(f"{table} {item} {held}", ())]
 
     @property
     def is_gpu(self) -> bool:

@@ -301,14 +301,20 @@ def _lowp_dots(onf: ONF) -> bool:
     return bool(own) and all(np.dtype(o.dtype).itemsize == 2 for o in own)
 
 
-def _gpu_candidates(table: dict, onf: ONF, widths) -> list:
+def _gpu_candidates(table: dict, onf: ONF, widths, machine: Machine | None = None, name: str | None = None) -> list:
     """The (rows, keys, warps, stages) candidates for this operand width and held width (the
-    widest of ``widths``, padded to a power of two: the axes held whole in a contraction)."""
+    widest of ``widths``, padded to a power of two: the axes held whole in a contraction): the
+    machine profile's own, measured on it (``Machine.gpu_tiles``, under ``name``: "tiles",
+    "scatter", or "scatter_walk" for a scatter schedule walking a long sum inside a short one,
+    GQA's dK and dV), then the table's."""
     item = min(_operand_width(onf), 8)
     width = max([next_pow2(w) for w in widths] or [16])
     if width > 128:
         return [(32, 16, 8, 2), (16, 16, 8, 1)]
-    return table[(item, 64 if width <= 64 else 128)]
+    held = 64 if width <= 64 else 128
+    name = name or ("scatter" if table is GPU_SCATTER_TILES else "tiles")
+    own = machine.tilings(name, item, held) if machine else []
+    return own + [c for c in table[(item, held)] if c not in own]
 
 
 def _first_fit(onf: ONF, machine: Machine, cands, lift, rank: int = 0) -> ONF:
@@ -389,7 +395,7 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: i
         # columns of f, not its 4096 (by the extent, the fallback for widths over 128 gave
         # 32 × 128 tiles and a 16-wide walk, and 32-row dots that sm_90a's wgmma does not take)
         held += [min(v.extent, lt) if lt else v.extent for v in out_vars[-1:]]
-        cands = _gpu_candidates(GPU_TILES, onf, held)
+        cands = _gpu_candidates(GPU_TILES, onf, held, machine)
         return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
             onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt, inner_tile=it,
             nested={v: min(it, bs) for v in nested} if it else None), rank)
@@ -759,11 +765,12 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
         return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
 
     if gpu:
-        cands = _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest])
+        cands = _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest], machine)
         o = _first_fit(onf, machine, cands, lift, rank)
         if onchip_bytes(o) > machine.onchip_limit_bytes:  # none fits with the long sums held whole
             # the candidates for what stays held: the walked sums no longer count whole
-            held = _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest if v.extent <= GPU_WHOLE_MAX])
+            held = _gpu_candidates(GPU_SCATTER_TILES, onf, [v.extent for v in rest if v.extent <= GPU_WHOLE_MAX],
+                                   machine, "scatter_walk")
             o = _first_fit(onf, machine, held, lambda bt, bs: lift(bt, bs, walk_inner=True), rank)
         return o
     # every other axis of an output's row tile but its last is vectorised beside the rows
@@ -1103,7 +1110,7 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF, pre
 
     tried = []  # (spill bytes, ONF), in rank order
     o = first
-    for rank in range(SPILL_CHECK_TRIES):
+    for rank in range(SPILL_CHECK_TRIES + max((len(t) for t in machine.gpu_tiles.values()), default=0)):
         if rank:
             try:
                 o = _derive(dnf, machine, preset, rank, precision)

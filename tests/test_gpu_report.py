@@ -632,3 +632,41 @@ def test_a_16_bit_matmul_on_hopper_is_all_wgmma():
     dnf = rmsnorm_matmul.dnf(*(jax.ShapeDtypeStruct(s, bf16) for s in ((4096, 1024), (1024,), (1024, 4096))))
     (r,) = ptx.onf_reports(schedule.derive(dnf, h200), h200.arch)
     assert r.wgmma > 0 and r.mma_sync == 0 and r.spill_stores == 0 and r.smem_bytes <= h200.shared_memory_per_block, r
+
+
+@needs_compiler
+def test_a_profiles_own_tilings_come_first():
+    """The H200 profile's measured tiling (``Machine.gpu_tiles`` "scatter 2 64": its sweep ran
+    the bfloat16 dK/dV kernel at S = 4096 in 0.600 ms at 64 × 64 with 4 warps, 0.920 at the
+    table's 64 × 32 with 8): its owner plan's dK/dV kernel takes it, causal or not, and on
+    sm_90a every dot is a wgmma with no spills (the table's tiling: mma.sync beside wgmma).
+    GQA's walked schedule has no entry of its own (at 64 × 64 with 4 warps its causal kernel
+    spills 2.5 KB) and keeps the table's; the A100 keeps the table's."""
+    import dataclasses
+
+    import jax
+
+    from moajax.kernels.attention import mha_kernel
+
+    def dkv(profile, kv, causal, own=True):
+        machine = machines.load(profile)
+        machine = machine if own else dataclasses.replace(machine, gpu_tiles={})
+        specs = [jax.ShapeDtypeStruct((1, 4096, 8, 64), np.dtype("bfloat16"))] + [
+            jax.ShapeDtypeStruct((1, 4096, kv, 64), np.dtype("bfloat16"))] * 2
+        with compat.enable_x64_context(True):
+            adj, args = mha_kernel(None, None, kv != 8).saved_adjoint(*specs, is_causal=causal)
+            (onf,) = [o for o in schedule.derive_plan(adj.dnf(*args, is_causal=causal), machine) if "d_key" in o.dnf.name]
+        return onf
+
+    def tiling(o):
+        return ({a.name: a.tile for a in o.axes if a.name in ("s", "t")}, o.knobs.num_warps, o.knobs.num_stages)
+
+    for causal in (False, True):
+        own, table = dkv("h200", 8, causal), dkv("h200", 8, causal, own=False)
+        assert tiling(own) == ({"s": 64, "t": 64}, 4, 2) and tiling(table) == ({"s": 64, "t": 32}, 8, 2)
+        (r,) = ptx.onf_reports(own, "sm_90a")
+        assert r.wgmma > 0 and r.mma_sync == 0 and r.spill_stores == 0, r
+    (t,) = ptx.onf_reports(table, "sm_90a")
+    assert t.mma_sync > 0, t
+    assert tiling(dkv("h200", 2, True)) == tiling(dkv("h200", 2, True, own=False))
+    assert tiling(dkv("delta-a100", 8, False)) == ({"s": 64, "t": 32}, 8, 2)

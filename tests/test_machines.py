@@ -291,3 +291,17 @@ def test_a_call_inside_using_runs_that_profiles_onf():
     with pytest.raises(TypeError, match="using: machine must be a Machine or a profile name"):
         with machines.using(3):
             pass
+
+
+def test_a_profiles_own_tilings_are_read_and_checked():
+    """``gpu_tiles`` (a profile's own measured tilings, ``Machine.tilings``): the H200's
+    bfloat16 dK/dV tiling from its sweep; a malformed key or tiling names the profile."""
+    import dataclasses
+
+    h200 = machines.load("h200")
+    assert h200.tilings("scatter", 2, 64) == [(64, 64, 4, 2)]
+    assert h200.tilings("scatter_walk", 2, 64) == [] and machines.load("delta-a100").gpu_tiles == {}
+    for bad in ({"scatter 2": [[64, 64, 4, 2]]}, {"warp 2 64": [[64, 64, 4, 2]]},
+                {"scatter 2 64": [[64, 64, 4]]}, {"scatter 2 64": [[64, 64, 0, 2]]}, {"scatter 2 64": []}):
+        with pytest.raises(ValueError, match="'h200'.*gpu_tiles"):
+            dataclasses.replace(h200, gpu_tiles=bad)
