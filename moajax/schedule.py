@@ -258,9 +258,11 @@ GPU_TILES = {
 # swept with ptxas on sm_80, sm_86 and sm_90a for 0 spill bytes (bench/results/gpu_report.md).
 # float32 at 64 wide ends in 16 × 16 with 4 warps: through the ONF's Triton source
 # (implementation="triton") sm_80 spills 40 B at 32 × 32 and 8 B at 16 × 16 with 8 warps, and
-# none with 4 (ptxas of Triton 3.9; Pallas spills at none of the three)
+# none with 4 (ptxas of Triton 3.9; Pallas spills at none of the three). 16-bit at 64 wide
+# tries 32 × 32 with 8 warps after 4: the A100's causal GQA dK/dV at S = 4096 spills at the
+# first two and compiles clean there, where the next was 16 × 16 (bench/results/gqa_plans_ptx.md)
 GPU_SCATTER_TILES = {
-    (2, 64): [(64, 32, 8, 2), (32, 32, 4, 2), (16, 16, 8, 2)],
+    (2, 64): [(64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (16, 16, 8, 2)],
     (2, 128): [(64, 32, 8, 2), (32, 32, 8, 2), (16, 16, 8, 2)],
     (4, 64): [(32, 32, 8, 2), (16, 16, 8, 2), (16, 16, 4, 2)],
     (4, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],

@@ -670,3 +670,23 @@ def test_a_profiles_own_tilings_come_first():
     assert t.mma_sync > 0, t
     assert tiling(dkv("h200", 2, True)) == tiling(dkv("h200", 2, True, own=False))
     assert tiling(dkv("delta-a100", 8, False)) == ({"s": 64, "t": 32}, 8, 2)
+
+
+@needs_compiler
+def test_causal_gqas_dk_dv_on_the_a100_steps_down_to_32_by_32():
+    """Causal GQA's dK/dV kernel in bfloat16 at S = 4096 (8 query heads over 2 kv heads) on the
+    A100, derived as a GPU derives it: ptxas spills at the scatter table's 64 × 32 (8 warps)
+    and 32 × 32 (4 warps), and the check takes 32 × 32 with 8 warps, 0 spills — where the
+    table's next, before 2026-12-04, was 16 × 16 (bench/results/gqa_plans_ptx.md)."""
+    import dataclasses
+
+    from moajax.kernels.attention import mha_kernel
+
+    a100 = dataclasses.replace(machines.load("delta-a100"), spill_check=True)
+    specs = [jax.ShapeDtypeStruct((1, 4096, n, 64), np.dtype("bfloat16")) for n in (8, 2, 2)]
+    with compat.enable_x64_context(True):
+        adj, args = mha_kernel(None, None, True).saved_adjoint(*specs, is_causal=True)
+        (onf,) = [o for o in schedule.derive_plan(adj.dnf(*args, is_causal=True), a100) if "d_key" in o.dnf.name]
+    assert ({a.name: a.tile for a in onf.axes if a.name in ("s", "t")}, onf.knobs.num_warps) == ({"s": 32, "t": 32}, 8)
+    (r,) = ptx.onf_reports(onf, "sm_80")
+    assert r.spill_stores == 0 and r.spill_loads == 0, r
