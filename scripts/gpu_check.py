@@ -321,6 +321,17 @@ def main():
                    "jax.nn cudnn": grad_fn(jaxnn_attn(causal, "cudnn"))}
             race(f"bfloat16, {S}, {causal}, GQA {N}/{K}", con, (q, k, v),
                  14 * S * S * N * H / (2 if causal else 1), 10, "jax.nn xla")
+        # float32 GQA under each backward ONF: on the H200 the atomic and split plans hold the
+        # group whole, 3-D tiles contracted as 2-D dots (``Backend.joint_sums``; never timed)
+        if rep.left() < 15:
+            rep.add(f"| float32, {S}, True, GQA {N}/{K} | (not run: time) | | | | | |")
+        else:
+            q = draw((1, S, N, H), "float32")
+            k, v = (draw((1, S, K, H), "float32") for _ in range(2))
+            con = {f"moajax {b}": grad_fn(moajax_attn(True, onf=Preset.of(backward=b)))
+                   for b in ("owner", "split", "atomic")}
+            con["jax.nn xla"] = grad_fn(jaxnn_attn(True, "xla"))
+            race(f"float32, {S}, True, GQA {N}/{K}", con, (q, k, v), 14 * S * S * N * H / 2, 10, "jax.nn xla")
         rep.add("", "Causal against non-causal, moajax owner (the skipped tiles): " + ", ".join(
             f"{dt} S = {S}: {causal_speedup[(dt, S, False)] / causal_speedup[(dt, S, True)]:.2f}×"
             for (dt, S, c) in causal_speedup if not c and (dt, S, True) in causal_speedup))
