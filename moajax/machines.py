@@ -71,16 +71,19 @@ class Machine:
         if not isinstance(self.cpu_score_tile_bytes, int) or self.cpu_score_tile_bytes < 0:
             raise ValueError(f"Machine {self.name!r}: cpu_score_tile_bytes must be a non-negative int, "
                              f"got {self.cpu_score_tile_bytes!r}")
+        # a key the tables can ask for (``schedule._gpu_candidates``), written as they ask
+        keys = {f"{t} {b} {w}" for t in GPU_TILE_TABLES for b in (1, 2, 4, 8) for w in (64, 128)}
+        pow2 = lambda x: type(x) is int and x > 0 and x & (x - 1) == 0  # noqa: E731
         for key, tilings in self.gpu_tiles.items():
-            parts = str(key).split()
-            if len(parts) != 3 or parts[0] not in GPU_TILE_TABLES or not all(p.isdigit() for p in parts[1:]):
+            if key not in keys:
                 raise ValueError(f"Machine {self.name!r}: a gpu_tiles key is '<{'|'.join(GPU_TILE_TABLES)}> "
-                                 f"<operand bytes> <held width>', got {key!r}")
+                                 f"<operand bytes: 1|2|4|8> <held width: 64|128>', got {key!r}")
             if not (isinstance(tilings, (list, tuple)) and tilings and all(
-                    isinstance(t, (list, tuple)) and len(t) == 4 and all(isinstance(x, int) and x > 0 for x in t)
-                    for t in tilings)):
+                    isinstance(t, (list, tuple)) and len(t) == 4 and all(pow2(x) for x in t[:3])
+                    and type(t[3]) is int and t[3] >= 1 for t in tilings)):
                 raise ValueError(f"Machine {self.name!r}: gpu_tiles[{key!r}] must be a list of [rows, keys, warps, "
-                                 f"stages] of positive ints, got {tilings!r}")
+                                 f"stages]: rows, keys and warps powers of two (Triton's blocks), stages ≥ 1; "
+                                 f"got {tilings!r}")
 
     def tilings(self, table: str, item: int, held: int) -> list:
         """This profile's own (rows, keys, warps, stages) for one entry of a tile table."""
@@ -176,6 +179,7 @@ def generic_gpu(cc: str, multiprocessors: int = 0, kind: str = "") -> Machine:
     return dataclasses.replace(
         base, name=_GENERIC_GPU_PREFIX + arch, arch=arch, shared_memory_per_block=SHARED_MEMORY_BY_CAPABILITY[cc],
         multiprocessors=multiprocessors or base.multiprocessors, device_kinds=(kind,) if kind else (),
+        gpu_tiles={},  # (tilings measured on the base profile's GPU are not this one's)
         description=f"unlisted GPU{' ' + kind if kind else ''} (compute capability {cc}; rates and bandwidth "
                     f"of {base.name}, guessed)")
 

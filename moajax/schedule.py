@@ -1126,6 +1126,8 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF, pre
             continue
         try:
             spilled = ptx.spill_bytes(o, machine.arch, machine.gpu_path)
+        except ONFError:  # a tiling the backend refuses (not a toolchain failure): the next rank
+            continue
         except Exception as e:  # noqa: BLE001 - any toolchain failure: keep the table's choice
             if (machine.name, machine.gpu_path) not in _SPILLS_WARNED:
                 _SPILLS_WARNED.add((machine.name, machine.gpu_path))
@@ -1137,7 +1139,7 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF, pre
         if spilled == 0:
             return o
         tried.append((spilled, o))
-    return min(tried, key=lambda t: t[0])[1]
+    return min(tried, key=lambda t: t[0])[1] if tried else first
 
 
 def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precision: str | None = None) -> ONF:

@@ -376,6 +376,31 @@ def test_two_ranks_that_clamp_to_one_tiling_do_not_end_the_check(monkeypatch):
     assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True)) == clean
 
 
+def test_a_tiling_the_backend_refuses_is_passed_over_not_taken(monkeypatch, caplog):
+    """A tiling whose lowering raises an ONFError (a block Triton cannot take) is the next
+    rank's turn, not a failing toolchain: before, the check kept it, and warned that the
+    profile's tilings were not checked."""
+    import dataclasses
+
+    from moajax.onf import ONFError
+
+    a100 = machines.load("delta-a100")
+    dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
+    first = schedule.derive(dnf, a100)
+
+    def refuse_first(onf, arch, path):
+        if onf == first:
+            raise ONFError("a block of 48 (test)")
+        return 0
+
+    monkeypatch.setattr(ptx, "spill_bytes", refuse_first)
+    monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
+    monkeypatch.setattr(schedule, "_SPILLS_WARNED", set())
+    with caplog.at_level("WARNING", logger="moajax"):
+        got = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True))
+    assert got != first and not caplog.records
+
+
 def test_a_plan_compiles_only_the_kernels_it_keeps(monkeypatch):
     """The attention adjoint's fused candidate decides the plan (it scatter-adds: owner on a
     GPU) by its structure, which the check does not change: it is probed unchecked, and only the

@@ -301,7 +301,11 @@ def test_a_profiles_own_tilings_are_read_and_checked():
     h200 = machines.load("h200")
     assert h200.tilings("scatter", 2, 64) == [(64, 64, 4, 2)]
     assert h200.tilings("scatter_walk", 2, 64) == [] and machines.load("delta-a100").gpu_tiles == {}
-    for bad in ({"scatter 2": [[64, 64, 4, 2]]}, {"warp 2 64": [[64, 64, 4, 2]]},
-                {"scatter 2 64": [[64, 64, 4]]}, {"scatter 2 64": [[64, 64, 0, 2]]}, {"scatter 2 64": []}):
+    assert machines.generic_gpu("9.0", 132).gpu_tiles == {}  # measured on another GPU than an unlisted one
+    for bad in ({"scatter 2": [[64, 64, 4, 2]]}, {"warp 2 64": [[64, 64, 4, 2]]}, {"scatter 2 32": [[64, 64, 4, 2]]},
+                {"scatter 3 64": [[64, 64, 4, 2]]}, {"scatter  2 64": [[64, 64, 4, 2]]},
+                {"scatter 2 64": [[64, 64, 4]]}, {"scatter 2 64": [[64, 64, 0, 2]]}, {"scatter 2 64": []},
+                {"scatter 2 64": [[48, 64, 4, 2]]}, {"scatter 2 64": [[True, 64, 4, 2]]},
+                {"scatter 2 64": [[64, 64, 4, 0]]}):
         with pytest.raises(ValueError, match="'h200'.*gpu_tiles"):
             dataclasses.replace(h200, gpu_tiles=bad)
