@@ -165,20 +165,14 @@ def matmul_precision_config():
     return jax.config.jax_default_matmul_precision
 
 
-def dot_precision_context(value):
-    """A block under ``jax.default_matmul_precision(value)``: a value of
-    ``matmul_precision_config`` (None included) or of ``Knobs.dot_precision``."""
-    return jax.default_matmul_precision(value)
-
-
 def at_matmul_precision(fn, value):
-    """``fn`` called under ``dot_precision_context(value)``: what a kernel's call hands on to
+    """``fn`` called under ``jax.default_matmul_precision(value)`` (a value of
+    ``matmul_precision_config``, None included): what a kernel's call hands on to
     the code JAX traces later — its backward, tangent and saving forward (jax.grad traces them
     after the forward, outside a ``with`` block the forward was called in), the per-device
     kernels of a sharded call (XLA's partitioner asks for them at compile time) and the batched
     kernel of a vmap across a jit boundary — so that they take the call's precision, as the
     transpose of a dot_general takes its primal's."""
-    import functools
 
     @functools.wraps(fn)
     def at_precision(*args, **kwargs):

@@ -173,7 +173,6 @@ class PallasBackend(Backend):
 
     def contract(self, a: Named, b: Named, v, out_dtype) -> Named:
         import jax.numpy as jnp
-        from jax import lax
 
         da, db = self.operands(a, b, out_dtype)
         shared = set(a.vars) & set(b.vars) - {v}
@@ -186,10 +185,7 @@ class PallasBackend(Backend):
                 # axis the program owns (dK/dV's scores K·Qᵀ: 64 key rows, where Q·Kᵀ had the
                 # 32 queries of a step and Hopper's wgmma takes 64 rows at least)
                 a, b, da, db = b, a, db, da
-            ca, cb = a.vars.index(v), b.vars.index(v)
-            prec = self.precision if np.dtype(da.dtype).itemsize >= 4 else None
-            out = lax.dot_general(da, db, (((ca,), (cb,)), ((), ())), precision=prec,
-                                  preferred_element_type=out_dtype)
+            out = self._dot(da, db, a.vars.index(v), b.vars.index(v), out_dtype)
             out_vars = [x for x in a.vars if x != v] + [x for x in b.vars if x != v]
             return Named(out, out_vars)
         if not shared:
@@ -204,6 +200,14 @@ class PallasBackend(Backend):
         ax = vs.index(v)
         return Named(jnp.sum(prod, axis=ax), vs[:ax] + vs[ax + 1:])
 
+    def _dot(self, x, y, cx: int, cy: int, out_dtype):
+        """The one tl.dot of two 2-D tiles over their axes ``cx`` and ``cy``: float32 (and
+        wider) operands in the ONF's precision (``Knobs.dot_precision``), 16-bit ones as they
+        are, accumulated in ``out_dtype``."""
+        from jax import lax
+
+        prec = self.precision if np.dtype(x.dtype).itemsize >= 4 else None
+        return lax.dot_general(x, y, (((cx,), (cy,)), ((), ())), precision=prec, preferred_element_type=out_dtype)
 
     def contract_joint(self, a: Named, b: Named, vs: tuple, out_dtype):
         """Σ_{vs} a·b as one tl.dot: each operand's summed axes folded into the dot's inner
@@ -232,9 +236,7 @@ class PallasBackend(Backend):
             return None
         ta = lax.transpose(da, [a.vars.index(x) for x in fa + list(vs)]).reshape(m, k)
         tb = lax.transpose(db, [b.vars.index(x) for x in fb + list(vs)]).reshape(n, k)
-        prec = self.precision if np.dtype(da.dtype).itemsize >= 4 else None
-        out = lax.dot_general(ta, tb, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=out_dtype)
-        return Named(out.reshape(tuple(sa + sb)), fa + fb)
+        return Named(self._dot(ta, tb, 1, 1, out_dtype).reshape(tuple(sa + sb)), fa + fb)
 
 
 def _rows_follow(a: Named, b: Named, v, rank) -> bool:

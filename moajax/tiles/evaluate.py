@@ -273,8 +273,8 @@ class TileEval(Scope):
                 return None
             datas, vs = self.align(parts)
             return Named(_ops.OPS[e.op].jnp_fn()(*datas), vs)
-        factors = D.product_factors(e)
-        if len(factors) < 2 or D.one_hot_write(w, e) is not None:
+        factors = D.product_factors(e)  # (a one-hot scatter, ``D.one_hot_write``, is one factor)
+        if len(factors) < 2:
             return None
         return contract_joint(self, factors, (v, w), dtype)
 
