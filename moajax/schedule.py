@@ -319,21 +319,32 @@ def _gpu_candidates(table: dict, onf: ONF, widths, machine: Machine | None = Non
     return own + [c for c in table[(item, held)] if c not in own]
 
 
-def _first_fit(onf: ONF, machine: Machine, cands, lift, rank: int = 0) -> ONF:
-    """The first candidate whose lifting (``lift(rows, keys)``) fits the machine's shared
-    memory by the cost model's upper bound (``cost.onchip_bytes``, calibrated against ptxas in
-    bench/results/smem_sweep.md), else the last, for validate to name. ``rank`` k > 0: the
-    (k+1)-th that fits, or the last that fits where fewer do (the spill check's next try)."""
+def _liftings(onf: ONF, cands, lift):
+    """Each candidate's lifting (``lift(rows, keys)``) with its warps and stages, in the
+    table's order (lazily: a lifting is built only when asked for)."""
     lowp = _lowp_dots(onf)
-    fitting = None
     for bt, bs, warps, stages in cands:
-        o = W.with_knobs(lift(bt, bs), num_warps=warps, num_stages=stages, lowp_dots=lowp)
+        yield W.with_knobs(lift(bt, bs), num_warps=warps, num_stages=stages, lowp_dots=lowp)
+
+
+def _ranked(liftings, machine: Machine, rank: int = 0) -> ONF:
+    """The first of ``liftings`` that fits the machine's shared memory by the cost model's
+    upper bound (``cost.onchip_bytes``, calibrated against ptxas in bench/results/smem_sweep.md),
+    else the last, for validate to name. ``rank`` k > 0: the (k+1)-th that fits, or the last
+    that fits where fewer do (the spill check's next try)."""
+    fitting = o = None
+    for o in liftings:
         if onchip_bytes(o) <= machine.onchip_limit_bytes:
             fitting = o
             if rank == 0:
                 return o
             rank -= 1
     return fitting or o
+
+
+def _first_fit(onf: ONF, machine: Machine, cands, lift, rank: int = 0) -> ONF:
+    """``_ranked`` over one table's candidates for one lifting (``_liftings``)."""
+    return _ranked(_liftings(onf, cands, lift), machine, rank)
 
 
 def _gathered(onf: ONF) -> set:
@@ -377,15 +388,15 @@ def _cpu_rows(machine: Machine, rows_ext: int, other: int, bs: int = 256) -> int
 
 
 def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: int = 0):
-    """The first lifting that fits (the ``rank``-th of each table: ``_first_fit``), trying in
-    order: the last output axis whole and every
+    """The first lifting that fits, trying in order: the last output axis whole and every
     nested reduction whole; then the last output axis tiled over the grid (a row statistic
     over many rows, a wide matmul output), widest tile first; then, as well, each nested
-    reduction walked in tiles (SwiGLU's Z·W_g inside its Σ_f: a loop inside the loop)."""
-    def fits(o):
-        return onchip_bytes(o) <= machine.onchip_limit_bytes
-
-    def attempt(lt, it):
+    reduction walked in tiles (SwiGLU's Z·W_g inside its Σ_f: a loop inside the loop).
+    ``rank`` k > 0 (the spill check's next try): the (k+1)-th that fits in that one order, so
+    that the tries go on to the next structure once a structure's tilings are spent (the
+    H200's float32 SwiGLU dZ at n = 4096: its 1024 columns held whole fit at 16 × 16 only,
+    which spilled; the next try is the A100's 32 × 128 output tiles)."""
+    def attempt(onf, loops, out_vars, inner, rows, nested, lt, it):
         # two wide walks one inside the other (a table's gradient: Σ_s Σ_t over [s × t]
         # scores) hold a tile of each, not their extents: the candidates are those for that
         # width, and the tiles at most the candidates' keys wide, as attention's [rows × keys]
@@ -398,37 +409,38 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: i
         # 32 × 128 tiles and a 16-wide walk, and 32-row dots that sm_90a's wgmma does not take)
         held += [min(v.extent, lt) if lt else v.extent for v in out_vars[-1:]]
         cands = _gpu_candidates(GPU_TILES, onf, held, machine)
-        return _first_fit(onf, machine, cands, lambda bt, bs: _apply_tiles(
+        return _liftings(onf, cands, lambda bt, bs: _apply_tiles(
             onf, loops, out_vars, inner, rows, bt, bs, gpu=True, last_tile=lt, inner_tile=it,
-            nested={v: min(it, bs) for v in nested} if it else None), rank)
+            nested={v: min(it, bs) for v in nested} if it else None))
 
     # a nested reduction wider than the widest calibrated head dim is walked from the start:
     # held whole it fits shared memory yet spills registers (SwiGLU's Σ_d, d = 1024, on sm_90a:
     # 8800 B of spill stores under ptxas with 16 × 128 output tiles)
-    wide_walks = lambda inner: [v for v in inner if next_pow2(v.extent) > GPU_WHOLE_MAX]  # noqa: E731
-    wide = bool(wide_walks(inner))
-    nested = _nested_walks(onf, wide_walks(inner))
-    o = attempt(0, 0)
-    if fits(o) and not wide:
-        return o
-    last = out_vars[-1] if out_vars else None
-    lts = [0]
-    if last is not None and last not in loops and last.extent > 16:
-        # a reduction inside that shadows the last variable (SwiGLU's Σ_d of Z·W_g under
-        # the output's d) walks an axis of its own once the programs own tiles of d
-        named = W.separate_walks(onf, [last.name])
-        if named is not onf:
-            onf = named
-            loops, out_vars, inner, rows = _structure(onf, gpu=True)
-            nested = _nested_walks(onf, wide_walks(inner))
-        lts = [lt for lt in (128, 64, 32, 16) if lt < next_pow2(last.extent)] or [0]
-    for it in ((64, 32, 16) if wide else (0, 64, 32, 16)):
-        for lt in lts:
-            if (lt, it) != (0, 0) and (it == 0 or any(v.extent > it for v in inner)):
-                o = attempt(lt, it)
-                if fits(o):
-                    return o
-    return o
+    def wide_walks(inner):
+        return [v for v in inner if next_pow2(v.extent) > GPU_WHOLE_MAX]
+
+    def structures(onf, loops, out_vars, inner, rows):
+        wide = bool(wide_walks(inner))
+        nested = _nested_walks(onf, wide_walks(inner))
+        if not wide:
+            yield from attempt(onf, loops, out_vars, inner, rows, nested, 0, 0)
+        last = out_vars[-1] if out_vars else None
+        lts = [0]
+        if last is not None and last not in loops and last.extent > 16:
+            # a reduction inside that shadows the last variable (SwiGLU's Σ_d of Z·W_g under
+            # the output's d) walks an axis of its own once the programs own tiles of d
+            named = W.separate_walks(onf, [last.name])
+            if named is not onf:
+                onf = named
+                loops, out_vars, inner, rows = _structure(onf, gpu=True)
+                nested = _nested_walks(onf, wide_walks(inner))
+            lts = [lt for lt in (128, 64, 32, 16) if lt < next_pow2(last.extent)] or [0]
+        for it in ((64, 32, 16) if wide else (0, 64, 32, 16)):
+            for lt in lts:
+                if (lt, it) != (0, 0) and (it == 0 or any(v.extent > it for v in inner)):
+                    yield from attempt(onf, loops, out_vars, inner, rows, nested, lt, it)
+
+    return _ranked(structures(onf, loops, out_vars, inner, rows), machine, rank)
 
 
 def _enclosed(onf: ONF) -> list:

@@ -338,7 +338,9 @@ def test_a_presets_dot_precision_is_spill_checked(monkeypatch):
 
 def test_where_every_tiling_spills_the_least_spilling_is_kept(monkeypatch):
     """No tiling of the table compiles clean (spill bytes given per tiling here): the check keeps
-    the one that spills least, the first of equals, after trying each that fits once."""
+    the one that spills least, the first of equals, after trying each that fits once, up to
+    its number of tries (the table's four, then the next structure's first: Out's e over the
+    grid in tiles of 32 at 64 × 32)."""
     import dataclasses
 
     spills = {(64, 32): 16, (64, 16): 8, (32, 16): 24, (16, 16): 8}
@@ -354,7 +356,8 @@ def test_where_every_tiling_spills_the_least_spilling_is_kept(monkeypatch):
     a100 = machines.load("delta-a100")
     dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
     got = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True))
-    assert len(asked) == 4 and len(set(asked)) == 4  # each fitting tiling once, then the table ran out
+    assert len(asked) == schedule.SPILL_CHECK_TRIES == len(set(asked))  # each fitting tiling once
+    assert asked[-1].axis("e").role == "grid" and asked[-1].axis("e").tile == 32
     # (64, 16): 8 B, before (16, 16); at the precision derive took from the config
     assert got == schedule._derive(dnf, a100, schedule.Preset(), 1, compat.default_dot_precision())
 
@@ -374,6 +377,34 @@ def test_two_ranks_that_clamp_to_one_tiling_do_not_end_the_check(monkeypatch):
     monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch, path: 0 if onf == clean else 8)
     monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
     assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True)) == clean
+
+
+def test_the_check_goes_on_to_the_next_structure_when_one_is_spent(monkeypatch):
+    """The H200's float32 SwiGLU dZ at n = 4096, d = 1024 fits shared memory with its 1024
+    columns held whole at 16 × 16 only (the A100's does not, and takes 32 × 128 output tiles).
+    Where that spills (given here: ptxas 12.9 has put it at 255 registers, 0 or 8 B), the next
+    try is the next structure's first tiling, the d axis tiled over the grid; before, the ranks
+    stepped within the first structure, repeated its one tiling and kept it."""
+    import dataclasses
+
+    import jax
+
+    from moajax.kernels.mlp import swiglu
+
+    def held_whole(onf):
+        return any(a.name == "d" and a.role == "whole" for a in onf.axes)
+
+    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch, path: 8 if held_whole(onf) else 0)
+    monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
+    S = lambda *s: jax.ShapeDtypeStruct(s, np.dtype("float32"))  # noqa: E731
+    n, d, f = 4096, 1024, 4096
+    specs = [S(n, d), S(d, f), S(d, f), S(f, d)]
+    dnf = next(o for o in schedule.derive_plan(swiglu.adjoint(*specs).dnf(*specs, S(n, d)), machines.load("h200"))
+               if o.dnf.name.endswith("d_z")).dnf
+    h200 = machines.load("h200")
+    assert held_whole(schedule.derive(dnf, h200))  # the table's first fit
+    got = schedule.derive(dnf, dataclasses.replace(h200, spill_check=True))
+    assert not held_whole(got) and got.axis("d").role == "grid" and got.axis("d").tile == 128, got
 
 
 def test_a_tiling_the_backend_refuses_is_passed_over_not_taken(monkeypatch, caplog):
@@ -424,15 +455,21 @@ def test_a_plan_compiles_only_the_kernels_it_keeps(monkeypatch):
 
 
 def test_the_table_ranks_are_its_fitting_tilings_in_order():
-    """``rank`` k takes the (k+1)-th table tiling that fits shared memory, the last that fits
-    once they run out (the spill check stops there): for float32 H=64 attention on an A100,
-    GPU_TILES' (64, 32, 8, 3), (64, 16, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)."""
+    """``rank`` k takes the (k+1)-th tiling that fits shared memory, in the scheduler's order of
+    structures: for float32 H=64 attention on an A100, GPU_TILES' (64, 32, 8, 3), (64, 16, 8, 2),
+    (32, 16, 8, 2), (16, 16, 4, 2) with Out's e whole; then the next structure's, e over the grid
+    in tiles of 32 (the spill check's tries go on there once the first structure is spent), and
+    the last that fits once every structure runs out."""
     a100 = machines.load("delta-a100")
     dnf = mha_dnf((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), np.float32)
     got = [schedule._derive(dnf, a100, schedule.Preset(), k, compat.default_dot_precision()) for k in range(6)]
     tiles = [(dict(_tiling(o)[0])["t"], dict(_tiling(o)[0])["s"], *_tiling(o)[1:]) for o in got]
-    assert tiles == [tuple(c) for c in schedule.GPU_TILES[(4, 64)]] + [tuple(schedule.GPU_TILES[(4, 64)][-1])] * 2
+    table = [tuple(c) for c in schedule.GPU_TILES[(4, 64)]]
+    assert tiles == table + table[:2]
+    assert [o.axis("e").role for o in got] == ["whole"] * 4 + ["grid"] * 2 and got[4].axis("e").tile == 32
     assert got[0] == schedule.derive(dnf, a100)
+    last = schedule._derive(dnf, a100, schedule.Preset(), 1000, compat.default_dot_precision())
+    assert last.axis("e").tile == 16 and (dict(_tiling(last)[0])["t"], dict(_tiling(last)[0])["s"]) == (16, 16)
 
 
 @pytest.mark.parametrize("failure", [ptx.ToolMissing("ptxas not found (test)"),

@@ -145,3 +145,30 @@ def test_vmap_of_the_lowered_kernels_adds_batch_loops_not_python_loops():
     jaxpr = jax.make_jaxpr(jax.vmap(pallas_kernels.lower(onf, interpret=True)))(stack(q), stack(k), stack(v))
     # one pallas_call, batched by JAX (a grid axis), not three
     assert str(jaxpr).count("pallas_call") == 1
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["static", "skipping"])
+def test_kernel_loops_count_in_int32_under_x64(causal):
+    """A walk's counter is an int32 whatever ``jax_enable_x64`` says (``Backend.fori_loop``):
+    lax.fori_loop over static bounds scans with a Python-int counter, an int64 under x64, which
+    Pallas' Triton lowering makes the loop's induction variable (sm_90a spilled 8 B in the
+    H200's float32 SwiGLU dZ under x64 for it, none without). No loop carries an int64, or
+    computes one each step: in the static walks, nor in the traced spans of the skipping ones
+    (causal; their bounds, computed once per program before the loop, may be int64)."""
+    from helpers import walk_eqns
+    from moajax import compat
+
+    with compat.enable_x64_context(True):
+        dnf = mha_dnf((1, 256, 2, 64), (1, 256, 2, 64), (1, 256, 2, 64), np.float32, is_causal=causal)
+        onf = schedule.derive(dnf, machines.load("h200"))
+        fn = pallas_kernels.lower(onf, interpret=True)
+        args = [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in dnf.inputs]
+        jaxpr = jax.make_jaxpr(fn)(*args)
+    kernels = [e for e, _ in walk_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    loops = [q for k in kernels for q, _ in walk_eqns(k.params["jaxpr"]) if q.primitive.name in ("scan", "while")]
+    # the loops' carries, and every value computed inside a loop body, per step
+    inner = [q for loop in loops for key in ("jaxpr", "body_jaxpr") if key in loop.params
+             for q, _ in walk_eqns(getattr(loop.params[key], "jaxpr", loop.params[key]))]
+    wide = {(q.primitive.name, str(v.aval)) for q in loops + inner for v in q.outvars
+            if getattr(v.aval, "dtype", None) == np.int64}
+    assert kernels and loops and not wide, wide
