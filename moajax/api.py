@@ -109,8 +109,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         raise ValueError(f"dot_product_attention: value shape {list(vs)} does not match key shape {list(ks)} in S and K")
     if K == 0 or N % K:
         raise ValueError(f"dot_product_attention: query has {N} heads, not a multiple of the {K} key/value heads")
-    if min(T, S, H, E, N) == 0:
-        raise ValueError("dot_product_attention: zero-size dimension in query/key/value")
+    if min(B, T, S, H, E, N) == 0:
+        raise ValueError(f"dot_product_attention: zero-size dimension in query {list(qs)}, key {list(ks)} or "
+                         f"value {list(vs)}")
     target = (B, N, T, S)
     bias_shape = bias_dtype = mask_shape = None
     args = [query, key, value]
@@ -118,14 +119,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         bias_shape, bias_dtype = _shape_dtype(bias, "bias")
         if bias_dtype.name not in _FLOATS:
             raise TypeError(f"dot_product_attention: bias dtype must be floating, got {bias_dtype.name}")
-        _check_broadcast("bias", bias_shape, target if batched else target[1:])
+        _check_broadcast("bias", bias_shape, target if batched or len(bias_shape) == 4 else target[1:])
         bias_shape = (1,) * (4 - len(bias_shape)) + bias_shape  # rank 4: one kernel per pattern
         args.append(jnp.reshape(bias, bias_shape))
     if mask is not None:
         mask_shape, mask_dtype = _shape_dtype(mask, "mask")
         if mask_dtype != np.bool_:
             raise TypeError(f"dot_product_attention: mask must be a bool array (True = keep), got {mask_dtype.name}")
-        _check_broadcast("mask", mask_shape, target if batched else target[1:])
+        _check_broadcast("mask", mask_shape, target if batched or len(mask_shape) == 4 else target[1:])
         mask_shape = (1,) * (4 - len(mask_shape)) + mask_shape  # rank 4: one kernel per pattern
         args.append(jnp.reshape(mask, mask_shape))
     if scale is not None:
@@ -137,12 +138,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         if not isinstance(given, (bool, np.bool_)):
             raise TypeError(f"dot_product_attention: {flag} must be a static bool, got {type(given).__name__}")
     window = _check_window(local_window_size)
+    if window is not None:
+        # a side wider than the sequences keeps every key, as max(T, S) does: the kernel's
+        # int32 index arithmetic (s − t + left) never wraps (2**31 − 1 masked every key)
+        window = tuple(min(x, max(T, S)) for x in window)
     mod = _check_score_mod(score_mod, qd)
-    if mod is not None:
-        args += [jnp.asarray(c) for c in mod.consts]
     lengths = [_check_lengths(name, x, B, n, batched) for name, x, n in (
         ("query_seq_lengths", query_seq_lengths, T), ("key_value_seq_lengths", key_value_seq_lengths, S))]
+    # in the kernel's order (``mha_kernel``): the lengths, then the arrays score_mod closes over
     args += [x for x in lengths if x is not None]
+    if mod is not None:
+        args += [jnp.asarray(c) for c in mod.consts]
     runtime.check_onf_argument(onf, "dot_product_attention")
     onf = _backward_plan(onf, bias is not None)
     runtime.check_implementation(implementation, "dot_product_attention")
@@ -431,6 +437,8 @@ def decode_attention(query, k_cache, v_cache, lengths=None, *, scale=None, onf=N
     if vs[:3] != ks[:3]:
         raise ValueError(f"{who}: v_cache has shape {list(vs)}, expected [{ks[0]}, {ks[1]}, {ks[2]}, E] "
                          f"(k_cache is {list(ks)})")
+    if 0 in qs + ks + vs[3:]:
+        raise ValueError(f"{who}: zero-size dimension in query {list(qs)}, k_cache {list(ks)} or v_cache {list(vs)}")
     if N % ks[2]:
         raise ValueError(f"{who}: {N} query heads are not a multiple of the cache's {ks[2]} kv heads")
     if lengths is not None:
@@ -448,8 +456,9 @@ def kv_append(cache, new, positions):
     int [B] (where each element's new entries start). A scatter of the T_new rows: O(new)
     work, and in place under ``jax.jit(..., donate_argnums=0)`` (the donated buffer is the
     result's). Data movement only — no arithmetic for a DNF to fuse — so it is plain JAX.
-    Positions with new entries past the buffer are refused where their values are known;
-    under ``jit`` they are not checked, and entries that would land past S_max are dropped."""
+    Positions with new entries outside the buffer are refused where their values are known;
+    under ``jit`` they are not checked, and entries that would land outside [0, S_max) are
+    dropped (never wrapped: a negative row is not counted from the end)."""
     import jax.numpy as jnp
 
     who = "kv_append"
@@ -462,7 +471,12 @@ def kv_append(cache, new, positions):
                          f"(cache is {list(cs)})")
     B, S_max, T = cs[0], cs[1], ns[1]
     _batch_ints(who, "positions", positions, B, S_max - T, f"the new {T} entries within the cache's {S_max}")
-    rows = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    # clamped in the positions' own width first (an int64 2**32 cast to int32 is 0, the front),
+    # then a row below 0 sent past the end: .at[].set(mode="drop") wraps a negative index once
+    p = jnp.asarray(positions)
+    p = jnp.clip(p.astype(jnp.promote_types(p.dtype, jnp.int32)), -T - 1, S_max).astype(jnp.int32)
+    rows = p[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    rows = jnp.where(rows < 0, S_max, rows)
     batch = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
     return jnp.asarray(cache).at[batch, rows].set(new, mode="drop")
 
@@ -496,6 +510,10 @@ def _block_dims(who: str, params, x) -> dict:
             if dims.setdefault(letter, n) != n:
                 raise ValueError(f"{who}: params[{name!r}] has shape {list(shape)}: its {letter} is {n}, "
                                  f"elsewhere {dims[letter]} ([{', '.join(letters)}])")
+    zero = [k for k, n in dims.items() if n == 0] + [k for k, n in zip("BT", x.shape[:2]) if n == 0]
+    if zero:
+        raise ValueError(f"{who}: zero-size dimension {', '.join(zero)} (x {list(x.shape)}, params as "
+                         f"{', '.join(f'{k}={n}' for k, n in dims.items())})")
     if dims["N"] % dims["K"]:
         raise ValueError(f"{who}: {dims['N']} query heads are not a multiple of {dims['K']} kv heads")
     return dims
@@ -507,11 +525,15 @@ def rope(x, positions, theta: float):
     import jax.numpy as jnp
 
     H = x.shape[-1]
+    # the angles, their cos and sin and the rotation in float32 at least, then x's dtype: in
+    # bfloat16 a position past 256 is not even representable, and t·θ^(−2i/H) rounded to 8 bits
+    # before its cos put a block's output 3× further from float64 (1.8e-2 against 5.5e-3 at T = 256)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
     freqs = float(theta) ** (-np.arange(0, H // 2, dtype=np.float64) * 2.0 / H)
-    ang = jnp.asarray(positions, x.dtype)[:, None] * jnp.asarray(freqs, x.dtype)[None]  # [T, H/2]
+    ang = jnp.asarray(positions, wide)[:, None] * jnp.asarray(freqs, wide)[None]  # [T, H/2]
     cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
-    x1, x2 = x[..., : H // 2], x[..., H // 2:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = x[..., : H // 2].astype(wide), x[..., H // 2:].astype(wide)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def transformer_block(params, x, *, is_causal=True, eps=1e-6, rope_theta=None, onf=None, implementation=None):
@@ -529,9 +551,12 @@ def transformer_block(params, x, *, is_causal=True, eps=1e-6, rope_theta=None, o
 
     who = "transformer_block"
     dims = _block_dims(who, params, x)
-    if rope_theta is not None and (dims["H"] % 2 or not float(rope_theta) > 0):
-        raise ValueError(f"{who}: rope_theta needs an even head dim and a positive base, got H = {dims['H']}, "
-                         f"rope_theta = {rope_theta}")
+    if rope_theta is not None:
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{who}: rope_theta must be a static Python number, got {type(rope_theta).__name__}")
+        if dims["H"] % 2 or not (math.isfinite(float(rope_theta)) and float(rope_theta) > 0):
+            raise ValueError(f"{who}: rope_theta needs an even head dim and a finite positive base, got "
+                             f"H = {dims['H']}, rope_theta = {rope_theta}")
     kw = dict(onf=onf, implementation=implementation)
     hi = lax.Precision.HIGHEST
     p = params
@@ -555,6 +580,10 @@ def transformer_stack(stacked_params, x, **options):
 
     if not isinstance(stacked_params, Mapping) or "attn_norm" not in stacked_params:
         raise ValueError(f"{who}: stacked_params must be a dict of the block's params with a leading layer axis")
+    for name, v in stacked_params.items():
+        if not hasattr(v, "shape") or not len(v.shape):
+            raise TypeError(f"{who}: stacked_params[{name!r}] must be an array with a leading layer axis, "
+                            f"got {type(v).__name__}")
     layers = {int(v.shape[0]) for v in stacked_params.values()}
     if len(layers) != 1:
         raise ValueError(f"{who}: the params' leading (layer) axes differ: {sorted(layers)}")

@@ -168,6 +168,9 @@ class Kernel:
                     f"{self.name}: argument {p.name!r} must have rank {len(p.dims)} ({' '.join(p.dims)}), got shape {shape}"
                 )
             for d, s in zip(p.dims, shape):
+                if s == 0:  # (ψ over an empty axis has no tile to lift: name it here, not in the scheduler)
+                    raise ValueError(f"{self.name}: dimension {d!r} of argument {p.name!r} is 0 (shape {shape}); "
+                                     f"every dimension must be at least 1")
                 prev = sizes.setdefault(d, (s, p.name))
                 if prev[0] != s:
                     raise ValueError(
@@ -291,6 +294,11 @@ class Kernel:
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
         chosen: list = []
         labels = residuals if isinstance(residuals, tuple) else ()
+        if labels:  # named at the call, not first when differentiated (the saving forward is built then)
+            import jax
+
+            outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in key[0][0]], options)[1]
+            self.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels)
         # what of a Preset the adjoint's kernels take: ``backward`` (how its outputs are cut into
         # kernels: its plan), the tiles (named by dimension), the knobs (a TF32 or tile-layout
         # choice is the whole call's, its gradient's dots too), ``skip``, ``unmask_interior`` and

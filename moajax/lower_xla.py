@@ -65,6 +65,7 @@ class XlaBackend(Backend):
         arr = self.arrays[e.array]
         index = tuple(e.index[p] for p in self.perms[e.array])
         starts, sizes, kinds = [], [], []
+        pads = [(0, 0)] * arr.ndim  # zeros around an axis a shifted window overhangs
         for ax, ix in enumerate(index):
             dim = arr.shape[ax]
             sv = ix.as_shifted_var()
@@ -84,7 +85,15 @@ class XlaBackend(Backend):
                     sizes.append(dim)
                     kinds.append(("axis", v))
                 else:
-                    starts.append(r.start + c)
+                    # v + c, c < 0 (the second part of a catenate, ⟨(n − 3) d⟩ψy): its window
+                    # may start before 0 or end past the array (input padding covers c ≥ 0
+                    # only, ``operands.input_padding``); there lax.dynamic_slice would fail
+                    # (a window wider than the axis) or clamp its start, shifting every
+                    # element of the tile, the kept ones too. Zeros pad the overhang: each
+                    # in-range i reads A[i] exactly, the rest 0 (a ``where`` drops them)
+                    lo, hi = self._overhang(v, r, c, dim)
+                    pads[ax] = (lo, hi)
+                    starts.append(r.start + c + lo)
                     sizes.append(r.size)
                     kinds.append(("axis", v))
             else:
@@ -98,6 +107,8 @@ class XlaBackend(Backend):
                     starts.append(0)
                     sizes.append(dim)
                     kinds.append(("gather", ev.index_named(ix)))
+        if any(lo or hi for lo, hi in pads):
+            arr = jnp.pad(arr, pads)
         if any(not (isinstance(s, int) and s == 0 and n == d) for s, n, d in zip(starts, sizes, arr.shape)):
             arr = lax.dynamic_slice(arr, [jnp.asarray(s, jnp.int32) for s in starts], sizes)
         keep = [ax for ax, (k, _) in enumerate(kinds) if k != "idx"]
@@ -126,6 +137,16 @@ class XlaBackend(Backend):
                 vars_.extend(g.vars)
                 pos += len(g.vars)
         return Named(arr, vars_)
+
+    def _overhang(self, v: Var, r: Range, c: int, dim: int) -> tuple[int, int]:
+        """How far the window r + c of v reaches before 0 and past ``dim``: (lo, hi) ≥ 0.
+        A static start: exactly. A traced one (a tile i·tile of a loop over v's tiles, i <
+        ntiles) lies in 0 … whole − size, so the window in c … whole + c − 1."""
+        if isinstance(r.start, (int, np.integer)):
+            first, last = int(r.start) + c, int(r.start) + c + r.size
+        else:
+            first, last = c, max(self.whole(v).size, r.size) + c
+        return max(0, -first), max(0, last - dim)
 
     def _gather_all(self, ev, e, arr, kinds):
         """A general read: one broadcast index array per axis (clipped into bounds)."""

@@ -575,8 +575,13 @@ def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
 
 
 def _at(st: Stage, ref: D.Ref) -> D.Expr:
-    """The body of ``st`` read at ``ref``'s index (a stage inlined at one use)."""
-    return D.substitute(st.body, {a: Ix.of(b.as_var()) for a, b in zip(st.vars, ref.index)})
+    """The body of ``st`` read at ``ref``'s index (a stage inlined at one use): st read at
+    ⟨i…⟩ is st.body with st.vars := i…, for any index expressions i, not only variables — ψ
+    over an axis of extent 1 is its one item, and index arithmetic writes that index as the
+    constant 0 (``Ix``). A variable read at itself is left alone: v := v changes nothing, but
+    re-simplified it would fold each extent-1 v to 0 in the body's reads of other stages,
+    which then no longer read those stages at their own index (``ONF.validate``)."""
+    return D.substitute(st.body, {a: b for a, b in zip(st.vars, ref.index) if b.as_var() != a})
 
 
 def _drop_unused(stages: list, keep: set) -> list:

@@ -212,7 +212,15 @@ def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None, order: tuple | Non
                       "derived)",
                       RuntimeWarning, stacklevel=3)
         return functools.partial(compat.platform_dependent, cpu=xla, cuda=xla, default=xla)
-    return functools.partial(compat.platform_dependent, cpu=xla, cuda=lowered(gpu_onf, "pallas", order), default=xla)
+    try:
+        cuda = lowered(gpu_onf, "pallas", order)
+    except ONFError as err:
+        if has_gpu():
+            raise
+        # a GPU ONF the Pallas lowering refuses, on a machine without a GPU: as one that does
+        # not fit, a CPU call must not fail for it (the CUDA branch carries the XLA loops)
+        return dispatch(cpu_onf, err, implementation, order)
+    return functools.partial(compat.platform_dependent, cpu=xla, cuda=cuda, default=xla)
 
 
 def _first_order_only(run, name: str, hint: str):

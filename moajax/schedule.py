@@ -1197,6 +1197,11 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
                 axis = next((onf.axis_of(v) for v in onf.program.vars() if v.name == name), None)
             if role is None and axis is not None and name in walked and int(t) < axis.extent and axis.role == "whole":
                 role = "sequential"  # a walked axis held whole because it fit one tile: walk it in these tiles
+            elif role is None and axis is not None and axis.role == "whole":
+                # held whole and walked by nothing (attention's s in the adjoint's kernel of what
+                # dQ and dK share): no loop to tile, so moot; taken, a "whole" axis of tile 32 <
+                # 100 held 100, which the Triton backend refused (not a power of two)
+                continue
             onf = W.tile(onf, name, int(t), role)
     for name, role in roles.items():
         onf = W.tile(onf, name, onf.axis(name).tile if name in {a.name for a in onf.axes} else 1, role)

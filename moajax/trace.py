@@ -158,11 +158,14 @@ def _one_hot_read(table: moa.Array, index: moa.Array) -> moa.Array:
     i = 0 ⌈ index ⌊ n − 1 (dynamic_slice clamps its start: jnp's table[i] wraps a negative i
     once, then clamps, so a read past either end is the end entry, never 0), with a trailing
     axis of 1 (dynamic_slice's), removed by the squeeze that follows."""
+    import jax.numpy as jnp  # (NumPy's issubdtype does not count bfloat16 as inexact)
+
     n = table.shape[0]
 
     def one(ix, tab):
         hit = moa.eq(moa.iota(n, table.dims[0]), moa.minimum(moa.maximum(ix, 0), n - 1))
-        return moa.reshape(moa.sum(moa.where(hit, tab, 0.0), 0), (1,), dims=("one",))
+        zero = 0.0 if jnp.issubdtype(table.dtype, jnp.inexact) else 0  # the table's own zero: an int table's is 0
+        return moa.reshape(moa.sum(moa.where(hit, tab, zero), 0), (1,), dims=("one",))
 
     return moa.omega(one, (0, 1))(index, table)
 

@@ -168,6 +168,7 @@ def test_gpu_onf_for_a_cpu_machine_is_derived_from_a_gpu_profile():
     (lambda q, k, v: (q, k, v), dict(onf="fast"), TypeError, "onf must be a moajax ONF or a Preset"),
     (lambda q, k, v: (q, k, v), dict(implementation="cudnn"), ValueError, "implementation must be"),
     (lambda q, k, v: ("q", k, v), {}, TypeError, "query must be an array"),
+    (lambda q, k, v: (q[:0], k[:0], v[:0]), {}, ValueError, r"zero-size dimension in query \[0, 9, 4, 72\]"),
 ])
 def test_bad_arguments_name_the_argument(args, kw, exc, msg):
     q, k, v = qkv()
@@ -207,3 +208,19 @@ def test_mha_row_statistics_come_out_of_the_omega_levels():
     assert rel_err(np.asarray(saved_max), m.transpose(0, 2, 1)) <= F64
     assert rel_err(np.asarray(saved_den), den.transpose(0, 2, 1)) <= F64
     assert rel_err(out, R.mha(*(np.asarray(a) for a in (q, k, v)))) <= F64
+
+
+def test_an_unbatched_query_takes_a_4d_bias_and_mask():
+    """jax.nn's bias and mask are 4-D ("must be 4D", broadcast to [B, N, T, S]) whatever the
+    query's rank: with an unbatched query [T, N, H] a [1, N, T, S] bias and mask are the batch
+    of one (before, refused: "bias has rank 4 > 3"). The same as the batched call, float64;
+    the bias' gradient keeps its shape."""
+    q, k, v = qkv(B=1, T=6, S=10, N=4, K=2, H=8, E=8, dtype=np.float64)
+    bias = jnp.asarray(r.standard_normal((1, 4, 6, 10)))
+    mask = jnp.asarray(r.standard_normal((1, 4, 6, 10)) > -1.0)
+    got = moajax.dot_product_attention(q[0], k[0], v[0], bias, mask)
+    assert got.shape == (6, 4, 8)
+    assert rel_err(got, moajax.dot_product_attention(q, k, v, bias, mask)[0]) <= F64
+    g = jax.grad(lambda b: jnp.sum(moajax.dot_product_attention(q[0], k[0], v[0], b, mask) ** 2))(bias)
+    want = jax.grad(lambda b: jnp.sum(moajax.dot_product_attention(q, k, v, b, mask) ** 2))(bias)
+    assert g.shape == bias.shape and rel_err(g, want) <= F64

@@ -221,6 +221,20 @@ def test_second_derivatives_through_the_saved_residuals(impl):
         check_grads(lambda q, k, v: ours(q, k, v, bias), (q, k, v), order=2, modes=("rev",))
 
 
+@pytest.mark.parametrize("side", [2**31 - 1, 2**40])
+def test_a_window_wider_than_the_sequences_keeps_every_key(side):
+    """local_window_size = (w, w) with w ≥ max(T, S) masks nothing: jax.nn's result without a
+    window (causal: (w, 0) is causal). Before, s − t + w wrapped in the kernel's int32 index
+    arithmetic at w = 2**31 − 1 and masked every key (a wrong answer); 2**40 raised a bare
+    OverflowError. A side is clamped to max(T, S), which keeps the same keys."""
+    q, k, v, g = _qkv(2, 13)
+    for kw, ref in ((dict(local_window_size=(side, side)), {}),
+                    (dict(local_window_size=(side, 0), is_causal=True), dict(is_causal=True))):
+        assert rel_err(moajax.dot_product_attention(q, k, v, **kw), R.mha_variants(q, k, v, **ref)) <= F64
+    grads = jax.grad(lambda q: jnp.sum(moajax.dot_product_attention(q, k, v, local_window_size=side) * g))(q)
+    assert _close(grads, R.mha_variants(q, k, v, dout=g)[0], F64)
+
+
 def test_bad_variant_arguments_are_named():
     q, k, v, _ = _qkv(2, 8)
     attn = moajax.dot_product_attention
@@ -285,6 +299,35 @@ def test_score_mod_equals_the_bias_it_adds(name, mod, impl):
     assert rel_err(got, R.mha_variants(q, k, v, bias=_as_bias(name), is_causal=True)) <= F64
     grads = jax.grad(lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, **kw) * g), (0, 1, 2))(q, k, v)
     for a, b in zip(grads, R.mha_variants(q, k, v, bias=_as_bias(name), is_causal=True, dout=g)):
+        assert _close(a, b, F64)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("table", ["float", "int"])
+def test_score_mod_with_closed_over_arrays_and_lengths(table, impl):
+    """A score_mod closing over an array beside query_seq_lengths and key_value_seq_lengths
+    (ALiBi's slopes, or an int table read at the head): the kernel takes the lengths, then the
+    closed-over arrays. Before, the call passed them the other way round, so a length array sat
+    in the table's slot (with B = N, as here, of the same shape: an int table then ran with the
+    lengths as its entries). An int table's one-hot read sums in ints (its zero is 0, not 0.0).
+    Against the bias the score_mod adds, with the same lengths: float64 forward and gradients."""
+    q, k, v, g = _qkv(2, 12)
+    qlen, kvlen = np.array([7, 3], np.int32), np.array([9, 4], np.int32)
+    if table == "float":
+        slopes = jnp.asarray(SLOPES)
+        mod = lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)  # noqa: E731
+        bias = _as_bias("alibi")
+    else:
+        ints = jnp.asarray([3, 1, 4, 1], jnp.int32)
+        mod = lambda s, b, h, qi, ki: s + 0.5 * ints[h]  # noqa: E731
+        bias = np.broadcast_to(0.5 * np.array([3, 1, 4, 1.0])[None, :, None, None], (B, N, T, S))
+    kw = dict(score_mod=mod, query_seq_lengths=qlen, key_value_seq_lengths=kvlen, implementation=impl)
+    ref = dict(bias=bias, query_seq_lengths=qlen, key_value_seq_lengths=kvlen)
+    for f in (moajax.dot_product_attention, jax.jit(moajax.dot_product_attention, static_argnames=(
+            "score_mod", "implementation"))):
+        assert rel_err(f(q, k, v, **kw), R.mha_variants(q, k, v, **ref)) <= F64
+    grads = jax.grad(lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, **kw) * g), (0, 1, 2))(q, k, v)
+    for a, b in zip(grads, R.mha_variants(q, k, v, **ref, dout=g)):
         assert _close(a, b, F64)
 
 

@@ -390,6 +390,52 @@ def test_a_gpu_onf_that_does_not_fit_does_not_break_cpu_calls(monkeypatch):
         runtime.schedules.cache_clear()
 
 
+def test_a_gpu_onf_the_pallas_lowering_refuses_does_not_break_cpu_calls(monkeypatch):
+    """As one that does not fit: on a machine without a GPU, a GPU ONF whose Pallas lowering
+    raises an ONFError (a tile Triton cannot take) leaves a CPU call to XLA, with the warning;
+    before, the call failed."""
+    from moajax import runtime
+
+    if runtime.has_gpu():
+        pytest.skip("this process has a GPU: a GPU ONF Pallas refuses is an error there, not a fallback")
+    real = runtime.lowered
+
+    def refuse(onf, implementation, order=None):
+        if implementation != "xla":
+            raise moajax.ONFError(f"{onf.dnf.name}: a tile of 100 (test)")
+        return real(onf, implementation, order)
+
+    monkeypatch.setattr(runtime, "lowered", refuse)
+    q, k, v, b = _args([(6, 4), (9, 4), (9, 3), (6, 9)], 12)  # shapes no other test compiles (the call caches)
+    with pytest.warns(RuntimeWarning, match="a tile of 100 .test. — lowered for CUDA, this kernel runs as XLA"):
+        got = relu2_attention(q, k, v, b)
+    assert rel_err(got, ref_relu2(q, k, v, b)) <= F64
+
+
+def test_a_presets_tile_of_an_axis_nothing_walks_is_moot():
+    """A Preset's tiles {t: 16, s: 32} for attention, T = 40, S = 100, reach the adjoint's kernels
+    too: in the one computing what dQ and dK share, s is held whole and walked by nothing, so
+    its tile is moot (the derived 128, a power of two), where before it became a "whole" axis of
+    tile 32 holding 100, which the Pallas lowering refused, and jax.grad on this CPU failed."""
+    from pallas_kernels.lower import check as pallas_check
+    from moajax import machines, schedule
+    from moajax.kernels.attention import mha_kernel
+
+    r = np.random.default_rng(3)
+    q, k, v = (r.standard_normal(s) for s in [(1, 40, 2, 16), (1, 100, 2, 16), (1, 100, 2, 16)])
+    preset = Preset.of(tiles={"t": 16, "s": 32})
+    specs = [jax.ShapeDtypeStruct(np.shape(a), np.float64) for a in (q, k, v)]
+    adj, args = mha_kernel(None, None, False).saved_adjoint(*specs)
+    plan = schedule.derive_plan(adj.dnf(*args), machines.load("delta-a100"), preset)
+    for o in plan:
+        pallas_check(o)  # each is a tiling the Triton backend takes
+    shared = next(o for o in plan if o.dnf.name.endswith("_shared"))
+    assert shared.axis("s").role == "whole" and shared.axis("s").tile == 128
+    g = r.standard_normal((1, 40, 2, 16))
+    got = jax.grad(lambda q: jnp.sum(moajax.dot_product_attention(q, k, v, onf=preset) * g))(q)
+    assert rel_err(got, R.mha_variants(q, k, v, dout=g)[0]) <= F64
+
+
 def test_vmap_of_grad_of_a_softmax_kernel_reads_its_saved_statistics():
     """vmap over heads of jax.grad: the batched kernel's saving forward and its adjoint, which
     views each saved statistic (held in its rows' layout) in its own layout inside the Ω cell."""

@@ -97,6 +97,8 @@ def _jitted(shape):
 
 def test_bad_input_is_named():
     q, kc, vc = _case()
+    with pytest.raises(ValueError, match="decode_attention: zero-size dimension in query"):
+        moajax.decode_attention(q, kc[:, :, :0], vc[:, :, :0])  # no kv heads (was a ZeroDivisionError)
     with pytest.raises(ValueError, match="decode_attention: lengths must lie in 0 … 40"):
         moajax.decode_attention(q, kc, vc, np.array([41, 1, 1], np.int32))
     with pytest.raises(ValueError, match="decode_attention: lengths must lie in 0 … 40"):
@@ -165,6 +167,29 @@ def test_decoding_over_an_appended_cache_is_causal_attention():
         kc, vc = moajax.kv_append(kc, k[:, t:t + 1], pos), moajax.kv_append(vc, v[:, t:t + 1], pos)
         steps.append(moajax.decode_attention(q[:, t], kc, vc, pos + 1))
     assert rel_err(np.stack(steps, axis=1), moajax.dot_product_attention(q, k, v, is_causal=True)) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_kv_append_under_jit_drops_what_lands_outside_the_cache(dtype):
+    """Under jit the positions are not checked: the entries whose rows p + i fall outside
+    [0, S_max) are dropped, the rest written, for any p. Before, a negative row wrapped (p = −2
+    overwrote the cache's last two rows) and an int64 p of 2**32 was cast to int32 0 (the
+    front). Expected: numpy's writes of the rows that lie inside, one by one."""
+    from moajax import compat
+
+    S_max, T_new = 8, 3
+    positions = [-2, -4, 6, 7, 8, 2**31 - 1] + ([2**32, -(2**40)] if dtype == np.int64 else [])
+    step = jax.jit(moajax.kv_append)
+    with compat.enable_x64_context(True):
+        for p in positions:
+            cache = np.zeros((1, S_max, 2))
+            new = np.arange(1.0, 1 + 2 * T_new).reshape(1, T_new, 2)
+            want = cache.copy()
+            for i in range(T_new):
+                if 0 <= p + i < S_max:
+                    want[0, p + i] = new[0, i]
+            got = step(cache, new, np.array([p], dtype))
+            assert np.array_equal(got, want), (p, np.asarray(got)[0, :, 0])
 
 
 def test_kv_append_bad_input_is_named():

@@ -172,3 +172,66 @@ def test_kernel_loops_count_in_int32_under_x64(causal):
     wide = {(q.primitive.name, str(v.aval)) for q in loops + inner for v in q.outvars
             if getattr(v.aval, "dtype", None) == np.int64}
     assert kernels and loops and not wide, wide
+
+
+# ----------------------------------------------------------------------------- shifted windows
+
+
+def _catenate_kernels():
+    import moajax
+    from moajax import moa
+
+    @moajax.kernel(register=False)
+    def rows(x: "n d", y: "m d"):
+        return moa.catenate(x, y, axis=0)
+
+    @moajax.kernel(register=False)
+    def cols(x: "d n", y: "d m"):
+        return moa.catenate(x, y, axis=1)
+
+    return rows, cols
+
+
+CATENATE = _catenate_kernels()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 3), st.sampled_from([0, 1]),
+       st.sampled_from([None, 1, 2, 4, 8]), st.sampled_from(["grid", "cpu_loop", "sequential"]))
+def test_catenate_of_two_inputs_reads_the_second_through_a_shifted_window(nx, ny, d, axis, tile, walk):
+    """x ++ y along an axis: ⟨… n …⟩ψ(x ++ y) = (n < nx) ? ⟨… n …⟩ψx : ⟨… (n − nx) …⟩ψy,
+    y read at the shifted index n − nx over every tile of n, a window that starts before 0
+    (and ends past y's last row where x is the longer part, or n's tiles overhang).
+
+    The XLA backend reads it exactly: numpy.concatenate bit for bit on the default CPU path,
+    and under n in small tiles — vectorised over the grid (static starts), walked by
+    ``cpu_loop`` or as a sequential axis (traced starts). The overhang is no error and
+    leaves every kept element where it is: a clamped window start would shift the whole
+    tile, the rows n ≥ nx included."""
+    r = np.random.default_rng(nx * 100 + ny * 10 + d)
+    x, y = r.standard_normal((nx, d)), r.standard_normal((ny, d))
+    kern = CATENATE[axis]
+    if axis:
+        x, y = x.T.copy(), y.T.copy()
+    want = np.concatenate([x, y], axis=axis)
+    if tile is None:
+        assert np.array_equal(np.asarray(kern(x, y)), want)  # the kernel's own CPU schedule
+        return
+    dnf = kern.dnf(x, y)
+    roles = {"n": "sequential"} if walk == "sequential" else {}
+    knobs = {"cpu_loop": ("n",)} if walk == "cpu_loop" else {}
+    onf = schedule.derive(dnf, machines.local(), schedule.Preset.of(tiles={"n": tile}, roles=roles, **knobs))
+    assert np.array_equal(np.asarray(lower_xla.lower(onf)(x, y)), want), onf.pretty()
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+def test_catenate_of_two_inputs_under_a_row_tiling_through_the_kernel(tile):
+    """x ++ y along rows, x ρ⟨5 2⟩, y ρ⟨6 2⟩ (the second read at n − 5), through the kernel's
+    compiled CPU path with a ``Preset`` of row tiles: numpy.concatenate exactly (a window of
+    the whole of n's 12 padded rows at −5 once asked for more rows than y has)."""
+    import moajax
+
+    x = np.arange(10.0).reshape(5, 2)
+    y = 100 + np.arange(12.0).reshape(6, 2)
+    got = CATENATE[0](x, y, onf=moajax.Preset.of(tiles={"n": tile}))
+    assert np.array_equal(np.asarray(got), np.concatenate([x, y]))

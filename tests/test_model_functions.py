@@ -82,6 +82,8 @@ def test_bad_input_is_named():
     x, w, _ = _norm_args()
     with pytest.raises(ValueError, match="rms_norm: weight has shape"):
         moajax.rms_norm(x, w[:-1])
+    with pytest.raises(ValueError, match="rmsnorm: dimension 'd' of argument 'x' is 0"):  # (was an ONFError on tiles)
+        moajax.rms_norm(x[..., :0], w[:0])
     with pytest.raises(TypeError, match="rms_norm: weight has dtype float32, x has float64"):
         moajax.rms_norm(x, w.astype(np.float32))
     with pytest.raises(TypeError, match="rms_norm: x must be a floating array"):
@@ -93,6 +95,8 @@ def test_bad_input_is_named():
     xm, wg, wu, wd, _ = _mlp_args()
     with pytest.raises(ValueError, match="gated_mlp: w_down has shape"):
         moajax.gated_mlp(xm, wg, wu, wd.T)
+    with pytest.raises(ValueError, match="residuals names the label 'nope'"):  # at the call, not first under grad
+        moajax.gated_mlp(xm, wg, wu, wd, residuals=("nope",))
     with pytest.raises(ValueError, match="gated_mlp: w_gate has shape"):
         moajax.gated_mlp(xm, wg.T, wu, wd)
     with pytest.raises(TypeError, match="gated_mlp: w_up has dtype float32"):

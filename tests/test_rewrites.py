@@ -322,3 +322,60 @@ def test_fused_sums_share_the_walk_and_keep_a_one_hot_write():
     assert fused == D.Red("add", n, D.Red("add", s, D.Call("where", (hit, D.Call("add", (f, g)), zero))))
     assert D.one_hot_write(s, fused.body.body) is not None
     assert W.fused_sums(two) is two
+
+
+def test_a_stage_inlined_where_an_axis_of_extent_one_is_indexed_by_zero():
+    """st[n d] = Σ_f a[n f]·u[n d] with d < 1, read at ⟨n 0⟩, is Σ_f a[n f]·u[n 0]: ψ over an
+    axis of extent 1 is its one item, so ``Ix`` writes its index as the constant 0 — an index
+    like any (``accumulate`` inlines the sum a 16-bit output's convert wraps, and crashed on
+    it). Read at its own ⟨n d⟩ the body comes back as it is, still reading u at its own index."""
+    from moajax.ix import Ix, Var
+
+    n, d, f = Var("n", 5), Var("d", 1), Var("f", 4)
+    u = D.Ref("u", [Ix.of(n), Ix.of(d)], np.float32)
+    body = D.Red("add", f, D.Call("mul", (D.Read("a", [Ix.of(n), Ix.of(f)], np.float32), u)))
+    st = O.Stage("st", (n, d), body)
+    assert W._at(st, D.Ref("st", [Ix.of(n), Ix.of(d)], np.float32)) is body
+    at0 = W._at(st, D.Ref("st", [Ix.of(n), Ix.of(0)], np.float32))
+    assert at0 == D.substitute(body, {d: Ix.of(0)})
+    assert [str(i) for i in next(x for x in D.walk(at0) if isinstance(x, D.Ref)).index] == ["n", "0"]
+
+
+# (x [n D], W_g, W_u [D F], W_d [F D]); (q [B N H], K, V [B S 1 H]); (q [B 1 N H], K, V [B S 1 H])
+EXTENT_ONE_GRADS = {
+    "gated_mlp-D1": ("gated_mlp", ((5, 1), (1, 4), (1, 4), (4, 1))),
+    "gated_mlp-F1": ("gated_mlp", ((5, 4), (4, 1), (4, 1), (1, 4))),
+    "decode-mqa": ("decode_attention", ((2, 2, 8), (2, 8, 1, 8), (2, 8, 1, 8))),
+    "attention-mqa-T1": ("dot_product_attention", ((2, 1, 2, 8), (2, 8, 1, 8), (2, 8, 1, 8))),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", sorted(EXTENT_ONE_GRADS))
+def test_16_bit_gradient_summing_into_an_axis_of_extent_one(case, dtype):
+    """∂/∂args Σ float32(f(args)) in a 16-bit dtype equals the float32 gradient of the same f
+    at the same (16-bit) values, where a gradient sums into an axis of extent 1: the SwiGLU
+    MLP's D or F of 1, MQA's one kv head (decode, and attention over one query row). The
+    16-bit output is c · Σ_r g under a convert, so ``accumulate`` inlines the sum's stage at
+    an index ψ wrote as the constant 0 (``_at``); this crashed the scheduler."""
+    import jax
+    import jax.numpy as jnp
+
+    import moajax
+
+    name, shapes = EXTENT_ONE_GRADS[case]
+    fn = getattr(moajax, name)
+    dt = jnp.dtype(dtype)
+    r = np.random.default_rng(0)
+    low = [jnp.asarray(r.standard_normal(s), dt) for s in shapes]
+    wrt = tuple(range(len(low)))
+    got = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), wrt)(*low)
+    want = jax.grad(lambda *a: fn(*a).sum(), wrt)(*(a.astype(jnp.float32) for a in low))
+    # The inputs are the same numbers, so the difference is the 16-bit roundings inside: the
+    # gradient's own and the few 16-bit values the backward reads (the sums add up in float32),
+    # each ≤ u = 2^-8 (bfloat16) or 2^-11 (float16) of the largest |∂|; 4u bounds them (seen:
+    # ≤ 0.7u in bfloat16, ≤ 0.9u in float16)
+    u = 2.0 ** -(jnp.finfo(dt).nmant + 1)
+    for g, w in zip(got, want):
+        assert g.dtype == dt and g.shape == w.shape
+        assert rel_err(g, w) <= 4 * u
