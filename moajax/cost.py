@@ -189,8 +189,9 @@ class _Counter:
     ``seen``: the subexpressions already counted by the stages that share this one's loop
     (``_loop_groups``), which a tile computes once for them all."""
 
-    def __init__(self, onf: ONF, seen: dict | None = None, unmasked=(frozenset(), 1.0)):
+    def __init__(self, onf: ONF, seen: dict | None = None, unmasked=(frozenset(), 1.0), grid=None):
         self.onf = onf
+        self.grid = grid or {}  # {grid variable: its tiles} of the programs evaluating the stage (a GPU's)
         self.flops = 0.0
         self.matmul = 0.0
         self.trans = 0.0
@@ -199,6 +200,14 @@ class _Counter:
         # still evaluate them): a comparison among those bounds, a conjunction with one and a
         # select on them alone cost only on that share (``Skip.interior``)
         self.bounds, self.boundary = unmasked
+
+    def points(self, vars_) -> float:
+        """Index points of a value over ``vars_``, as many times as the programs evaluate it:
+        on a GPU each program computes its own tile, so a value that does not vary along a
+        grid axis is computed once per tile of it (the scores under Out's head dim tiled over
+        the grid; an RMSNorm's row statistic under f tiled), where XLA broadcasts it once."""
+        vars_ = set(vars_)
+        return _points(self.onf, vars_) * math.prod(n for v, n in self.grid.items() if v not in vars_)
 
     def _mask_share(self, e: D.Call) -> float:
         from moajax.masked import COMPARISONS, held
@@ -219,7 +228,7 @@ class _Counter:
         if self.seen.get(id(e)) is e:
             return
         self.seen[id(e)] = e  # kept alive: a factor built on the fly must not share a recycled id
-        pts = _points(self.onf, set(e.free))
+        pts = self.points(e.free)
         if isinstance(e, D.Call):
             for c in e.children:
                 self.expr(c, extra)
@@ -244,16 +253,16 @@ class _Counter:
             c, i, x = hot
             self.expr(x, extra)
             self.expr(i, extra)
-            self.flops += _points(self.onf, (set(x.free) | set(i.free) | {v}) - {c})
+            self.flops += self.points((set(x.free) | set(i.free) | {v}) - {c})
             return
         factors = D.product_factors(body) if monoid == "add" else [body]
         terms = D.distributed(body, factors, v) if len(factors) >= 2 else None
         if terms is not None:  # Σ_v over a sum of contractions is that many contractions (as evaluated)
             for t in terms[1]:
                 self.reduction(monoid, v, t, extra)
-            self.flops += _points(self.onf, set(body.free) - {v})  # adding them
+            self.flops += self.points(set(body.free) - {v})  # adding them
             return
-        pts = _points(self.onf, set(body.free) | {v})
+        pts = self.points(set(body.free) | {v})
         if len(factors) >= 2:
             for f in factors:
                 self.expr(f, extra)
@@ -264,28 +273,49 @@ class _Counter:
             self.flops += pts
 
 
+def _program_grid(onf: ONF, st) -> dict:
+    """{grid variable: its tiles} of the GPU programs that evaluate stage ``st``: a memory
+    stage's own kernel's (its results' grid variables, and the one it scatter-adds over), any
+    other stage's the final kernel's (its outputs' and their scatter variables). None on XLA,
+    which evaluates the grid vectorised: a value is broadcast, not recomputed, along an axis it
+    does not vary over."""
+    if _on_xla(onf.target):
+        return {}
+
+    def owned(stage):
+        vs = {v for n in stage.defines for v in stage.result_vars(n)}
+        r = onf.scatter_var(stage)
+        return vs | ({r} if r is not None else set())
+
+    if st.place == "memory":
+        vs = owned(st)
+    else:
+        vs = set().union(*[owned(onf.program.stage_of(name)) for _, name in onf.program.outputs])
+    return {v: onf.axis_of(v).ntiles for v in vs if onf.axis_of(v).role == "grid" and onf.axis_of(v).ntiles > 1}
+
+
 def _stage_flops(onf: ONF, st, seen: dict | None = None) -> tuple[float, float, float]:
-    c = _Counter(onf, seen, _unmasked(onf, st))
+    c = _Counter(onf, seen, _unmasked(onf, st), _program_grid(onf, st))
     if isinstance(st, Stage):
         c.expr(st.body, tuple(st.vars))
     else:
         v = st.var
         c.expr(st.logit)
-        body_pts = _points(onf, set(st.max_vars) | {v} | set(st.logit.free))
+        body_pts = c.points(set(st.max_vars) | {v} | set(st.logit.free))
         c.flops += 3 * body_pts  # running max, f − m
         c.trans += body_pts  # exp(f − m)
         ntiles = onf.axis_of(v).ntiles
-        c.trans += ntiles * _points(onf, st.max_vars)  # α = exp(m_old − m_new) per tile
+        c.trans += ntiles * c.points(st.max_vars)  # α = exp(m_old − m_new) per tile
         for _, vs, w in st.sums:
             if w is None:
                 c.flops += body_pts
             else:
                 for f in D.product_factors(w):
                     c.expr(f)
-                pts = _points(onf, set(st.max_vars) | {v} | set(w.free))
+                pts = c.points(set(st.max_vars) | {v} | set(w.free))
                 c.flops += 2 * pts
                 c.matmul += 2 * pts
-            c.flops += 2 * ntiles * _points(onf, vs)  # acc·α + contribution
+            c.flops += 2 * ntiles * c.points(vs)  # acc·α + contribution
     return c.flops, c.matmul, c.trans
 
 

