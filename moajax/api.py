@@ -165,8 +165,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         from moajax import ring
 
         mesh, axes = lifted
+        # a Preset's ring choices, as under jit (``ring.SequenceLift``): the balance and the rounds
         return ring.ring_attention(query, key, value, mesh=mesh, is_causal=bool(is_causal), scale=scale,
-                                   implementation=implementation, return_residual=bool(return_residual), **axes)
+                                   implementation=implementation, return_residual=bool(return_residual),
+                                   balance=getattr(onf, "ring", None), rounds=getattr(onf, "ring_rounds", None) or 1,
+                                   **axes)
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
     kern = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
@@ -210,6 +213,8 @@ def _sequence_split(query, key, value, batched: bool):
             raise ValueError(f"dot_product_attention: the {name} axis is split over several mesh axes {axes}; "
                              "the ring takes one mesh axis each")
         one.append(axes[0] if axes else None)
+    if mesh.shape[one[1]] == 1:  # a mesh axis of one device splits nothing: no ring (as under jit)
+        return None
     return mesh, dict(batch_axis=one[0], axis_name=one[1], head_axis=one[2])
 
 

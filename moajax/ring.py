@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from moajax import compat
+from moajax import dnf as D
 from moajax.schedule import RING_BALANCES as BALANCES  # (a Preset names them too)
 from moajax.schedule import check_ring_rounds
 
@@ -137,6 +138,17 @@ def _kernels(kern, shapes, dtype, scale: float, implementation):
         opts = dict(scale=scale, is_causal=causal)
         adj = kern._adjoint_for(kern._key(specs, opts), opts, True)
         shape = saved_shapes(opts)
+        # a block's adjoint is the ring's only where it reads Δ = +/(dO × Out) from the whole
+        # row's Out passed in (identities.delta_from_output), not from its own keys: over a
+        # block of one key the DNF has no Σ_s for the identity to match (ψ over one item is
+        # that item), and its Δ would be that key's alone: wrong dQ and dK, silently
+        dnf = adj.dnf(*kern.saved_adjoint(*specs, **opts)[1], **opts)
+        outs = {i.name for i in dnf.inputs[len(dnf.inputs) - 1 - len(shape[2:]):]}  # Out (16-bit: and unrounded)
+        if not any(isinstance(x, D.Read) and x.array in outs for o in dnf.outputs for x in D.walk(o.body)):
+            raise ValueError(
+                f"ring attention: the gradient of a ring block of {shapes[1][1]} key(s) cannot read the whole "
+                f"row's output (Δ = +/(dO × Out) over one key is not a sum); give each piece of the ring at "
+                f"least 2 keys (fewer rounds, a longer sequence, or fewer devices on the sequence axis)")
 
         def f(q, k, v, g, m, l, out):  # out: in the accumulation dtype
             unrounded = tuple(out.reshape(s) for s in shape[2:])  # (16-bit: saved2)
@@ -493,6 +505,10 @@ class SequenceLift:
         # the ring runs scale and is_causal only: a window (an option of the same kernel, whose
         # lift a plain call set) is refused by the plain split's check, never run without it
         if {k for k, v in options.items() if v is not None} - {"scale", "is_causal"}:
+            return None
+        # nor T ≠ S (a ring pairs query and key chunks of one length): the plain split's check
+        # names it, where the ring's blocks failed inside the partitioner
+        if dnf.inputs[0].shape[1] != dnf.inputs[1].shape[1]:
             return None
         # the kernel with the rows' log-sum-exp as a second output (return_residual): its
         # adjoints take lse's cotangent (held constant: unread) and read lse as an output

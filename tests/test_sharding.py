@@ -677,3 +677,44 @@ def test_two_processes_match_one(tmp_path):
     assert set(got.files) == set(ref)
     for name, value in ref.items():
         assert rel_err(got[name], value) <= 1e-12, name
+
+
+@pytest.mark.parametrize("balance,T", [("contiguous", 4), ("zigzag", 8)], ids=["contiguous", "zigzag"])
+def test_a_ring_block_of_one_key_refuses_its_gradient(balance, T):
+    """A block's adjoint is the ring's only where it reads Δ = +/(dO × Out) from the whole row's
+    Out (identities.delta_from_output); over a block of one key the DNF has no Σ_s to match, and
+    its Δ was that key's alone: dQ and dK 0.5 off, silently. It is refused, naming the pieces;
+    the forward (which merges the blocks' statistics) stays right, and two keys a block work."""
+    mesh = _mesh((4,), ("seq",))
+    r = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(r.standard_normal((1, T, 2, 4))) for _ in range(3))
+    f = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="seq", is_causal=True, balance=balance)  # noqa: E731
+    assert rel_err(f(q, k, v), moajax.dot_product_attention(q, k, v, is_causal=True)) <= TOL[np.float64]
+    with pytest.raises(ValueError, match="ring block of 1 key.* at least 2 keys"):
+        jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))(q, k, v)
+    q2, k2, v2 = (jnp.concatenate([x, x], axis=1) for x in (q, k, v))  # two keys a block
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2)))(q2, k2, v2)
+    want = jax.grad(lambda *a: jnp.sum(jnp.sin(moajax.dot_product_attention(*a, is_causal=True))),
+                    argnums=(0, 1, 2))(q2, k2, v2)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= TOL[np.float64]
+
+
+def test_a_sequence_split_with_other_lengths_or_a_preset_is_the_rings_choice():
+    """Under jit a sequence split with T ≠ S is refused by the plain split's check, naming the
+    axis (the ring pairs query and key chunks of one length; before, its blocks failed inside
+    the partitioner on a kernel shape). Eager, a Preset's ring balance and rounds are the ring's,
+    as under jit (before, eager took the causal default, zigzag, and refused T = 12 over 4)."""
+    mesh = _mesh((4,), ("s",))
+    split = NamedSharding(mesh, P(None, "s"))
+    r = np.random.default_rng(6)
+    q = jax.device_put(jnp.asarray(r.standard_normal((1, 8, 2, 4))), split)
+    k, v = (jax.device_put(jnp.asarray(r.standard_normal((1, 16, 2, 4))), split) for _ in range(2))
+    with pytest.raises(Exception, match=r"axis 1 \(s\).*cannot honour"):
+        jax.jit(moajax.dot_product_attention)(q, k, v)
+    q, k, v = (jax.device_put(jnp.asarray(r.standard_normal((1, 12, 2, 4))), split) for _ in range(3))
+    contiguous = moajax.Preset.of(ring="contiguous")
+    want = moajax.dot_product_attention(*(np.asarray(x) for x in (q, k, v)), is_causal=True)
+    assert rel_err(moajax.dot_product_attention(q, k, v, is_causal=True, onf=contiguous), want) <= TOL[np.float64]
+    with pytest.raises(ValueError, match="not divisible into the 8 chunks"):
+        moajax.dot_product_attention(q, k, v, is_causal=True)  # zigzag: 8 chunks of 12 keys
