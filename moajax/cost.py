@@ -559,8 +559,8 @@ def _coalesced(onf: ONF, r, perms: dict, machine) -> float:
     """The share of each memory transaction a GPU tile read uses (γ): a tile whose innermost
     physical axis runs over fewer than a sector's elements (an F operand read by rows) fetches
     whole sectors for a part of each; 1 on a CPU, for stage refs and for runs of a sector or more."""
-    if machine is None or not machine.is_gpu or not isinstance(r, D.Read) or r.array not in perms:
-        return 1.0
+    if machine is None or not machine.is_gpu or not isinstance(r, D.Read) or not perms.get(r.array):
+        return 1.0  # (a rank-0 input: one element, no axis to run along)
     ix = r.index[perms[r.array][-1]]
     vs = sorted(ix.free_vars(), key=lambda v: v.name)
     run = _tile(onf, vs[0]) if vs else 1

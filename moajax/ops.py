@@ -181,6 +181,10 @@ class Monoid:
               "and": jnp.all, "or": jnp.any}[self.name]
         if self.name in ("max", "min"):
             return fn(x, axis=axis, initial=self.identity(x.dtype))
+        if self.name in ("add", "mul"):
+            # in x's dtype: jnp.sum promotes an int32 to int64 under jax_enable_x64, so a walk's
+            # int32 carry met an int64 tile sum (lax.scan refuses the carry's type change)
+            return fn(x, axis=axis, dtype=x.dtype)
         return fn(x, axis=axis)
 
 

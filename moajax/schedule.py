@@ -1183,9 +1183,12 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
         else:
             onf = _cpu_tiles(onf, machine, loops, out_vars, inner, rows)
     # a preset names axes by dimension; one of extent 1 has no loop in the DNF (ψ: op/ over one
-    # item is that item), so there is nothing to tile: the choice is moot, not an error
+    # item is that item), so there is nothing to tile: the choice is moot, not an error. So is
+    # a dimension of the inputs this kernel's program indexes by another name, or not at all:
+    # a forward's Preset reaches each kernel of its adjoint (the kernel of dy for x "n", y "m"
+    # combined elementwise runs over m alone); a name in no input is still an error (a typo)
     present = {v.name for v in onf.program.vars()}
-    moot = {d for spec in dnf.inputs for d, n in zip(spec.dims, spec.shape) if n == 1} - present
+    moot = {d for spec in dnf.inputs for d in spec.dims} - present
     roles = {name: role for name, role in preset.roles if name not in moot}
     walked = {x.var.name for e in onf.program.exprs() for x in D.walk(e) if isinstance(x, D.Red)}
     walked |= {v.name for v in onf.program.walked()}

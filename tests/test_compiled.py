@@ -448,3 +448,56 @@ def test_vmap_of_grad_of_a_softmax_kernel_reads_its_saved_statistics():
         want = R.attention_backward(q[i], k[i], v[i], g[i])
         for a, b in zip(got, want):
             assert rel_err(a[i], b) <= F64
+
+
+@moajax.kernel(register=False)
+def _int_row_sums(x: "n d"):
+    return moa.cast(moa.sum(moa.cast(x * 3.0, np.int32), 1), np.float64)
+
+
+@pytest.mark.parametrize("preset", [None, Preset.of(tiles={"d": 2}, roles={"d": "sequential"}),
+                                    Preset.of(tiles={"n": 1}, cpu_loop=("n",))], ids=["default", "walked", "rows"])
+def test_an_int32_sum_walked_in_tiles_stays_int32_under_x64(preset):
+    """+/ of an int32 array walked over tiles of d: each tile's sum and the walk's carry are
+    int32 (under jax_enable_x64 jnp.sum promoted the tile sum to int64 and lax.scan refused the
+    carry's change of type). Exact against numpy's int32 sums."""
+    from moajax import compat
+
+    x = np.random.default_rng(0).uniform(-2, 2, (3, 6))
+    want = (x * 3).astype(np.int32).sum(1, dtype=np.int32).astype(np.float64)
+    with compat.enable_x64_context(True):
+        assert np.array_equal(_int_row_sums(x, onf=preset), want)
+
+
+@moajax.kernel(register=False)
+def _min_of_rotated(x: "n d"):
+    return moa.amin(moa.tanh(moa.amin(moa.rotate(5, x, 0), 0)), 0)
+
+
+def test_the_gradient_of_a_rank_0_output_reading_a_rank_0_stage():
+    """⌊/ tanh ⌊/ (5 ⌽ x): a rank-0 output. Its gradient's GPU schedule (derived on a CPU too,
+    for the CUDA branch) costed a rank-0 read's coalescing on an empty axis order and raised an
+    IndexError; against jax.grad of the jnp form, float64."""
+    x = np.random.default_rng(1).uniform(-2, 2, (7, 3))
+    want = jax.grad(lambda x: jnp.min(jnp.tanh(jnp.min(jnp.roll(x, -5, 0), 0))))(x)
+    assert rel_err(jax.grad(_min_of_rotated)(x), want) <= F64
+
+
+@moajax.kernel(register=False)
+def _larger(x: "n", y: "m"):
+    return moa.where(moa.gt(x, y), x, y)
+
+
+def test_a_forward_presets_tiles_reach_each_adjoint_kernel_as_they_apply():
+    """x > y ? x : y with x "n", y "m": under Preset.of(tiles={"n": 1}) the forward runs, and
+    its gradient's kernel of dy, whose program runs over m alone, takes the tile of n as moot
+    (before: "unknown axis 'n'"); a name in no input stays an error. Float64 against jnp."""
+    r = np.random.default_rng(2)
+    x, y = r.standard_normal(5), r.standard_normal(5)
+    p = Preset.of(tiles={"n": 1})
+    got = jax.grad(lambda x, y: jnp.sum(_larger(x, y, onf=p) ** 2), (0, 1))(x, y)
+    want = jax.grad(lambda x, y: jnp.sum(jnp.where(x > y, x, y) ** 2), (0, 1))(x, y)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= F64
+    with pytest.raises(moajax.ONFError, match="unknown axis 'zz'"):
+        _larger(x, y, onf=Preset.of(tiles={"zz": 1}))
