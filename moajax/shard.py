@@ -380,6 +380,15 @@ def _sequence_axis(r: Rule, specs, seq, who: str):
     return rest, next(iter(found))[0]
 
 
+def _check_sequence_split(r: Rule, seq, mesh_axis: str, size: int, who: str):
+    """A split sequence divides evenly over the ring's devices (as a plain split's class must):
+    named here, not as the IndivisibleError of the blocks' shapes."""
+    for c in seq:
+        if r.extents[c] % size:
+            raise ValueError(f"{who}: the sequence ({r.names[c]}, {r.extents[c]}) is split over mesh axis "
+                             f"{mesh_axis!r} of {size} devices, which does not divide it")
+
+
 def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
     """``run`` (the kernel's compiled function of its inputs) partitioned over a device mesh:
     under ``jax.jit`` with sharded inputs, each device runs ``relower(local input specs)`` on
@@ -408,6 +417,7 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
             specs, lifted = _sequence_axis(r, specs, seq, who)
         assign = assignment(r, mesh, specs, who)
         if lifted is not None:
+            _check_sequence_split(r, seq, lifted, int(mesh.shape[lifted]), who)
             assign.update({c: (lifted,) for c in seq})
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P

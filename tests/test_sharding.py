@@ -718,3 +718,19 @@ def test_a_sequence_split_with_other_lengths_or_a_preset_is_the_rings_choice():
     assert rel_err(moajax.dot_product_attention(q, k, v, is_causal=True, onf=contiguous), want) <= TOL[np.float64]
     with pytest.raises(ValueError, match="not divisible into the 8 chunks"):
         moajax.dot_product_attention(q, k, v, is_causal=True)  # zigzag: 8 chunks of 12 keys
+
+
+def test_an_uneven_sequence_split_is_named():
+    """T = 5 split over 2 devices under jit: the plain split's rule for its classes (an even
+    split), named by moajax, where before the ring's blocks raised JAX's IndivisibleError."""
+    mesh = _mesh((2,), ("x",))
+    r = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(r.standard_normal((1, 5, 2, 4))) for _ in range(3))
+    sh = NamedSharding(mesh, P(None, "x"))
+
+    def f(q, k, v):
+        q, k, v = (jax.lax.with_sharding_constraint(a, sh) for a in (q, k, v))
+        return moajax.dot_product_attention(q, k, v)
+
+    with pytest.raises(Exception, match=r"the sequence \(t, 5\) is split over mesh axis 'x' of 2 devices"):
+        jax.jit(f)(q, k, v)
