@@ -28,7 +28,7 @@ from moajax.reference import Named, align
 from moajax.tiles import stages as S
 from moajax.tiles.backend import Backend, is_static_full
 from moajax.tiles.evaluate import TileEval
-from moajax.tiles.operands import prepare_inputs
+from moajax.tiles.operands import input_origins, prepare_inputs
 from moajax.tiles.ranges import Range, broadcast_to_vars
 from moajax.tiles.scope import ProgramState
 from moajax.tiles.skipping import walk
@@ -115,10 +115,14 @@ class PallasBackend(Backend):
     walks_parts = True
     joint_sums = True
 
-    def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict):
+    def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict, origins: dict | None = None):
         super().__init__(onf, perms)
         self.refs = refs
         self.shapes = shapes
+        # per input, per physical axis, where its position 0 is stored: zeros before it for a
+        # window shifted back (``operands.input_origins``), every index into it moved by as much
+        origins = origins or {}
+        self.origins = {n: tuple(origins.get(n, (0,) * len(p))[q] for q in p) for n, p in perms.items()}
 
     pow2_blocks = True
 
@@ -151,12 +155,19 @@ class PallasBackend(Backend):
         return tuple(idx), vars_
 
     def gather(self, array: str, at: tuple):
+        at = tuple(i + o if o else i for i, o in zip(at, self.origins[array]))
         return self.refs[array][at]  # a Triton gather load (the table stays in global memory / L1)
 
     def read(self, ev: TileEval, e: D.Read) -> Named:
         ref = self.refs[e.array]
         shape = self.shapes[e.array]
-        index = tuple(e.index[p] for p in self.perms[e.array])
+        # v + c, c < 0 (the second part of a catenate, ⟨(n − 3) d⟩ψy; a take's shift): its
+        # window starts before 0 and may end past the array, where a pl.ds is clamped (in
+        # interpret mode: every element of the tile shifted, the kept ones too, or refused)
+        # or loads out of bounds (on a GPU). The input is stored with zeros around it
+        # (``operands.input_padding(before=True)``), A[i] at i + origin: each in-range i
+        # reads A[i] exactly, the overhang 0 (a ``where`` drops it)
+        index = tuple(e.index[p] + o if o else e.index[p] for p, o in zip(self.perms[e.array], self.origins[e.array]))
         idx, vars_ = self._index(ev, index, shape, f"{self.onf.dnf.name}: {e.array}")
         return Named(ref[idx], vars_)
 
@@ -327,6 +338,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
 
     check(onf)
     dnf = onf.dnf
+    origins = input_origins(onf)  # zeros before 0 where a read's window is shifted back
     defs = {n: st for st in onf.program.stages for n in st.defines}
     from jax.experimental.pallas import triton as plgpu
 
@@ -366,7 +378,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             in_refs = dict(zip(names, refs[: len(names)]))
             mem_refs = refs[len(names): len(names) + len(mem_names)]
             o_refs = refs[len(names) + len(mem_names) + len(zeros):]
-            backend = PallasBackend(onf, in_refs, shapes, perms)
+            backend = PallasBackend(onf, in_refs, shapes, perms, origins)
             values = {m: S.InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
             state = ProgramState(onf, backend, {n: st for n, st in defs.items() if n not in memory}, values)
             ev = TileEval(state, _ranges_for(onf, own_vars, pl.program_id(0)))
@@ -429,7 +441,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
         if len(inputs) != len(dnf.inputs):
             raise TypeError(f"{dnf.name}: expected {len(dnf.inputs)} arrays, got {len(inputs)}")
         inputs = [jnp.asarray(a) for a in inputs]
-        arrays, perms = prepare_inputs(onf, inputs)
+        arrays, perms = prepare_inputs(onf, inputs, before=True)
         memory: dict = {}  # stage name → (vars, padded array)
         for st in onf.program.stages:
             if st.place != "memory":

@@ -235,3 +235,104 @@ def test_catenate_of_two_inputs_under_a_row_tiling_through_the_kernel(tile):
     y = 100 + np.arange(12.0).reshape(6, 2)
     got = CATENATE[0](x, y, onf=moajax.Preset.of(tiles={"n": tile}))
     assert np.array_equal(np.asarray(got), np.concatenate([x, y]))
+
+
+def _shift_kernels():
+    import moajax
+    from moajax import moa
+
+    @moajax.kernel(register=False)
+    def selfshift(x: "n d"):
+        return moa.omega(lambda c: moa.catenate(moa.take(1, c), c, 0), 1)(x)
+
+    @moajax.kernel(register=False)
+    def lag(x: "n d"):
+        return moa.catenate(moa.take(2, x, 1), moa.drop(-2, x, 1), 1)
+
+    @moajax.kernel(register=False)
+    def total(x: "n d", y: "m d"):
+        return moa.sum(moa.catenate(x, y, axis=0), 0)
+
+    return selfshift, lag, total
+
+
+SHIFTS = _shift_kernels()
+
+
+def _out_axis(kern, args, axis: int) -> str:
+    """The name of the output's index variable at ``axis`` (the catenated one: its name is the
+    DNF's, not the signature's), for a Preset to tile it — an unknown name tiles nothing."""
+    return kern.dnf(*args).outputs[0].vars[axis].name
+
+
+def _shift_case(case: str):
+    """(kernel, arrays, numpy's result, the shifted output axis or None) of one case of
+    ``test_pallas_reads_a_window_shifted_back_exactly``."""
+    r = np.random.default_rng(len(case))
+    sizes = {"rows 5 6": (5, 6), "rows 1 7": (1, 7), "cols 1 6": (1, 6), "cols 1 1": (1, 1),
+             "cols 2 3": (2, 3), "cols 3 5": (3, 5)}
+    if case in sizes:
+        nx, ny = sizes[case]
+        x, y = r.standard_normal((nx, 2)), r.standard_normal((ny, 2))
+        if case.startswith("cols"):
+            x, y = x.T.copy(), y.T.copy()
+        axis = int(case.startswith("cols"))
+        return CATENATE[axis], (x, y), np.concatenate([x, y], axis), axis
+    selfshift, lag, total = SHIFTS
+    if case == "total":
+        x, y = r.standard_normal((5, 3)), r.standard_normal((6, 3))
+        return total, (x, y), np.concatenate([x, y]).sum(0), None
+    x = r.standard_normal((3, 5))
+    if case == "selfshift":
+        return selfshift, (x,), np.concatenate([x[:, :1], x], 1), 1
+    return lag, (x,), np.concatenate([x[:, :2], x[:, :-2]], 1), None
+
+
+@pytest.mark.parametrize("case,tile", [(c, t) for c in ("rows 5 6", "rows 1 7", "cols 1 6", "cols 1 1", "cols 2 3",
+                                                       "cols 3 5", "selfshift") for t in (None, 1, 2, 4)]
+                         + [("lag", None), ("total", None)])
+def test_pallas_reads_a_window_shifted_back_exactly(case, tile):
+    """A read at v + c, c < 0, through the Pallas kernels (interpret mode): x ++ y along rows
+    or columns, ⟨… n …⟩ψ(x ++ y) = (n < nx) ? ⟨… n …⟩ψx : ⟨… (n − nx) …⟩ψy; a column
+    shifted by take, Ω⟨1⟩(1△c ++ c) (x read at d − 1) and 2△x ++ ¯2▽x (at d − 2); and
+    +/(x ++ y) over the rows, whose power-of-two block reads y past its last row.
+
+    numpy's result exactly (the Σ to float64 rounding), under the default GPU schedule and
+    the shifted axis in tiles of 1, 2, 4: the window of y starts before 0 and ends past y,
+    where a pl.ds start was clamped (every element of the tile shifted, the kept ones too)
+    or refused ("Out of bound slice"), and on a GPU loaded out of bounds. The input is
+    stored with zeros around it instead (``operands.input_padding(before=True)``)."""
+    from moajax.schedule import Preset
+
+    kern, args, want, axis = _shift_case(case)
+    preset = None if tile is None else Preset.of(tiles={_out_axis(kern, args, axis): tile})
+    got = np.asarray(kern(*args, onf=preset, implementation="pallas_interpret"))
+    if case == "total":
+        assert rel_err(got, want) <= F64
+    else:
+        assert got.dtype == np.float64 and np.array_equal(got, want), (got, want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 3), st.sampled_from([0, 1]),
+       st.sampled_from([None, 1, 2, 4, 8]), st.sampled_from(["grid", "sequential"]))
+def test_pallas_catenate_of_two_inputs_reads_the_second_through_a_shifted_window(nx, ny, d, axis, tile, walk):
+    """x ++ y along an axis on the Pallas kernels (interpret mode), as
+    ``test_catenate_of_two_inputs_reads_the_second_through_a_shifted_window`` on XLA:
+    ⟨… n …⟩ψ(x ++ y) = (n < nx) ? ⟨… n …⟩ψx : ⟨… (n − nx) …⟩ψy, y read at n − nx.
+
+    numpy.concatenate bit for bit under the default GPU schedule and n in power-of-two tiles
+    over the grid (a program's start from its id) or walked as a sequential axis (traced
+    starts): every in-range position of y read exactly, its overhang 0 and dropped."""
+    from moajax.schedule import Preset
+
+    r = np.random.default_rng(nx * 100 + ny * 10 + d)
+    x, y = r.standard_normal((nx, d)), r.standard_normal((ny, d))
+    if axis:
+        x, y = x.T.copy(), y.T.copy()
+    want = np.concatenate([x, y], axis=axis)
+    n = _out_axis(CATENATE[axis], (x, y), axis)
+    roles = {n: "sequential"} if walk == "sequential" else {}
+    preset = None if tile is None else Preset.of(tiles={n: tile}, roles=roles)
+    got = CATENATE[axis](x, y, onf=preset, implementation="pallas_interpret")
+    assert np.array_equal(np.asarray(got), want)
