@@ -394,10 +394,11 @@ def one_hot_write(v: Var, body: Expr):
     return None
 
 
-def common_binder(a: Expr, b: Expr):
+def common_binder(a: Expr, b: Expr, clash: Callable[[str, int], bool] | None = None):
     """(v, x, y) with a = Σ_{v<n} x and b = Σ_{v<n} y: two float +-reductions of one extent
     under one binder — a's, unless b would capture it (v free in b, or bound inside b's
-    body), then a fresh name. None where a and b are not two such sums."""
+    body), then a fresh name (one ``clash(name, n)`` does not refuse: a name the enclosing DNF
+    gives another extent). None where a and b are not two such sums."""
     if not (isinstance(a, Red) and isinstance(b, Red) and a.monoid == b.monoid == "add"
             and a.var.extent == b.var.extent and a.dtype == b.dtype and a.dtype.kind == "f"):
         return None
@@ -408,7 +409,7 @@ def common_binder(a: Expr, b: Expr):
     names |= {u.name for e in (a, b) for u in e.free}
     if v in b.free or any(x.var == v for x in walk(b.body) if isinstance(x, Red)):  # capture
         base, k = v.name, 1
-        while f"{base}{k}" in names:
+        while f"{base}{k}" in names or (clash is not None and clash(f"{base}{k}", v.extent)):
             k += 1
         v = Var(f"{base}{k}", v.extent)
     x = substitute(a.body, {a.var: Ix.of(v)}) if v != a.var else a.body

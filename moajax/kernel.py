@@ -647,13 +647,30 @@ class Kernel:
 
         self._sign(backward, ct_names + saved_names + value_names, f"{self.name}_adjoint",
                    f"The adjoint of {self.name}, derived by moajax.adjoint.")
+        # a kernel matches dims by name across its arguments, but an output may keep an input's
+        # dim name at another extent (x ⧺ y, k△x keep x's n): such a dim of a cotangent, saved
+        # value or statistic is another axis of the adjoint's arguments, so it takes another name
+        extent_of = {d: s for p, (shape, _) in zip(self.params, key[0]) for d, s in zip(p.dims, shape)}
+
+        def own(names_, shape):
+            out = []
+            for d, s in zip(names_, shape):
+                name, k = d, 1
+                while extent_of.setdefault(name, s) != s:
+                    k += 1
+                    name = f"{d}{k}"
+                out.append(name)
+            return tuple(out)
+
+        out_dims = [own(o.dims, o.shape) for o in outs]
         dims = {p.name: " ".join(p.dims) for p in self.params}
-        dims.update({c: " ".join(o.dims) for c, o in zip(ct_names, outs)})
-        dims.update({c: " ".join(x.dims if lay is None else lay.dims) for c, x, lay in zip(saved_names, stats, layouts)})
-        dims.update({c: " ".join(o.dims) for c, o in zip(value_names, outs)})
+        dims.update({c: " ".join(od) for c, od in zip(ct_names, out_dims)})
+        dims.update({c: " ".join(own(x.dims, x.shape) if lay is None else own(lay.dims, lay.shape))
+                     for c, x, lay in zip(saved_names, stats, layouts)})
+        dims.update({c: " ".join(od) for c, od in zip(value_names, out_dims)})
         example = dict(self.example)
-        for o in outs:
-            example.update({d: s for d, s in zip(o.dims, o.shape) if d not in example})
+        for o, od in zip(outs, out_dims):
+            example.update({d: s for d, s in zip(od, o.shape) if d not in example})
         adj = Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else "")
                      + "".join(f"_{lb}" for lb in labels),
                      outputs=tuple(f"{_fresh_prefix('d_', 'd', wrt, dims)}{w}" for w in wrt), dims=dims,

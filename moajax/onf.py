@@ -611,8 +611,17 @@ class ONF:
         names = [a.name for a in self.axes]
         if len(set(names)) != len(names):
             raise ONFError(f"{self.dnf.name}: an axis is listed twice in {names}")
-        prog_vars = {v.name: v for v in self.program.vars()}
+        prog_vars, extents = {}, {}
+        for v in sorted(self.program.vars()):
+            prog_vars.setdefault(v.name, v)
+            extents.setdefault(v.name, []).append(v.extent)
         for a in self.axes:
+            # an axis is looked up by its variable's name (``axis_of``): variables of two extents
+            # under a listed name would share its tiling — wrong values if let through (ψ-reduction
+            # names them apart: ``psi.Reducer.claim``); one not listed runs whole, as each is
+            if len(extents.get(a.name, ())) > 1:
+                raise ONFError(f"{self.dnf.name}: axis {a.name!r} names index variables of extents "
+                               f"{extents[a.name]}; a name must denote one axis")
             if a.name not in prog_vars:
                 raise ONFError(f"{self.dnf.name}: unknown axis {a.name!r}; the program's index variables are {sorted(prog_vars)}")
             if prog_vars[a.name].extent != a.extent:

@@ -25,6 +25,11 @@ Each rule below rewrites ⟨p⟩ψ (op …) one step, into ψ of the operands at
 
 The driver records which rule fired on which subterm (``Derivation``); the result is a
 ``moajax.dnf.DNF`` in which no intermediate array survives.
+
+Index variables are named after dims, and within one DNF a name denotes one extent (an ONF
+tiles an axis by its variable's name): k△A, k▽A and A⧺B keep A's dim name at another
+extent, so the output axes are named first, after their dims, and a reduction whose dim
+name some variable already holds at another extent takes another (n<5 beside n<2 → n1<5).
 """
 
 from __future__ import annotations
@@ -109,6 +114,9 @@ class Reducer:
         self.record = record
         self.memo: dict = {}
         self._cells: dict = {}
+        # the extent of each variable name this DNF uses: an ONF looks its axes up by name,
+        # so one name must denote one extent (n<2 and n<5 would be one axis to it)
+        self.extent_of: dict[str, int] = {}
         self.rules: dict[type, Callable] = {
             moa.Input: self.r_input,
             moa.Literal: self.r_literal,
@@ -177,16 +185,26 @@ class Reducer:
             self.steps.append(Step(rule, _psi_str(p, node), after(), self.depth))
 
     def fresh(self, base: str, extent: int, p, env) -> Var:
-        """A bound variable named after its dimension, distinct from every name in scope."""
+        """A bound variable named after its dimension, distinct from every name in scope and
+        from every name the DNF gives another extent."""
         taken = {v.name for i in p for v in i.free_vars()}
         for _, pre in env.values():
             taken |= {v.name for i in pre for v in i.free_vars()}
-        base = base or "l"
+        return self.claim(base or "l", extent, taken)
+
+    def claim(self, base: str, extent: int, taken=frozenset()) -> Var:
+        """``base``, else base1, base2, … — the first name not in ``taken`` and not given to a
+        variable of another extent in this DNF; it is this extent's from now on."""
         name, n = base, 0
-        while name in taken:
+        while name in taken or self.clashes(name, extent):
             n += 1
             name = f"{base}{n}"
+        self.extent_of[name] = extent
         return Var(name, extent)
+
+    def clashes(self, name: str, extent: int) -> bool:
+        """Does the DNF already name a variable of another extent ``name``?"""
+        return self.extent_of.get(name, extent) != extent
 
     # ---- rules
     def r_input(self, p, node, env):
@@ -313,8 +331,9 @@ class Reducer:
         self.log("ψ-map", p, node, lambda: f"{node.op.symbol}({', '.join(parts)})")
         args = tuple(self.psi(p if a.rank else (), a, env) for a in node.args)
         if node.op.name == "add":
-            fused = fuse_sums(*args)
+            fused = fuse_sums(*args, clash=self.clashes)
             if fused is not None:
+                self.extent_of[fused.var.name] = fused.var.extent
                 self.log("ψ-fuse-sums", p, node, lambda: "+/(A + B) for (+/A) + (+/B)")
                 return fused
         return D.Call(node.op.name, args)
@@ -338,11 +357,12 @@ class Reducer:
         return self.psi(pc, node.body, env2)
 
 
-def fuse_sums(a: D.Expr, b: D.Expr) -> D.Expr | None:
+def fuse_sums(a: D.Expr, b: D.Expr, clash=None) -> D.Expr | None:
     """Σ_{v<n} x + Σ_{w<n} y = Σ_{v<n} (x + y[w:=v]): two sums over one extent become one pass
     (what an adjoint adds up from the paths through a lifted statistic and around it). None
-    where a and b are not two float +-reductions of one extent."""
-    one = D.common_binder(a, b)
+    where a and b are not two float +-reductions of one extent. ``clash(name, extent)``: is a
+    new binder's name taken at another extent (``D.common_binder``)."""
+    one = D.common_binder(a, b, clash)
     if one is None:
         return None
     v, x, y = one
@@ -366,16 +386,15 @@ def _factored_add(x: D.Expr, y: D.Expr) -> D.Expr:
     return D.Call("mul", (D.product(common, dt), D.Call("add", (D.product(rest_x, dt), D.product(rest_y, dt)))))
 
 
-def output_vars(dims, shape) -> tuple:
-    """One index variable per output axis, named after its dimension (made distinct)."""
+def output_vars(dims, shape, reducer: "Reducer | None" = None) -> tuple:
+    """One index variable per output axis, named after its dimension (made distinct, and — with
+    ``reducer`` — distinct from every name its DNF gives another extent)."""
+    red = reducer if reducer is not None else Reducer(record=False)
     out, taken = [], set()
     for d, s in zip(dims, shape):
-        name, n = d, 0
-        while name in taken:
-            n += 1
-            name = f"{d}{n}"
-        taken.add(name)
-        out.append(Var(name, int(s)))
+        v = red.claim(d, int(s), taken)
+        taken.add(v.name)
+        out.append(v)
     return tuple(out)
 
 
@@ -390,9 +409,11 @@ def reduce_to_dnf(name: str, inputs, outputs, output_names=None, record: bool = 
     if output_names is None:
         output_names = ("out",) if len(outputs) == 1 else tuple(f"out{i}" for i in range(len(outputs)))
     red = Reducer(record=record)
+    # every output axis is named before any reduction: an output's dims keep its names (those a
+    # Preset tiles), a reduction over another extent of one of them takes another (n1, …)
+    all_vars = [output_vars(expr.dims, expr.shape, red) for expr in outputs]
     outs = []
-    for oname, expr in zip(output_names, outputs):
-        vars_ = output_vars(expr.dims, expr.shape)
+    for oname, expr, vars_ in zip(output_names, outputs, all_vars):
         body = red.psi(tuple(Ix.of(v) for v in vars_), expr, {})
         outs.append(D.Output(oname, expr.shape, expr.dims, vars_, body))
     specs = tuple(D.InputSpec(i.name, i.shape, i.dims, i.dtype) for i in inputs)

@@ -212,3 +212,13 @@ def test_operand_types():
         moa.exp("x")
     with pytest.raises(TypeError, match="axis must be an int"):
         moa.reduce("add", A((2,)), axis=0.5)
+
+
+def test_take_drop_catenate_keep_the_dim_names():
+    """k△A, k▽A (along any axis) and A ⧺ B keep A's dim names, the resized axis's too: a
+    Preset names the axis of x ⧺ y by x's n. (Within one DNF ψ-reduction gives a variable of
+    another extent under a held name another name: ``test_psi_rules``.)"""
+    a = moa.array("A", (5, 3), "n d", np.float64)
+    b = moa.array("B", (4, 3), "m d", np.float64)
+    assert moa.take(2, a).dims == moa.drop(-2, a).dims == moa.catenate(a, b).dims == ("n", "d")
+    assert moa.take(2, a, axis=1).dims == moa.catenate(a, a, axis=1).dims == ("n", "d")
