@@ -66,7 +66,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     ``onf``: None (the machine's default schedule), a ``moajax.ONF`` derived for exactly
     these shapes, or a ``moajax.schedule.Preset`` (carry, tiles, γ, store, knobs) applied
     on top of the default. ``implementation``: None (XLA on CPU, Pallas on CUDA), "xla",
-    "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU). ``residuals`` (also a
+    "pallas" or "pallas_interpret" (the Pallas kernel run on the CPU), "triton" or
+    "triton_interpret" (the ONF's own Triton source, through jax-triton). ``residuals`` (also a
     Preset's choice): what the forward saves for ``jax.grad`` — "save" (the softmax's row max
     and sum, O(T) per head, and Out itself, from which the backward's Δ = +/(dO × O)), "auto"
     (so where the cost model says it is cheaper) or "none" (recompute).

@@ -57,6 +57,14 @@ def cmd_gpu_report(args) -> int:
     if reason:
         print(f"moajax gpu-report: cannot compile offline: {reason}", file=sys.stderr)
         return 2
+    archs = sorted({m.arch for m in gpu_report.gpus()})
+    unknown = [a for a in args.arch if a not in archs]
+    if unknown:  # (a typo such as sm_90 for sm_90a matched no profile and reported 0 kernels)
+        print(f"moajax gpu-report: no GPU profile has arch {', '.join(unknown)}; the profiles' archs are "
+              f"{', '.join(archs)}", file=sys.stderr)
+        return 2
+    if args.out and not _writable_file(args.out, "gpu-report"):
+        return 2
     # derived with each GPU's spill check on (gpu_report.gpus): the tilings a GPU runs
     targets = gpu_report.gpus(tuple(args.arch or ()))
     cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes), targets=targets)
@@ -213,6 +221,8 @@ def cmd_measure(args) -> int:
 
     from moajax import machines, measure
 
+    if args.out and not _writable_file(args.out, "measure"):
+        return 2
     m = measure.measure(gemm_n=512, copy_mb=64, tune_seq=256) if args.quick else measure.measure()
     text = measure.to_toml(dataclasses.replace(m, name=args.name))
     out = Path(args.out) if args.out else machines.cache_dir() / "local.toml"
@@ -232,10 +242,16 @@ def cmd_validate(args) -> int:
 
     import os
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"moajax validate: --out {args.out} is a file; it names the folder for validation.md and the plots",
+              file=sys.stderr)
+        return 2
     try:
         kernels = validate.check_kernels(args.kernels)
         if args.machine:
             machine = machines.load(args.machine)
+        elif os.environ.get("MOAJAX_MACHINE"):
+            machines.local()  # a bad MOAJAX_MACHINE is named now, not after the kernels are built
     except (ValueError, KeyError) as e:
         print(f"moajax validate: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -276,6 +292,35 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def _writable_file(path: str, who: str) -> bool:
+    """Can ``path`` be written as a file (checked before a long run, not after it)? Makes its folder."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        print(f"moajax {who}: --out {path} is a folder; give a file name", file=sys.stderr)
+        return False
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"moajax {who}: cannot write --out {path}: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive integer")
+    return n
+
+
+GPU_REPORT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="moajax", description="Mathematics of Arrays kernels for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -295,8 +340,8 @@ def main(argv=None) -> int:
     g = sub.add_parser("gpu-report", help="compile each kernel's default GPU ONF (derived with the spill check, "
                                           "as on a GPU) to PTX offline; print resources")
     g.add_argument("--arch", nargs="*", default=[], help="only these archs (sm_80 sm_86 sm_90a)")
-    g.add_argument("--head-dims", nargs="*", type=int, default=[64, 72, 128])
-    g.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16", "float32", "float64"])
+    g.add_argument("--head-dims", nargs="*", type=_positive_int, default=[64, 72, 128])
+    g.add_argument("--dtypes", nargs="*", choices=GPU_REPORT_DTYPES, default=list(GPU_REPORT_DTYPES))
     g.add_argument("--out", default="", help="also write the table (markdown) here")
     g.set_defaults(func=cmd_gpu_report)
     m = sub.add_parser("measure", help="time this machine's peak rates and bandwidth; write its profile")
@@ -310,7 +355,7 @@ def main(argv=None) -> int:
     v.add_argument("--full", action="store_true", help="the seed's sizes (long); default: quick sizes")
     v.add_argument("--kernels", nargs="*", default=[], help="only these kernels (default: all)")
     v.add_argument("--machine", default="", help="the machine profile to predict with (default: this machine's)")
-    v.add_argument("--reps", type=int, default=3, help="timed runs per size (median)")
+    v.add_argument("--reps", type=_positive_int, default=3, help="timed runs per size (median)")
     v.set_defaults(func=cmd_validate)
     args = parser.parse_args(argv)
     return args.func(args)

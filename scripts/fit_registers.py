@@ -21,7 +21,13 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
+    import argparse
+
     import jax
+
+    # (--help must not run the fit: it rewrites the committed table)
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="Writes bench/results/register_model.md.").parse_args()
 
     jax.config.update("jax_enable_x64", True)
     from moajax import cost, gpu_report, timing

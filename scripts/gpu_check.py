@@ -210,11 +210,15 @@ def main():
     # ---- 3. the fused forward+backward (paper II): dK, dV scatter-added with atomics
     import pallas_kernels
 
+    # without a GPU (the --quick dry run) the Pallas kernel is an A100 profile's, interpreted
+    on_gpu = dev.platform == "gpu"
+    pallas_machine = machine if on_gpu else machines.load("delta-a100")
+
     def fused_error(dt, T, S, H, causal):
         a = [draw(s_, dt) for s_ in ((T, H), (S, H), (S, H), (T, H))]
         with precision(dt):
-            onf = schedule.derive(attention_forward_backward.dnf(*a, is_causal=causal), machine)
-        got = jax.jit(pallas_kernels.lower(onf))(*a)
+            onf = schedule.derive(attention_forward_backward.dnf(*a, is_causal=causal), pallas_machine)
+        got = jax.jit(pallas_kernels.lower(onf, interpret=not on_gpu))(*a)
         a64 = [np.asarray(x.astype(jnp.float64)) for x in a]
         want = (R.attention(*a64[:3], is_causal=causal),) + R.attention_backward(*a64, is_causal=causal)
         return max(rel(g, w) for g, w in zip(got, want))
@@ -222,7 +226,8 @@ def main():
     if rep.section(f"3. Fused forward+backward, atomic scatter-add ONF ({machine.name} profile)",
                    "| dtype | T·S·H | causal | rel. error | bound | ok |", 20):
         for dt in (d for d in bounds if " " not in d):
-            for (T, S, H, causal) in ((512, 512, 64, False), (300, 700, 72, True)):
+            for (T, S, H, causal) in (((128, 128, 32, False), (60, 140, 24, True)) if quick else
+                                      ((512, 512, 64, False), (300, 700, 72, True))):
                 check([dt], f"{T}·{S}·{H}", [str(causal)], grad_bounds[dt], lambda: fused_error(dt, T, S, H, causal))
         rep.flush()
 

@@ -10,4 +10,4 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2
 PY="${PYTHON:-python3}"
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/jax.txt"
 # moajax runs from the source tree: its runtime needs are jax, numpy and absl only
-PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" timeout 520 "$PY" scripts/gpu_check.py --budget 470 2>&1 | tee "$OUT/gpu_check.log"
+PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" timeout 520 "$PY" scripts/gpu_check.py --budget 470 "$@" 2>&1 | tee "$OUT/gpu_check.log"

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from moajax.cli import main
 
 
@@ -50,3 +52,46 @@ def test_derive_unknown_kernel(capsys):
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "moajax", "derive", "--list"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "rmsnorm" in r.stdout
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["gpu-report", "--arch", "sm_90"], "no GPU profile has arch sm_90; the profiles' archs are"),
+    (["gpu-report", "--dtypes", "bogus"], "argument --dtypes: invalid choice: 'bogus'"),
+    (["gpu-report", "--head-dims", "0"], "argument --head-dims: 0 is not a positive integer"),
+    (["validate", "--reps", "0"], "argument --reps: 0 is not a positive integer"),
+], ids=["arch", "dtype", "head-dim", "reps"])
+def test_bad_cli_arguments_are_refused_before_any_run(argv, said, capsys):
+    """A typo'd arch matched no profile and reported 0 kernels with rc 0; a bad dtype or head
+    dim, or 0 reps, failed with a traceback (or after the whole run): each is refused up front."""
+    from moajax import ptx
+
+    if argv[0] == "gpu-report" and ptx.toolchain_missing() and "--arch" in argv:
+        pytest.skip(f"gpu-report checks the toolchain first: {ptx.toolchain_missing()}")
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's refusal
+        rc = e.code
+    assert rc == 2 and said in capsys.readouterr().err
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    """gpu-report's and measure's --out must be a file, validate's a folder: found out after the
+    whole run before (a traceback). MOAJAX_MACHINE naming no profile is named up front too."""
+    from moajax import measure
+
+    monkeypatch.setattr(measure, "measure", lambda *a, **k: pytest.fail("measured before checking --out"))
+    assert main(["measure", "--quick", "--out", str(tmp_path)]) == 2
+    assert "is a folder; give a file name" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["validate", "--kernels", "decode", "--out", str(tmp_path / "file")]) == 2
+    assert "is a file; it names the folder" in capsys.readouterr().err
+    monkeypatch.setenv("MOAJAX_MACHINE", "bogus")
+    from moajax import machines
+
+    machines.local.cache_clear()
+    try:
+        assert main(["validate", "--kernels", "decode", "--out", str(tmp_path / "v")]) == 2
+        assert "MOAJAX_MACHINE='bogus' is not a machine profile" in capsys.readouterr().err
+    finally:
+        monkeypatch.delenv("MOAJAX_MACHINE")
+        machines.local.cache_clear()
