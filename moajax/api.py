@@ -151,7 +151,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if mod is not None:
         args += [jnp.asarray(c) for c in mod.consts]
     runtime.check_onf_argument(onf, "dot_product_attention")
-    onf = _backward_plan(onf, bias is not None)
+    onf = _backward_plan(onf, bias is not None, len(mod.consts) if mod is not None else 0)
     runtime.check_implementation(implementation, "dot_product_attention")
     runtime.check_residuals(residuals, "dot_product_attention")
 
@@ -223,14 +223,17 @@ def _sequence_split(query, key, value, batched: bool):
 # kernel whose programs own query tiles, dK and dV scatter-added; "split" — dV in a kernel of
 # its own owning key tiles, dK still scatter-added beside dQ; "owner" — no atomics (dQ owning
 # query tiles, dK and dV owning key tiles), bitwise repeatable, the GPU default
-def _backward_plan(onf, with_bias: bool):
-    """A Preset's ``backward`` named as the seed's ONFs, as the adjoint's plan."""
+def _backward_plan(onf, with_bias: bool, consts: int = 0):
+    """A Preset's ``backward`` named as the seed's ONFs, as the adjoint's plan (``consts``: the
+    arrays a score_mod closes over, whose gradients, like the bias', sum over t and s: they join
+    dQ and dK; left out, the plan did not name every output and every implementation refused)."""
     import dataclasses
 
     if not isinstance(onf, Preset) or onf.backward is None or isinstance(onf.backward, tuple):
         return onf
     if onf.backward == "split":
-        first = ("d_query", "d_key") + (("d_bias",) if with_bias else ())
+        first = ("d_query", "d_key") + (("d_bias",) if with_bias else ()) + tuple(
+            f"d_score_mod_const{i}" for i in range(consts))
         return dataclasses.replace(onf, backward=(first, ("d_value",)))
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 

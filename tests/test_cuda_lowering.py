@@ -152,3 +152,36 @@ def test_a_branch_with_effects_keeps_jaxs_platform_dependent():
     np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
     assert seen == [1.0]
     assert "platform_index" in str(jax.make_jaxpr(lambda x: compat.platform_dependent(x, cpu=cpu, cuda=lambda x: x))(jnp.ones(3)))
+
+
+@pytest.mark.parametrize("profile,vmapped,dtype", [("h200", False, "float32"), ("delta-a100", True, "bfloat16")],
+                         ids=["h200-lengths", "a100-vmap-bf16"])
+def test_causal_gradients_whose_tile_spans_fold_to_constants_lower_for_cuda(monkeypatch, profile, vmapped, dtype):
+    """jit(grad) of causal attention, with query and key lengths under the H200 profile, and
+    vmapped over a batch in bfloat16 under the A100's: the skipping spans of the adjoint's dQ
+    kernel hold bounds that read no program id or length, and Pallas' Triton lowering of those
+    folded-constant comparisons raised AssertionError ('i1', 'i32'). They are folded in NumPy
+    now (``tiles.skipping``): every kernel lowers to Triton."""
+    import dataclasses
+
+    from moajax import runtime
+
+    m = dataclasses.replace(machines.load(profile), spill_check=False)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": m)
+    runtime.schedules.cache_clear()
+    try:
+        S = jax.ShapeDtypeStruct
+        dt = jnp.dtype(dtype)
+        if vmapped:
+            f = jax.vmap(lambda q, k, v: moajax.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0])
+            args = (S((2, 256, 4, 32), dt), S((2, 256, 2, 32), dt), S((2, 256, 2, 32), dt))
+        else:
+            f = lambda q, k, v, ql, kl: moajax.dot_product_attention(  # noqa: E731
+                q, k, v, is_causal=True, query_seq_lengths=ql, key_value_seq_lengths=kl)
+            args = (S((2, 256, 4, 32), dt), S((2, 256, 2, 32), dt), S((2, 256, 2, 32), dt),
+                    S((2,), jnp.int32), S((2,), jnp.int32))
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))  # noqa: E731
+        names = [k.name for k in triton_kernels(jax.grad(loss, argnums=(0, 1, 2)), *args)]
+        assert any("adjoint_saved" in n and n.endswith("d_query") for n in names), names
+    finally:
+        runtime.schedules.cache_clear()

@@ -351,11 +351,15 @@ def test_interior_tiles_are_exactly_those_every_point_keeps(window, causal, leng
 
 
 def _while_bodies(jaxpr):
+    """The bodies of the walks: while loops (traced bounds) and scans (bounds the span folds to
+    constants, as on XLA, whose vectorised grid reads no program id: ``tiles.skipping``)."""
     from helpers import sub_jaxprs
 
     for e in jaxpr.eqns:
         if e.primitive.name == "while":
             yield e.params["body_jaxpr"].jaxpr
+        elif e.primitive.name == "scan":
+            yield e.params["jaxpr"].jaxpr
         for j in sub_jaxprs(list(e.params.values())):
             yield from _while_bodies(j)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from moajax import dnf as D
 from moajax import masked
 from moajax.ix import Var
@@ -50,6 +52,29 @@ def _read(ev):
     return lambda r: ev.eval(r).data  # a length of this program's batch element(s)
 
 
+class _Folding:
+    """jax.numpy for the spans' index arithmetic, computed in NumPy where no operand is traced
+    (a bound that reads neither a program id nor a runtime length): Pallas' Triton lowering of
+    a comparison of folded constants met an i1 where it expected an i32 (AssertionError ('i1',
+    'i32'): the adjoint's dQ kernel of causal attention with lengths on the H200 profile, and
+    of a vmapped causal gradient), so no constant-only operation reaches the kernel."""
+
+    def __getattr__(self, name):
+        import jax
+        import jax.numpy as jnp
+
+        folded, traced = getattr(np, name), getattr(jnp, name)
+
+        def op(*args, **kw):
+            leaves = jax.tree_util.tree_leaves((args, kw))
+            return (traced if any(isinstance(x, jax.core.Tracer) for x in leaves) else folded)(*args, **kw)
+
+        return op
+
+
+_fold = _Folding()
+
+
 def span(ev, skips, v: Var):
     """(first tile, number of tiles) of v that a loop serving stages with these ``skips``
     (None for a stage without one) visits in scope ``ev``."""
@@ -65,14 +90,14 @@ def span(ev, skips, v: Var):
             vars_ |= {t for c in sk.guard.conds + sk.guard.exempt for t, _ in c.terms if isinstance(t, Var)}
         box = _box(ev, vars_, v)
         read = _read(ev)
-        ok = masked.guard_holds(sk.guard, box, read, jnp) if any(sk.kept) else True
-        first, count = masked.tile_span(sk, axis.tile, axis.ntiles, box, read, jnp, ok)
-        firsts.append(jnp.where(count > 0, first, axis.ntiles))
-        ends.append(jnp.where(count > 0, first + count, 0))
+        ok = masked.guard_holds(sk.guard, box, read, _fold) if any(sk.kept) else True
+        first, count = masked.tile_span(sk, axis.tile, axis.ntiles, box, read, _fold, ok)
+        firsts.append(_fold.where(count > 0, first, axis.ntiles))
+        ends.append(_fold.where(count > 0, first + count, 0))
     # pairwise (Triton has no reduction over a stack of scalars)
-    first, end = functools.reduce(jnp.minimum, firsts), functools.reduce(jnp.maximum, ends)
-    first = jnp.minimum(first, axis.ntiles).astype(jnp.int32)
-    return first, jnp.maximum(end - first, 0).astype(jnp.int32)
+    first, end = functools.reduce(_fold.minimum, firsts), functools.reduce(_fold.maximum, ends)
+    first = _fold.minimum(first, axis.ntiles).astype(jnp.int32)
+    return first, _fold.maximum(end - first, 0).astype(jnp.int32)
 
 
 def walk(ev, skips, v: Var, step, init):
@@ -97,10 +122,10 @@ def walk(ev, skips, v: Var, step, init):
         return ev.backend.fori_loop(count, body(frozenset()), init, first)
     bounds = [b for sk in inner for b in sk.bounds]
     box = _box(ev, {t for b in bounds for t, _ in b.terms if isinstance(t, Var)}, v, padded=True)
-    ifirst, iend = masked.interior_tiles(bounds, v, axis.tile, box, _read(ev), jnp)
+    ifirst, iend = masked.interior_tiles(bounds, v, axis.tile, box, _read(ev), _fold)
     end = first + count
-    a = jnp.clip(ifirst, first, end).astype(jnp.int32)
-    b = jnp.clip(iend, a, end).astype(jnp.int32)
+    a = _fold.clip(ifirst, first, end).astype(jnp.int32)
+    b = _fold.clip(iend, a, end).astype(jnp.int32)
     carried = init
     if any(x.coeff(v) > 0 for x in bounds):
         carried = ev.backend.fori_loop(a - first, body(frozenset()), carried, first)
