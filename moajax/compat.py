@@ -370,8 +370,24 @@ def _interpreter_computes_bfloat16() -> None:
             return unary(self, arg, op)
         return interpreter.TensorHandle(narrow(op(widen(arg).data)), tl.bfloat16)
 
-    # the create_* methods call self.binary_op / self.unary_op: patching these two covers them
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        # to or from bfloat16 by value, through float32, rounded to nearest-even: the
+        # interpreter cast an int to bfloat16 as its uint16 bits (ALiBi's distance ki − qi: a
+        # NaN for a negative one) and truncated float32 to bfloat16
+        to_bf16 = dst_type.scalar == tl.bfloat16
+        if not (is_bf16(src) or to_bf16) or (is_bf16(src) and to_bf16):
+            return cast(self, src, dst_type)
+        value = widen(src).data if is_bf16(src) else np.asarray(src.data).astype(np.float32)
+        if to_bf16:
+            return interpreter.TensorHandle(narrow(value), tl.bfloat16)
+        return cast(self, interpreter.TensorHandle(value, tl.float32), dst_type)
+
+    # the create_* methods call self.binary_op / self.unary_op / self.cast_impl: patching these
+    # covers them
     builder.create_dot, builder.binary_op, builder.unary_op = create_dot, binary_op, unary_op
+    builder.cast_impl = cast_impl
 
 
 def triton_interpret_call(kernel):

@@ -58,6 +58,27 @@ def test_backward_onfs_through_the_source(plan, dtype):
         assert rel_err(a, b) <= TOL[dtype]
 
 
+def test_the_interpreter_casts_ints_to_bfloat16_by_value():
+    """ALiBi in bfloat16, causal, T = 2 over S = 64: the source casts the distance ki − qi to
+    bfloat16, which Triton's interpreter did as its uint16 bits (a NaN in every row t ≥ 1; a
+    float32 truncated, not rounded). Through float32, rounded to nearest-even
+    (``compat._interpreter_computes_bfloat16``): the Pallas path's result, no NaN, and within
+    bfloat16's 2e-2 of the float64 reference."""
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.standard_normal((1, 2, 4, 8)), jnp.bfloat16)
+    k, v = (jnp.asarray(r.standard_normal((1, 64, 1, 8)), jnp.bfloat16) for _ in range(2))
+    slopes = jnp.asarray(2.0 ** (-np.arange(1, 5) * 2.0), jnp.bfloat16)
+    mod = lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)  # noqa: E731
+    out = {impl: np.asarray(moajax.dot_product_attention(q, k, v, is_causal=True, score_mod=mod, implementation=impl),
+                            np.float64) for impl in ("triton_interpret", "pallas_interpret")}
+    assert np.all(np.isfinite(out["triton_interpret"]))
+    assert rel_err(out["triton_interpret"], out["pallas_interpret"]) <= 2e-2
+    f64 = [np.asarray(x, np.float64) for x in (q, k, v)]
+    s = np.arange(64)[None, :] - np.arange(2)[:, None]
+    bias = np.asarray(slopes, np.float64)[None, :, None, None] * s[None, None]
+    assert rel_err(out["triton_interpret"], R.mha(*f64, bias=bias, is_causal=True)) <= 2e-2
+
+
 def test_bfloat16_runs_under_the_interpreter():
     """bfloat16 forward and jax.grad (owner plan, causal GQA) through the generated source,
     against the float64 reference. Triton's interpreter does no bfloat16 arithmetic of its own
