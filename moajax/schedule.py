@@ -400,8 +400,10 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: i
         # two wide walks one inside the other (a table's gradient: Σ_s Σ_t over [s × t]
         # scores) hold a tile of each, not their extents: the candidates are those for that
         # width, and the tiles at most the candidates' keys wide, as attention's [rows × keys]
-        # (in the sweep every 64 × 64 tiling of the table gradient spills, 32 × 32 none:
-        # bench/results/score_mod_tiles_gpu.md). Other walks keep the candidates of their
+        # (in the IEEE-float32 sweep of 2026-12-04 every 64 × 64 tiling of the table gradient
+        # spilled, 32 × 32 none; with TF32 dots the sweep of 2026-12-05 has 64 × 32 clean and
+        # some 32 × 32 with 4 warps spilling, untimed: bench/results/score_mod_tiles_gpu.md,
+        # which the spill check covers either way). Other walks keep the candidates of their
         # extent, as they were calibrated (GQA's dK and dV, spill-free in gpu_report.md)
         held = [min(v.extent, it) if it and v in nested else v.extent for v in inner]
         # a last output axis tiled over the grid is held lt at a time: RMSNorm→matmul's 128
