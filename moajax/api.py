@@ -232,8 +232,10 @@ def _backward_plan(onf, with_bias: bool, consts: int = 0):
     if not isinstance(onf, Preset) or onf.backward is None or isinstance(onf.backward, tuple):
         return onf
     if onf.backward == "split":
+        from moajax.kernels.attention import score_mod_const_names
+
         first = ("d_query", "d_key") + (("d_bias",) if with_bias else ()) + tuple(
-            f"d_score_mod_const{i}" for i in range(consts))
+            f"d_{n}" for n in score_mod_const_names(consts))
         return dataclasses.replace(onf, backward=(first, ("d_value",)))
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 

@@ -329,6 +329,12 @@ def mha_kernel(bias_dims: str | None = None, mask_dims: str | None = None, group
                        residual if residual == "live" else bool(residual))
 
 
+def score_mod_const_names(n: int) -> tuple:
+    """The attention kernel's parameters for the ``n`` arrays a score_mod closes over (after
+    the lengths); their gradients are d_ of these."""
+    return tuple(f"score_mod_const{i}" for i in range(n))
+
+
 @functools.lru_cache(maxsize=64)
 def _mha_kernel(bias_dims, mask_dims, grouped, q_lengths, kv_lengths, score_mod, residual):
     import inspect
@@ -338,7 +344,7 @@ def _mha_kernel(bias_dims, mask_dims, grouped, q_lengths, kv_lengths, score_mod,
     if (bias_dims is None and mask_dims is None and grouped and not q_lengths and not kv_lengths
             and score_mod is None and not residual):
         return mha
-    consts = [] if score_mod is None else [f"score_mod_const{i}" for i in range(len(score_mod.consts))]
+    consts = [] if score_mod is None else list(score_mod_const_names(len(score_mod.consts)))
     names = ["query", "key", "value"] + (["bias"] if bias_dims is not None else []) + (
         ["mask"] if mask_dims is not None else []) + (["query_seq_lengths"] if q_lengths else []) + (
         ["key_value_seq_lengths"] if kv_lengths else []) + consts
