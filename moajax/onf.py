@@ -528,6 +528,41 @@ class ONF:
         a = self.axis_of(red.var)
         return red.var if a.role == "sequential" and a.ntiles > 1 else None
 
+    def written_walking(self) -> tuple:
+        """The stages written to memory (outputs, memory stages) while their programs walk
+        more than one of their own axes in sequence, each with those axes. A GPU program walks
+        at most one: its tiles of a result are written from one loop."""
+        outputs = {sname for _, sname in self.program.outputs}
+        found = []
+        for st in self.program.stages:
+            seq = [v.name for v in st.index_vars if self.axis_of(v).role == "sequential"]
+            if (st.name in outputs or st.place == "memory") and len(seq) > 1:
+                found.append((st.name, tuple(seq)))
+        return tuple(found)
+
+    def rows_across_walks(self) -> tuple:
+        """The local stages that hold a row across a walk: indexed by a sequential variable
+        that a stage reading them walks (by its reduction or its pass), so that each tile of
+        the walk reads its own part of a row computed before it. A stage written tile by
+        tile (an output, a memory stage) is not one. XLA holds such a row as an array; a
+        GPU program has no indexable on-chip scratch for it (``rewrites.place``: in memory)."""
+        outputs = {sname for _, sname in self.program.outputs}
+        seq = {a.name for a in self.axes if a.role == "sequential"}
+        found = []
+        for st in self.program.stages:
+            over = {v for v in st.index_vars if v.name in seq}
+            if st.place != "local" or st.name in outputs or not over:
+                continue
+            for reader in self.program.stages:
+                walked = {x.var for e in reader.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Red)}
+                walked |= {reader.walks} - {None}
+                reads = any(isinstance(x, D.Ref) and x.stage == st.name
+                            for e in reader.exprs() if e is not None for x in D.walk(e))
+                if reads and over & walked:
+                    found.append((st.name, tuple(sorted(v.name for v in over & walked))))
+                    break
+        return tuple(found)
+
     def accumulation(self, stage: str) -> str | None:
         """How programs combine their partials of ``stage`` ("atomic"), or None (one owner)."""
         return dict(self.accumulate).get(stage)

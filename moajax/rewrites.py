@@ -12,6 +12,8 @@
                    then the monoid combine (for online stages: max, and Σ aₚ·e^{mₚ − m}).
     materialize    a labelled subexpression becomes a stage (kept on chip, or in memory):
                    the store-vs-recompute choice.
+    place          a stage moves between chip and memory (its values unchanged): a row a walk
+                   reads tile by tile, which a GPU program cannot index on chip, in memory.
     accumulate     an output X[v] = c · Σ_r g (c not using r) → X[v] = Σ_r c·g, added into
                    memory by every program that owns a tile of r ("atomic": scatter-add).
     skip_masked    op_w B → op_{w : c(w)} B  where B is the identity wherever the affine mask
@@ -569,6 +571,24 @@ def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
     if not found:
         raise ONFError(f"{onf.dnf.name}: no subexpression is labelled {label!r}; labels are {sorted(onf.store)}")
     return onf.replace(program=Program(tuple(stages), onf.program.outputs), note=f"materialize({label}, {place})")
+
+
+def place(onf: ONF, stage: str, where: str) -> ONF:
+    """Keep the stage ``stage`` ``where``: "local" (on chip, in each program) or "memory"
+    (written to main memory by a kernel of its own, read by the programs after it). Its
+    values, and so the ONF's meaning, do not change: only where they live."""
+    if where not in ("local", "memory"):
+        raise ONFError(f"{onf.dnf.name}: a stage is placed 'local' or 'memory', got {where!r}")
+    try:
+        st = onf.program.stage_of(stage)
+    except KeyError:
+        st = None
+    if not isinstance(st, Stage) or st.name != stage:
+        raise ONFError(f"{onf.dnf.name}: {stage!r} is not a plain stage; stages are {onf.program.names()}")
+    if stage in {n for _, n in onf.program.outputs}:
+        raise ONFError(f"{onf.dnf.name}: {stage!r} is an output; outputs are written to memory already")
+    stages = tuple(dataclasses.replace(s, place=where) if s is st else s for s in onf.program.stages)
+    return onf.replace(program=Program(stages, onf.program.outputs), note=f"place({stage}, {where})")
 
 
 # ----------------------------------------------------------------------------- accumulation

@@ -705,6 +705,12 @@ def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(
                     if not spread:
                         errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
                     continue
+                if machine.is_gpu and o.written_walking():
+                    # a GPU program writes its tiles of a result from one loop (dBias[t s] summed
+                    # over a batch that owns the programs would be written walking t and s)
+                    if not spread:
+                        errors.append(f"{r.name}: writes {', '.join(f'{n} walking {list(v)}' for n, v in o.written_walking())}")
+                    continue
                 if machine.is_gpu and onchip_bytes(o) > machine.onchip_limit_bytes:
                     # (GQA's dK in float64: programs owning query tiles hold the group whole in
                     # each, 354.5 KB on the H200; owning key tiles, the group walked, 135.7 KB)
@@ -1227,6 +1233,13 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
     grid = {a.name for a in onf.axes if a.role == "grid"}
     if any(n not in grid for n in onf.knobs.cpu_loop):  # a preset made a looped axis non-grid
         onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))
+    if machine.is_gpu:
+        # a row of a stage that a walk reads tile by tile (attention's Δ[t] under programs
+        # owning key tiles, walking the queries: dQ scatter-added) has no indexable place on a
+        # GPU's chip: it goes to memory, computed once by a kernel of its own (FlashAttention-2's
+        # Δ pre-pass)
+        for stage, _ in onf.rows_across_walks():
+            onf = W.place(onf, stage, "memory")
     if preset.skip is not False:
         onf = W.skip_masked(onf)
         if preset.unmask_interior if preset.unmask_interior is not None else not machine.is_gpu:

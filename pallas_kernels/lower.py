@@ -42,33 +42,17 @@ def check(onf: ONF) -> ONF:
     """Raise ONFError for anything the Triton backend cannot express; returns the ONF."""
     onf.validate()
     name = onf.dnf.name
-    outputs = {sname for _, sname in onf.program.outputs}
-    for st in onf.program.stages:
-        seq = [v.name for v in st.index_vars if onf.axis_of(v).role == "sequential"]
-        if (st.name in outputs or st.place == "memory") and len(seq) > 1:
-            raise ONFError(
-                f"{name}: {st.name!r} is written while walking {seq} in sequence; "
-                "the Triton backend walks at most one of its own axes per program"
-            )
-    seq = {a.name for a in onf.axes if a.role == "sequential"}
-    for st in onf.program.stages:
-        # a local stage over a sequential axis that a pass over that axis reads is, by the
-        # ONF's meaning, a row stored across the pass's tiles (one computed per tile for a
-        # target written tile by tile is not)
-        over = {v for v in st.index_vars if v.name in seq}
-        if st.place != "local" or st.name in outputs or not over:
-            continue
-        for reader in onf.program.stages:
-            walked = {x.var for e in reader.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Red)}
-            walked |= {reader.walks} - {None}
-            reads = any(isinstance(x, D.Ref) and x.stage == st.name
-                        for e in reader.exprs() if e is not None for x in D.walk(e))
-            if reads and over & walked:
-                raise ONFError(
-                    f"{name}: stage {st.name!r} stores a row over the sequential axis "
-                    f"{sorted(v.name for v in over & walked)} on chip; Triton has no indexable on-chip "
-                    "scratch — recompute it (store 'recompute') or place it in memory"
-                )
+    for stage, seq in onf.written_walking():
+        raise ONFError(
+            f"{name}: {stage!r} is written while walking {list(seq)} in sequence; "
+            "the Triton backend walks at most one of its own axes per program"
+        )
+    for stage, over in onf.rows_across_walks():
+        raise ONFError(
+            f"{name}: stage {stage!r} stores a row over the sequential axis {list(over)} on chip; "
+            "Triton has no indexable on-chip scratch — recompute it (store 'recompute') or place it in "
+            "memory (rewrites.place)"
+        )
     for a in onf.axes:
         size = a.block
         if size != 1 and not _is_pow2(size):

@@ -168,6 +168,14 @@ def test_rewrite_errors(dnf):
         W.materialize(o, "score", "gpu")
     with pytest.raises(ONFError, match="split_k needs parts ≥ 2"):
         W.split_k(o, "s", 1)
+    with pytest.raises(ONFError, match="placed 'local' or 'memory', got 'gpu'"):
+        W.place(o, "max_s", "gpu")
+    with pytest.raises(ONFError, match="'nope' is not a plain stage"):
+        W.place(o, "nope", "memory")
+    with pytest.raises(ONFError, match="'out' is an output"):
+        W.place(o, "out", "memory")
+    assert W.place(o, "max_s", "memory").program.stage_of("max_s").place == "memory"
+    assert W.place(o, "max_s", "memory").history[-1] == "place(max_s, memory)"
     with pytest.raises(ONFError, match="no stage reduces over 'zz'"):
         W.split_k(o, "zz", 2)
     with pytest.raises(ONFError, match="exceeds its extent 12"):

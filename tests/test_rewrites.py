@@ -132,6 +132,8 @@ def rewrite_plans(draw):
     plan.append(("tiles", draw(st.integers(1, 6)), draw(st.integers(1, 6))))
     if draw(st.booleans()):
         plan.append(("gamma", draw(st.integers(0, 3))))
+    if draw(st.booleans()):
+        plan.append(("place", draw(st.integers(0, 7))))
     return kern, spec, plan, draw(st.integers(0, 1000))
 
 
@@ -175,6 +177,13 @@ def test_random_rewrite_sequences_keep_meaning(case):
         elif step[0] == "gamma":
             name = dnf.inputs[step[1] % len(dnf.inputs)].name
             o = W.with_gamma(o, name, "F")
+        elif step[0] == "place":
+            outputs = {n for _, n in o.program.outputs}
+            # into memory (what a GPU's schedule does with a row a walk reads: ``schedule``);
+            # back on chip, split-K's partials would be reduced across programs (refused)
+            plain = [s.name for s in o.program.stages if isinstance(s, O.Stage) and s.name not in outputs]
+            if plain:
+                o = W.place(o, plain[step[1] % len(plain)], "memory")
     o.validate()
     assert rel_err(run(o, args), ref(dnf, args)) <= F64, o.pretty()
 
