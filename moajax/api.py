@@ -155,22 +155,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     runtime.check_implementation(implementation, "dot_product_attention")
     runtime.check_residuals(residuals, "dot_product_attention")
 
-    lifted = _sequence_split(query, key, value, batched)
-    if lifted is not None:  # the sequence split over devices: the key axis lifted over the mesh (a ring)
-        plain = bias is None and mask is None and window is None and mod is None and not any(
-            x is not None for x in lengths)
-        if not plain:
-            raise ValueError("dot_product_attention: the sequence axis is split over devices, which the ring "
-                             "(moajax.ring_attention) honours for is_causal and GQA only, not for bias, mask, "
-                             "lengths, local_window_size or score_mod; split batch or heads instead")
-        from moajax import ring
-
-        mesh, axes = lifted
-        # a Preset's ring choices, as under jit (``ring.SequenceLift``): the balance and the rounds
-        return ring.ring_attention(query, key, value, mesh=mesh, is_causal=bool(is_causal), scale=scale,
-                                   implementation=implementation, return_residual=bool(return_residual),
-                                   balance=getattr(onf, "ring", None), rounds=getattr(onf, "ring_rounds", None) or 1,
-                                   **axes)
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
     kern = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
@@ -179,7 +163,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if bias is None and mask is None and mod is None and not any(x is not None for x in lengths) and window is None:
         from moajax import ring
 
-        # the sequence split over devices runs the ring (under jit too), each device the plain kernel
+        # the sequence split over devices runs the ring, each device the plain kernel: eager or under
+        # jit alike (an eager call is a jitted one over the arrays' own split: XLA's partitioner)
         kern = ring.sequence_lift(kern, mha_kernel(None, None, K != N) if return_residual else None)
     # a kernel like any other: compiled per platform, its gradient the compiled adjoint kernel
     # derived in the algebra (moajax.adjoint), reading the forward's saved row statistics
@@ -189,34 +174,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if return_residual:  # (held constant in the kernel's own definition: no cotangent flows back)
         return (out[0], out[1]) if batched else (out[0][0], out[1][0])
     return out if batched else out[0]
-
-
-def _sequence_split(query, key, value, batched: bool):
-    """(mesh, ring_attention's axis arguments) where the inputs' split is visible while tracing
-    (``moajax.shard.visible``) and splits the sequence axis; else None."""
-    from moajax import shard
-
-    seen = shard.visible([query, key, value])
-    if seen is None or not batched:
-        return None
-    mesh, specs = seen
-    specs = [tuple(sp) + (None,) * (4 - len(sp)) for sp in specs]
-    if all(sp[1] is None for sp in specs):
-        return None
-    if len({sp[:3] for sp in specs}) != 1 or specs[0][3] is not None:
-        raise ValueError(f"dot_product_attention: with the sequence split over devices, query, key and value must "
-                         f"be split alike along batch, sequence and heads, and not along the head dim; got "
-                         f"{[sp for sp in specs]}")
-    one = []
-    for entry, name in zip(specs[0][:3], ("batch", "sequence", "heads")):
-        axes = shard._spec_axes(entry)
-        if len(axes) > 1:
-            raise ValueError(f"dot_product_attention: the {name} axis is split over several mesh axes {axes}; "
-                             "the ring takes one mesh axis each")
-        one.append(axes[0] if axes else None)
-    if mesh.shape[one[1]] == 1:  # a mesh axis of one device splits nothing: no ring (as under jit)
-        return None
-    return mesh, dict(batch_axis=one[0], axis_name=one[1], head_axis=one[2])
 
 
 # the seed's backward ONFs (REFERENCE.md §5) as plans of the adjoint's outputs: "atomic" — one

@@ -543,18 +543,29 @@ class _Lifted:
         """The classes of the queries' and the keys' sequence axes (axis 1 of query and key)."""
         return frozenset(rule.inputs[i][2][1].cls for i in (0, 1)) - {None}
 
+    def _ring(self, axis_name: str, devices: int) -> "Ring":
+        # each kernel (forward, saving forward, adjoint) reorders its own blocks from the
+        # inputs' contiguous split and back, so each may take either balance
+        causal = bool(self.options.get("is_causal", False))
+        return Ring(axis_name, devices, self.balance or ("zigzag" if causal else "contiguous"), self.rounds)
+
+    def check_split(self, axis_name: str, devices: int, shapes) -> None:
+        """Raise the ValueError of a split this ring cannot take (``shapes``: the inputs' global
+        shapes, query first): each device's queries divide into its chunks and their pieces.
+        ``moajax.shard.check`` asks it while tracing, where the split is visible, so that the
+        error is named there and not wrapped by XLA's partitioner."""
+        ring = self._ring(axis_name, devices)
+        T = shapes[0][1] // devices
+        if T % (ring.chunks // devices * ring.rounds):
+            raise ValueError(f"dot_product_attention: each device's {T} queries do not split into the "
+                             f"{ring.chunks // devices} chunks of {ring}, {ring.rounds} pieces each")
+
     def per_device(self, axis_name: str, devices: int, local_in, local_out):
         import jax.numpy as jnp
 
         causal = bool(self.options.get("is_causal", False))
-        # each kernel (forward, saving forward, adjoint) reorders its own blocks from the
-        # inputs' contiguous split and back, so each may take either balance
-        ring = Ring(axis_name, devices, self.balance or ("zigzag" if causal else "contiguous"), self.rounds)
-
-        T = local_in[0][1]
-        if T % (ring.chunks // devices * ring.rounds):
-            raise ValueError(f"dot_product_attention: each device's {T} queries do not split into the "
-                             f"{ring.chunks // devices} chunks of {ring}, {ring.rounds} pieces each")
+        self.check_split(axis_name, devices, [(s[0], s[1] * devices) + tuple(s[2:]) for s in local_in])
+        ring = self._ring(axis_name, devices)
         scale = self.options.get("scale")
         scale = 1.0 / math.sqrt(local_in[0][-1]) if scale is None else float(scale)
         kw = dict(is_causal=causal, scale=scale)

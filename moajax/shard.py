@@ -303,7 +303,12 @@ def check(dnf, arrays, who: str, lift=None) -> None:
         r = rule(dnf)
         specs = seen[1]
         if lift is not None:
-            specs = _sequence_axis(r, specs, lift.classes(r), who)[0]
+            seq = lift.classes(r)
+            specs, lifted = _sequence_axis(r, specs, seq, who)
+            if lifted is not None:  # the lift's own conditions, named before XLA wraps them
+                size = int(seen[0].shape[lifted])
+                _check_sequence_split(r, seq, lifted, size, who)
+                lift.check_split(lifted, size, [tuple(a.shape) for a in arrays])
         assignment(r, seen[0], specs, who)
 
 
