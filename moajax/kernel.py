@@ -137,9 +137,18 @@ class Kernel:
         fn.__signature__ = inspect.Signature(params)
         fn.__name__, fn.__doc__ = name, doc
 
+    # (shapes, dtypes) per argument, options → the output names, where they depend on the
+    # shapes: a batched kernel's are its cell's (``batched``)
+    _names_at = None
+
     def _names_for(self, outs) -> tuple:
         """The output names: the declared ones, else out (one output) or out0, out1, …"""
         return self.output_names or (("out",) if len(outs) == 1 else tuple(f"out{i}" for i in range(len(outs))))
+
+    def cell_names(self, key) -> tuple | None:
+        """The output names of the kernel at ``key`` (``_key``: shapes and dtypes, options) where
+        they are not declared but matter (a saving forward's statistics), else None."""
+        return self._names_at(key) if self._names_at is not None else None
 
     def define(self, *arrays: moa.Array, **options) -> moa.Array:
         """Apply the definition to algebra arrays (to compose kernels inside other kernels)."""
@@ -191,7 +200,7 @@ class Kernel:
             for o in outs:
                 if not isinstance(o, moa.Array):
                     raise TypeError(f"{self.name}: the definition must return moa arrays, got {type(o).__name__}")
-            names = self._names_for(outs)
+            names = (self._names_at(key) if self._names_at is not None else None) or self._names_for(outs)
             dnf, _ = _psi.reduce_to_dnf(self.name, inputs, outs, names, record=False)
             applied = ()
             if self._identities is not None:
@@ -566,8 +575,23 @@ class Kernel:
         self._sign(batched_fn, (), f"{self.name}_vmap", f"{self.name} under Ω over a leading batch axis {dim}.")
         dims = {p.name: " ".join(((dim,) if b else ()) + p.dims) for p, b in zip(self.params, in_batched)}
         example = {**self.example, dim: 2}
+        # the papers' identities hold under Ω as they do per cell: an adjoint's are matched
+        # against its forward batched alike (without them a vmapped attention adjoint
+        # recomputed Δ as a sum over the keys instead of +/(dO × Out))
+        ids = self._identities
+        hook = None if ids is None else (
+            lambda dnf, specs, opts, batches=(): ids(dnf, specs, opts, (tuple(in_batched),) + tuple(batches)))
         hit = self._derived[key] = Kernel(batched_fn, example=example, name=f"{self.name}_vmap",
-                                           outputs=self.output_names, dims=dims)
+                                           outputs=self.output_names, dims=dims, identities=hook)
+        if self.output_names is None:
+            # the cell's names (a saving forward's statistics are named as such: the GPU tile
+            # tables go by the width of the other outputs, and the identities match by name)
+            def names_at(key, flags=tuple(in_batched)):
+                import jax
+
+                cells = [jax.ShapeDtypeStruct(shape[1:] if b else shape, dt) for (shape, dt), b in zip(key[0], flags)]
+                return primal.cell_names(primal._key(cells, dict(key[1])))
+            hit._names_at = names_at
         return hit
 
     def _adjoint_for(self, shape_key, options, saved: bool | tuple = False) -> "Kernel":
@@ -638,12 +662,24 @@ class Kernel:
             return tuple(d if d.dims == by_name[w].dims else moa.reshape(d, d.shape, dims=by_name[w].dims)
                          for w, d in zip(wrt, grads))
 
-        def identities(dnf, specs, opts):
-            """Δ-from-output and kin: the adjoint reads the forward's outputs and statistics."""
-            forward = primal.with_row_statistics(labels).dnf(*specs[:n], **opts)
+        stat_names = _saved_names(primal.params, names, len(saved_names))
+
+        def identities(dnf, specs, opts, batches=()):
+            """Δ-from-output and kin: the adjoint reads the forward's outputs and statistics.
+            ``batches``: the flags of each ``batched`` around this adjoint, innermost first (a
+            vmap's adjoint matches the forward under the same Ω, whose outputs are then
+            batched too; where a vmap batches only the cotangents, the saved values are not
+            the batched forward's, and nothing is matched)."""
+            fwd = primal.with_row_statistics(labels)
+            for flags in batches:
+                held = flags[len(flags) - len(saved_names) - len(value_names):]
+                if not any(flags[:n]) or not all(held):
+                    return dnf, []
+                fwd = fwd.batched(flags[:n])
+            forward = fwd.dnf(*specs[:n], **opts)
             return _identities.delta_from_output(
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
-                saved=dict(zip(_saved_names(primal.params, names, len(saved_names)), saved_names)))
+                saved=dict(zip(stat_names, saved_names)))
 
         self._sign(backward, ct_names + saved_names + value_names, f"{self.name}_adjoint",
                    f"The adjoint of {self.name}, derived by moajax.adjoint.")
@@ -796,6 +832,12 @@ class _SavingKernel(Kernel):
         forward.__signature__ = inspect.signature(natural)
         forward.__name__ = natural.__name__
         self.fn = forward
+
+    def cell_names(self, key) -> tuple:
+        import jax
+
+        specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in key[0]]
+        return tuple(o.name for o in self._build(specs, dict(key[1]))[2].outputs)
 
     def _primal_names(self, specs, options) -> tuple:
         outs = self._primal._build(specs, options)[1]

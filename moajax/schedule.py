@@ -230,7 +230,9 @@ def _structure(onf: ONF, gpu: bool = False):
 
     rows = [v for v in out_vars[:-1] if reads and v.extent > 1 and reuse(v) > 0
             and all(len((r.free & blocked) | {v}) <= 2 for r in reads if v in r.free)]
-    return loops, out_vars, sorted(inner), sorted(rows, key=lambda v: -reuse(v))[:1]
+    # of equal reuse, the longer: under a vmap whose keys are shared, K and V depend on neither
+    # the batch nor the queries, and the batch of 2 ahead of t made the programs 1 query wide
+    return loops, out_vars, sorted(inner), sorted(rows, key=lambda v: (-reuse(v), -v.extent))[:1]
 
 
 # (rows, keys, num_warps, num_stages) per operand width (bytes) and held width, best first:
@@ -694,7 +696,11 @@ def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(
     # query tiles adds dK and dV). A GPU keeps the output order: the seed's fused kernel owns
     # query rows (its 2.00× atomics)
     scattered = lambda v: 0 if machine.is_gpu else sum(v not in o.vars for o in onf.dnf.outputs)  # noqa: E731
-    candidates.sort(key=lambda v: (v.extent <= 1, all(v in r.free for r in reads), scattered(v)))
+    # on a GPU, of the rest, one that fills Triton's 16-row dot before one that cannot: under a
+    # vmap whose keys are shared, K depends on neither the batch (2) nor the queries, and
+    # programs owning the batch held it whole with one query each
+    short = lambda v: machine.is_gpu and v.extent < 16  # noqa: E731
+    candidates.sort(key=lambda v: (v.extent <= 1, all(v in r.free for r in reads), short(v), scattered(v)))
     unfit = None  # on a GPU, the first valid ONF that does not fit: a later variable may fit
     for separate in (False, True):
         for r in candidates:

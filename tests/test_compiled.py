@@ -14,6 +14,7 @@ import pytest
 import moajax
 import references as R
 from helpers import rel_err
+from moajax import dnf as D
 from moajax import moa
 from moajax.ptx import triton_kernels
 from moajax.schedule import Preset
@@ -501,3 +502,79 @@ def test_a_forward_presets_tiles_reach_each_adjoint_kernel_as_they_apply():
         assert rel_err(a, b) <= F64
     with pytest.raises(moajax.ONFError, match="unknown axis 'zz'"):
         _larger(x, y, onf=Preset.of(tiles={"zz": 1}))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("in_axes", [0, (0, None, None), ((0, 1), (0, 1), (0, 1))], ids=["all", "query", "nested"])
+def test_a_vmapped_adjoint_reads_delta_from_the_output(in_axes, impl):
+    """jax.vmap of jax.grad of causal GQA: the batched adjoint kernel matches the papers'
+    identities against its forward under the same Ω, so Δ = +/(dO × Out) is read from the
+    saved output, as without vmap. Before, the batched kernel had no identities: Δ was
+    recomputed as a sum over the keys (a second walk of every score), and a GPU's plan gave one
+    program per key. Float64 gradients against the reference, slice by slice, rel ≤ 1e-12."""
+    from moajax.kernels.attention import mha_kernel
+
+    r = np.random.default_rng(21)
+    nested = isinstance(in_axes, tuple) and isinstance(in_axes[0], tuple)
+    lead = (2, 3) if nested else (3,)
+    q, g = (r.standard_normal(lead + (1, 12, 4, 8)) for _ in range(2))
+    shared = in_axes == (0, None, None)
+    k, v = (r.standard_normal(((1, 16, 2, 8) if shared else lead + (1, 16, 2, 8))) for _ in range(2))
+
+    def grads(q, k, v, g):
+        return jax.grad(lambda q, k, v: jnp.sum(moajax.dot_product_attention(
+            q, k, v, is_causal=True, implementation=impl) * g), argnums=(0, 1, 2))(q, k, v)
+
+    if nested:
+        run = jax.jit(jax.vmap(jax.vmap(grads)))
+    else:
+        run = jax.jit(jax.vmap(grads, in_axes=in_axes + (0,) if shared else 0))
+    got = run(q, k, v, g)
+    for idx in np.ndindex(*lead):
+        kk, vv = (k, v) if shared else (k[idx], v[idx])
+        want = R.mha_backward(q[idx], kk, vv, g[idx], is_causal=True)
+        for a, b in zip(got, want):  # (each call's dK and dV, also where the keys are shared)
+            assert rel_err(a[idx], b) <= F64
+    # the batched adjoint's DNF reads Out, and walks the keys once per output that sums them
+    specs = [jax.ShapeDtypeStruct(s, np.float64) for s in [(1, 12, 4, 8), (1, 16, 2, 8), (1, 16, 2, 8)]]
+    adj, args = mha_kernel(None, None, True).saved_adjoint(*specs, is_causal=True)
+    bargs = [jax.ShapeDtypeStruct((3,) + tuple(a.shape), a.dtype) for a in args]
+    dnf = adj.batched((True,) * len(args)).dnf(*bargs, is_causal=True)
+    reads = {x.array for o in dnf.outputs for x in D.walk(o.body) if isinstance(x, D.Read)}
+    assert "out" in reads
+    dq = dnf.outputs[0].body
+    assert sum(isinstance(x, D.Red) and x.var.extent == 16 for x in D.walk(dq)) == 1, D.show(dq)
+
+
+def test_a_vmapped_saving_forward_names_its_statistics_and_keeps_its_gpu_tiling():
+    """The saving forward under vmap (and vmap of vmap) names its outputs saved0, … and out, as
+    unbatched: by name the GPU tile tables leave the float32 statistics out of the operand
+    width, so a bfloat16 forward keeps bfloat16 dots (lowp_dots) and the H200's tiles. Named
+    out0, … the batched kernel took float32 TF32 dots on 32 × 32 tiles, the slow choice
+    ``schedule._operand_width`` documents (5.9 of 7.1 ms at S = 4096 on the H200). The outer
+    vmap shares the keys: K depends on neither its batch of 3 nor the queries, and programs
+    owned the batch, one query each (t tile 1), in this kernel and the plain forward alike."""
+    import dataclasses
+
+    from moajax import machines, schedule
+    from moajax.kernels.attention import mha_kernel
+
+    h200 = dataclasses.replace(machines.load("h200"), spill_check=False)
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(1, 256, 8, 64), (1, 256, 2, 64), (1, 256, 2, 64)]]
+    saving = mha_kernel(None, None, True).with_row_statistics(())
+    once = saving.batched((True, True, True))
+    twice = once.batched((True, False, True))
+    b1 = [jax.ShapeDtypeStruct((2,) + tuple(a.shape), a.dtype) for a in specs]
+    b2 = [jax.ShapeDtypeStruct((3,) + tuple(a.shape), a.dtype) if f else a for a, f in zip(b1, (True, False, True))]
+    onfs = []
+    for kern, args in ((saving, specs), (once, b1), (twice, b2)):
+        dnf = kern.dnf(*args, is_causal=True)
+        assert [o.name for o in dnf.outputs] == ["saved0", "saved1", "saved2", "out"]
+        onfs.append(schedule.derive(dnf, h200))
+    plain = mha_kernel(None, None, True)
+    onfs.append(schedule.derive(plain.batched((True, False, False)).dnf(
+        *[jax.ShapeDtypeStruct((3,) + tuple(specs[0].shape), jnp.bfloat16)] + specs[1:], is_causal=True), h200))
+    for o in onfs:
+        assert o.knobs.lowp_dots, o.pretty()
+        assert o.axis("t").tile >= 16 and o.axis("s").tile == onfs[0].axis("s").tile, o.pretty()
+    assert onfs[1].knobs == onfs[2].knobs == onfs[0].knobs and onfs[2].axis("t").tile == onfs[0].axis("t").tile
