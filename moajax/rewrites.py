@@ -574,18 +574,19 @@ def materialize(onf: ONF, label: str, place: str = "local") -> ONF:
 
 
 def place(onf: ONF, stage: str, where: str) -> ONF:
-    """Keep the stage ``stage`` ``where``: "local" (on chip, in each program) or "memory"
-    (written to main memory by a kernel of its own, read by the programs after it). Its
-    values, and so the ONF's meaning, do not change: only where they live."""
+    """Keep the stage ``stage`` (a plain stage, or an online pass by its max's name) ``where``:
+    "local" (on chip, in each program) or "memory" (written to main memory by a kernel of its
+    own, read by the programs after it). Its values, and so the ONF's meaning, do not change:
+    only where they live."""
     if where not in ("local", "memory"):
         raise ONFError(f"{onf.dnf.name}: a stage is placed 'local' or 'memory', got {where!r}")
     try:
         st = onf.program.stage_of(stage)
     except KeyError:
         st = None
-    if not isinstance(st, Stage) or st.name != stage:
-        raise ONFError(f"{onf.dnf.name}: {stage!r} is not a plain stage; stages are {onf.program.names()}")
-    if stage in {n for _, n in onf.program.outputs}:
+    if not isinstance(st, (Stage, OnlineStage)) or st.name != stage:
+        raise ONFError(f"{onf.dnf.name}: {stage!r} names no stage; stages are {[s.name for s in onf.program.stages]}")
+    if set(st.defines) & {n for _, n in onf.program.outputs}:
         raise ONFError(f"{onf.dnf.name}: {stage!r} is an output; outputs are written to memory already")
     stages = tuple(dataclasses.replace(s, place=where) if s is st else s for s in onf.program.stages)
     return onf.replace(program=Program(stages, onf.program.outputs), note=f"place({stage}, {where})")

@@ -544,3 +544,37 @@ def test_plans_walking_the_queries_give_the_gradient(backward):
         a, b, c, onf=Preset.of(backward=backward), implementation="pallas_interpret") * g), argnums=(0, 1, 2)))
     for got, want in zip(f(q, k, v), R.mha_backward(q, k, v, g)):
         assert rel_err(got, want) <= F64
+
+
+@pytest.mark.parametrize("profile", ["delta-a100", "h200"])
+def test_an_online_pass_read_across_the_query_walk_goes_to_memory(profile, monkeypatch):
+    """The atomic plan recomputing the softmax (residuals="none") with a [T S] mask over a
+    batch of 2 and 2 keys: its programs walk the queries, and the online pass (the row max and
+    sum) is read across that walk. Like a plain stage it goes to memory (``rewrites.place``);
+    before, the GPU derivation raised "'max_s' is not a plain stage". Float64 gradients
+    (Pallas interpret, this profile's ONFs) against jax.grad of a jnp float64 composition,
+    rel ≤ 1e-12."""
+    from moajax import runtime
+
+    machine = machines.load(profile)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": machine)
+    runtime.schedules.cache_clear()
+    r = np.random.default_rng(8)
+    q, g = (r.standard_normal((2, 75, 1, 8)) for _ in range(2))
+    k, v = (r.standard_normal((2, 2, 1, 8)) for _ in range(2))
+    mask = r.random((75, 2)) < 0.8
+    cap = lambda s, *_: 30 * jnp.tanh(s / 30)  # noqa: E731
+
+    def ref(q, k, v):
+        s = cap(jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(8))
+        p = jax.nn.softmax(jnp.where(mask, s, -1e300), axis=-1)
+        return jnp.sum(jnp.einsum("bnts,bsnh->btnh", p, v) * g)
+
+    f = jax.jit(jax.grad(lambda a, b, c: jnp.sum(moajax.dot_product_attention(
+        a, b, c, mask=mask, score_mod=cap, implementation="pallas_interpret",
+        onf=Preset.of(backward="atomic", residuals="none")) * g), argnums=(0, 1, 2)))
+    try:
+        for got, want in zip(f(q, k, v), jax.grad(ref, argnums=(0, 1, 2))(q, k, v)):
+            assert rel_err(got, want) <= F64
+    finally:
+        runtime.schedules.cache_clear()

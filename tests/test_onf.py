@@ -170,7 +170,7 @@ def test_rewrite_errors(dnf):
         W.split_k(o, "s", 1)
     with pytest.raises(ONFError, match="placed 'local' or 'memory', got 'gpu'"):
         W.place(o, "max_s", "gpu")
-    with pytest.raises(ONFError, match="'nope' is not a plain stage"):
+    with pytest.raises(ONFError, match="'nope' names no stage"):
         W.place(o, "nope", "memory")
     with pytest.raises(ONFError, match="'out' is an output"):
         W.place(o, "out", "memory")
