@@ -22,6 +22,7 @@
     unmask_interior  op_{w : c(w)} B → op_{w ∈ boundary} B ⊕ op_{w ∈ interior} B[c ↦ true]: the
                    tiles where c holds at every point are walked without the mask (a causal
                    walk evaluates it on its diagonal tiles only).
+    factor_out_of_dots  Σ_h (a·c)·b → (Σ_h a·b)·c: a 16-bit dot's operands stay as read.
     tile / lift / with_gamma / with_knobs   schedule-only changes (the program is untouched).
 
 Every rewrite is checked in the tests by running the ONF against the DNF reference.
@@ -665,6 +666,18 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = No
     acc[st.name] = how
     return onf.replace(program=Program(tuple(stages), onf.program.outputs), accumulate=tuple(sorted(acc.items())),
                        note=f"accumulate({output}, {how})")
+
+
+def factor_out_of_dots(onf: ONF) -> ONF:
+    """Σ_h (a·c)·b → (Σ_h a·b)·c in every contraction (``factored``): what ``hoist`` sank into
+    an operand (the scale onto Q, 1/ℓ onto dO) multiplies the contraction's result instead.
+    A GPU kernel whose dots take 16-bit operands (``Knobs.lowp_dots``) would round the sunk
+    product to 16 bits: bfloat16 q·(1/√8) perturbs every score by up to 2⁻⁹ of itself, and the
+    float32 kernels of the same backward (a score_mod table's gradient) recompute the scores
+    unrounded — their probabilities then miss the forward's row sums."""
+    stages = tuple(o.map_exprs(lambda e: _below_top(e, factored)) if isinstance(o, Stage) else o.map_exprs(factored)
+                   for o in onf.program.stages)
+    return onf.replace(program=Program(stages, onf.program.outputs), note="factor_out_of_dots")
 
 
 # ----------------------------------------------------------------------------- separate walks

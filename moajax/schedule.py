@@ -1239,6 +1239,10 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
     grid = {a.name for a in onf.axes if a.role == "grid"}
     if any(n not in grid for n in onf.knobs.cpu_loop):  # a preset made a looped axis non-grid
         onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))
+    if machine.is_gpu and onf.knobs.lowp_dots:
+        # 16-bit dots: the operands as read, the factors hoist sank into them after the dot
+        # (as FlashAttention scales its scores), so that no product is rounded to 16 bits
+        onf = W.factor_out_of_dots(onf)
     if machine.is_gpu:
         # a row of a stage that a walk reads tile by tile (attention's Δ[t] under programs
         # owning key tiles, walking the queries: dQ scatter-added) has no indexable place on a

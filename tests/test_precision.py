@@ -241,3 +241,40 @@ def test_a_16_bit_calls_float32_kernels_take_the_config_too(kernel):
         assert f32[0].knobs.dot_precision == want
         assert {np.dtype(i.dtype) for i in f32[0].dnf.inputs} == {np.dtype(jnp.bfloat16)}
         assert all(o.knobs.dot_precision == "highest" and o.knobs.lowp_dots for o in plan if o not in f32)
+
+
+def test_a_bfloat16_gpu_forward_rounds_no_scaled_query_so_a_tables_gradient_holds(monkeypatch):
+    """bfloat16 GQA with ALiBi slopes (float32, closed over) and query lengths, H = 8 (scale
+    1/√8, not a power of two), S = 2: the slopes' gradient sums dS over rows whose two keys
+    nearly cancel, so it shows any mismatch between the forward's row statistics and the
+    probabilities the backward recomputes. The H200's 16-bit forward multiplied Q by the
+    scale and rounded it to bfloat16 for its dot, while the slopes' float32 kernel recomputed
+    the scores unrounded: 12 % off the float64 gradient (Pallas interpret), where XLA's float32
+    path is 0.35 % off. The dots now take Q and K as read (``rewrites.factor_out_of_dots``).
+    Bound 2e-2 of the largest entry: bfloat16 operands and Out (the XLA path's 3.5e-3)."""
+    import moajax
+    from moajax import machines, runtime
+    from moajax.schedule import Preset
+
+    h200 = machines.load("h200")
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": h200)
+    runtime.schedules.cache_clear()
+    r = np.random.default_rng(1)
+    q = jnp.asarray(r.normal(size=(1, 30, 8, 8)), jnp.bfloat16)
+    k, v = (jnp.asarray(r.normal(size=(1, 2, 4, 8)), jnp.bfloat16) for _ in range(2))
+    w = jnp.asarray(r.normal(size=(1, 30, 8, 8)), jnp.float32)
+    lengths = jnp.asarray([17], jnp.int32)
+    slopes = jnp.asarray(r.uniform(0.05, 0.5, size=8), jnp.float32)
+
+    def loss(slopes, q, k, v, impl):
+        mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
+        o = moajax.dot_product_attention(q, k, v, score_mod=mod, query_seq_lengths=lengths, implementation=impl,
+                                         onf=Preset.of(residuals="save"))
+        return jnp.sum(o.astype(w.dtype) * w)
+
+    try:
+        want = jax.grad(loss)(*(x.astype(jnp.float64) for x in (slopes, q, k, v)), "xla")
+        got = jax.jit(jax.grad(loss), static_argnums=4)(slopes, q, k, v, "pallas_interpret")
+        assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 2e-2
+    finally:
+        runtime.schedules.cache_clear()
