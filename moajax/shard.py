@@ -305,6 +305,8 @@ def check(dnf, arrays, who: str, lift=None) -> None:
         if lift is not None:
             seq = lift.classes(r)
             specs, lifted = _sequence_axis(r, specs, seq, who)
+            if lifted is not None and int(seen[0].shape[lifted]) == 1:
+                lifted = None  # a mesh axis of one device splits nothing: no ring (as XLA's partitioner)
             if lifted is not None:  # the lift's own conditions, named before XLA wraps them
                 size = int(seen[0].shape[lifted])
                 _check_sequence_split(r, seq, lifted, size, who)
@@ -420,6 +422,8 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
         lifted = None
         if seq:
             specs, lifted = _sequence_axis(r, specs, seq, who)
+            if lifted is not None and int(mesh.shape[lifted]) == 1:
+                lifted = None  # one device on the axis: nothing to lift
         assign = assignment(r, mesh, specs, who)
         if lifted is not None:
             _check_sequence_split(r, seq, lifted, int(mesh.shape[lifted]), who)
