@@ -758,3 +758,16 @@ def test_eager_and_jit_take_a_partial_sequence_split_alike(specs):
     for grads in (jax.grad(loss(f), argnums=(0, 1, 2))(*args), jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(*args)):
         for a, b in zip(grads, wgrad):
             assert rel_err(a, b) <= 1e-12
+
+
+def test_a_sequence_split_over_one_device_is_no_ring_eager_or_jit():
+    """A mesh axis of one device splits nothing: eager (which sees the split while tracing) runs
+    no ring, as XLA's partitioner under jit does not. Since eager calls took the jit path, the
+    ring's own check ran on it and refused causal T = 33 (zigzag: 2 chunks a device)."""
+    q, k, v = _attn_inputs(np.float64, B=2, T=33, N=2, K=2)
+    want = moajax.dot_product_attention(q, k, v, is_causal=True)
+    f = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    for mesh, spec in ((_mesh((1,), ("seq",)), (None, "seq")), (_mesh((2, 1), ("data", "seq")), ("data", "seq"))):
+        args = [_put(x, mesh, *spec) for x in (q, k, v)]
+        for run in (f, jax.jit(f)):
+            assert rel_err(run(*args), want) <= 1e-12
