@@ -81,8 +81,10 @@ class Kernel:
     def __init__(self, fn: Callable, example: dict | None = None, name: str | None = None,
                  outputs: tuple | None = None, dims: dict | None = None, identities: Callable | None = None):
         self.fn = fn
-        # identities(dnf, specs, options) -> (dnf', applied): rewrites of the ψ-reduced DNF that
-        # keep its meaning (``moajax.identities``; an adjoint reading what its forward saved)
+        # identities(dnf, specs, options, batches=()) -> (dnf', applied): rewrites of the
+        # ψ-reduced DNF that keep its meaning (``moajax.identities``; an adjoint reading what its
+        # forward saved); ``batches``: the in_batched flags of each ``batched`` around the
+        # kernel, innermost first (a vmap's batched kernel passes its own on)
         self._identities = identities
         self.name = name or fn.__name__
         self.example = dict(example or {})

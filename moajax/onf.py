@@ -542,8 +542,8 @@ class ONF:
 
     def rows_across_walks(self) -> tuple:
         """The local stages that hold a row across a walk: indexed by a sequential variable
-        that a stage reading them walks (by its reduction or its pass), so that each tile of
-        the walk reads its own part of a row computed before it. A stage written tile by
+        that a stage reading them reduces over (in any reduction of its body, or its pass), so
+        that each tile of the walk reads its own part of a row computed before it. A stage written tile by
         tile (an output, a memory stage) is not one. XLA holds such a row as an array; a
         GPU program has no indexable on-chip scratch for it (``rewrites.place``: in memory)."""
         outputs = {sname for _, sname in self.program.outputs}
@@ -551,12 +551,13 @@ class ONF:
         found = []
         for st in self.program.stages:
             over = {v for v in st.index_vars if v.name in seq}
-            if st.place != "local" or st.name in outputs or not over:
+            if st.place != "local" or set(st.defines) & outputs or not over:
                 continue
             for reader in self.program.stages:
                 walked = {x.var for e in reader.exprs() if e is not None for x in D.walk(e) if isinstance(x, D.Red)}
                 walked |= {reader.walks} - {None}
-                reads = any(isinstance(x, D.Ref) and x.stage == st.name
+                # (an online pass is read by any of its results: its max, or a sum)
+                reads = any(isinstance(x, D.Ref) and x.stage in st.defines
                             for e in reader.exprs() if e is not None for x in D.walk(e))
                 if reads and over & walked:
                     found.append((st.name, tuple(sorted(v.name for v in over & walked))))

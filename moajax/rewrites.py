@@ -669,8 +669,10 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = No
 
 
 def factor_out_of_dots(onf: ONF) -> ONF:
-    """Σ_h (a·c)·b → (Σ_h a·b)·c in every contraction (``factored``): what ``hoist`` sank into
-    an operand (the scale onto Q, 1/ℓ onto dO) multiplies the contraction's result instead.
+    """Σ_h (a·c)·b → (Σ_h a·b)·c in every contraction below each stage's top reduction (its
+    walk or scatter, whose form ``accumulate`` and the skips read; ``factored``): what ``hoist``
+    sank into an operand (the scale onto Q, 1/ℓ onto dO) multiplies the contraction's result
+    instead.
     A GPU kernel whose dots take 16-bit operands (``Knobs.lowp_dots``) would round the sunk
     product to 16 bits: bfloat16 q·(1/√8) perturbs every score by up to 2⁻⁹ of itself, and the
     float32 kernels of the same backward (a score_mod table's gradient) recompute the scores

@@ -247,3 +247,19 @@ def test_accumulate_errors():
     fwd = W.fuse_online(W.hoist(O.initial(attention.dnf((8, 4), (12, 4), (12, 6)))))
     with pytest.raises(ONFError, match="output 'out' is not c · Σ_r g"):
         W.accumulate(fwd, "out")
+
+
+def test_a_row_across_a_walk_is_found_by_any_result_of_an_online_pass(dnf):
+    """An online pass over s holds its max and sums per query row t; a stage that sums over t
+    reads a row of it across a walk of t, whether it reads the max or only a sum (Σ_t ℓ[t]
+    here). Only reads of the max were counted: a reader of the sums alone left the pass on
+    chip, which the Triton backend cannot index (``pallas_kernels.check`` asks the same)."""
+    o = W.fuse_online(W.hoist(O.initial(dnf)))
+    online = next(s for s in o.program.stages if isinstance(s, O.OnlineStage))
+    t = online.max_vars[0]
+    total = O.Stage("total", (), D.Red("add", t, D.Ref("sum_s", (t,), np.dtype(np.float32))))
+    o = o.replace(program=O.Program(o.program.stages + (total,), o.program.outputs))
+    assert o.rows_across_walks() == ()  # t held whole: no walk
+    walked = W.tile(o, "t", 4, "sequential")
+    assert walked.rows_across_walks() == ((online.name, ("t",)),)
+    assert W.place(walked, online.name, "memory").rows_across_walks() == ()
