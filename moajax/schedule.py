@@ -961,11 +961,16 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     plan = preset.plan if preset is not None and preset.applies_to(machine) else None
     if plan is not None and len(dnf.outputs) > 1:
         groups = plan_groups(dnf, plan, machine, preset)
-        if len(groups) == 1:
-            return derive(dnf, machine, preset)
-        # a plan named by the preset is those kernels, each recomputing what it needs (the
-        # seed's atomics experiment compares exactly them): no shared first kernel
-        return tuple(derive(d, machine, preset) for d in split_outputs(dnf, groups))
+        try:
+            if len(groups) == 1:
+                return derive(dnf, machine, preset)
+            # a plan named by the preset is those kernels, each recomputing what it needs (the
+            # seed's atomics experiment compares exactly them): no shared first kernel
+            return tuple(derive(d, machine, preset) for d in split_outputs(dnf, groups))
+        except ONFError as e:
+            # the plan is the user's, so it is not swapped for another; the error says so
+            raise ONFError(f"{e} — in the plan {plan!r} the Preset names for {machine.name}; without it the "
+                           "plan is derived (owner where no fused kernel fits)") from None
     # the fused candidate decides the plan by its structure, which the spill check (it only
     # steps the tiling down) does not change: probe it unchecked, and compile only what is kept
     probe = dataclasses.replace(machine, spill_check=False) if machine.spill_check and len(dnf.outputs) > 1 else machine

@@ -578,3 +578,34 @@ def test_an_online_pass_read_across_the_query_walk_goes_to_memory(profile, monke
             assert rel_err(got, want) <= F64
     finally:
         runtime.schedules.cache_clear()
+
+
+def test_a_named_plan_that_does_not_fit_says_it_is_the_presets(monkeypatch):
+    """ALiBi over 4 heads, B = 3, T = 7, S = 3, H = 16 on the A100 under the seed's split plan:
+    its first kernel (dQ, dK and the slopes' gradient) needs 328.2 KB of shared memory in
+    float64 (164.1 in float32) against 163.0. A plan the Preset names is not swapped for another: the ONFError says it is the
+    Preset's, and without it the derived plan runs (float64 gradients against XLA's, Pallas
+    interpret, rel ≤ 1e-12)."""
+    from moajax import runtime
+
+    a100 = machines.load("delta-a100")
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": a100)
+    runtime.schedules.cache_clear()
+    r = np.random.default_rng(9)
+    q = r.standard_normal((3, 7, 4, 16))
+    k, v = (r.standard_normal((3, 3, 4, 16)) for _ in range(2))
+    slopes = jnp.linspace(0.1, 0.5, 4)
+
+    def grads(impl, onf=None):
+        def loss(q, k, v, slopes):
+            mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
+            return jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, onf=onf)))
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+
+    try:
+        with pytest.raises(ONFError, match=r"exceeds the 163.0 KB .* the Preset names for delta-a100; without it the plan is derived"):
+            grads("pallas_interpret", Preset.of(backward="split"))
+        for got, want in zip(grads("pallas_interpret"), grads("xla")):
+            assert rel_err(got, want) <= F64
+    finally:
+        runtime.schedules.cache_clear()
