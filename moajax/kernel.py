@@ -202,7 +202,7 @@ class Kernel:
             for o in outs:
                 if not isinstance(o, moa.Array):
                     raise TypeError(f"{self.name}: the definition must return moa arrays, got {type(o).__name__}")
-            names = (self._names_at(key) if self._names_at is not None else None) or self._names_for(outs)
+            names = self.cell_names(key) or self._names_for(outs)
             dnf, _ = _psi.reduce_to_dnf(self.name, inputs, outs, names, record=False)
             applied = ()
             if self._identities is not None:

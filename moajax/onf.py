@@ -543,9 +543,10 @@ class ONF:
     def rows_across_walks(self) -> tuple:
         """The local stages that hold a row across a walk: indexed by a sequential variable
         that a stage reading them reduces over (in any reduction of its body, or its pass), so
-        that each tile of the walk reads its own part of a row computed before it. A stage written tile by
-        tile (an output, a memory stage) is not one. XLA holds such a row as an array; a
-        GPU program has no indexable on-chip scratch for it (``rewrites.place``: in memory)."""
+        that each tile of the walk reads its own part of a row computed before it. A stage
+        written tile by tile (an output, a memory stage) is not one. XLA holds such a row as an
+        array; a GPU program has no indexable on-chip scratch for it (``rewrites.place``: in
+        memory)."""
         outputs = {sname for _, sname in self.program.outputs}
         seq = {a.name for a in self.axes if a.role == "sequential"}
         found = []

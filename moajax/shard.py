@@ -303,14 +303,9 @@ def check(dnf, arrays, who: str, lift=None) -> None:
         r = rule(dnf)
         specs = seen[1]
         if lift is not None:
-            seq = lift.classes(r)
-            specs, lifted = _sequence_axis(r, specs, seq, who)
-            if lifted is not None and int(seen[0].shape[lifted]) == 1:
-                lifted = None  # a mesh axis of one device splits nothing: no ring (as XLA's partitioner)
+            specs, lifted = _lifted_axis(r, specs, lift.classes(r), seen[0], who)
             if lifted is not None:  # the lift's own conditions, named before XLA wraps them
-                size = int(seen[0].shape[lifted])
-                _check_sequence_split(r, seq, lifted, size, who)
-                lift.check_split(lifted, size, [tuple(a.shape) for a in arrays])
+                lift.check_split(lifted, int(seen[0].shape[lifted]), [tuple(a.shape) for a in arrays])
         assignment(r, seen[0], specs, who)
 
 
@@ -387,6 +382,17 @@ def _sequence_axis(r: Rule, specs, seq, who: str):
     return rest, next(iter(found))[0]
 
 
+def _lifted_axis(r: Rule, specs, seq, mesh, who: str):
+    """(the specs without the sequence split, the mesh axis the ``seq`` classes are lifted over
+    or None): ``_sequence_axis``, where a mesh axis of one device splits nothing (no ring, as
+    XLA's partitioner does not lift it), and a split one divides the sequence evenly."""
+    specs, lifted = _sequence_axis(r, specs, seq, who)
+    if lifted is None or int(mesh.shape[lifted]) == 1:
+        return specs, None
+    _check_sequence_split(r, seq, lifted, int(mesh.shape[lifted]), who)
+    return specs, lifted
+
+
 def _check_sequence_split(r: Rule, seq, mesh_axis: str, size: int, who: str):
     """A split sequence divides evenly over the ring's devices (as a plain split's class must):
     named here, not as the IndivisibleError of the blocks' shapes."""
@@ -421,12 +427,9 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
         specs = [getattr(getattr(a, "sharding", None), "spec", ()) or () for a in arg_shapes]
         lifted = None
         if seq:
-            specs, lifted = _sequence_axis(r, specs, seq, who)
-            if lifted is not None and int(mesh.shape[lifted]) == 1:
-                lifted = None  # one device on the axis: nothing to lift
+            specs, lifted = _lifted_axis(r, specs, seq, mesh, who)
         assign = assignment(r, mesh, specs, who)
         if lifted is not None:
-            _check_sequence_split(r, seq, lifted, int(mesh.shape[lifted]), who)
             assign.update({c: (lifted,) for c in seq})
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
