@@ -284,8 +284,7 @@ def _program_grid(onf: ONF, st) -> dict:
 
     def owned(stage):
         vs = {v for n in stage.defines for v in stage.result_vars(n)}
-        r = onf.scatter_var(stage)
-        return vs | ({r} if r is not None else set())
+        return vs | set(onf.scatter_vars(stage))
 
     if st.place == "memory":
         vs = owned(st)
@@ -635,9 +634,10 @@ def estimate(onf: ONF, machine=None) -> Cost:
     for st in onf.program.stages:
         v = onf.scatter_var(st)
         if v is not None:
-            # every program owning a tile of v adds its partial into each element: one atomic
-            # read-modify-write per element and program (in place of the single final write)
-            n = onf.axis_of(v).ntiles * _points(onf, st.vars)
+            # every program owning a tile of v (and of the other grid variables its partial sums
+            # over) adds its partial into each element: one atomic read-modify-write per element
+            # and program (in place of the single final write)
+            n = math.prod(onf.axis_of(w).ntiles for w in onf.scatter_vars(st)) * _points(onf, st.vars)
             atomics += n
             item = _itemsize(st.accumulated.dtype)
             streamed += 2 * n * item - math.prod(x.extent for x in st.vars) * _itemsize(st.dtype(st.name))

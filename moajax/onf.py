@@ -576,6 +576,24 @@ class ONF:
         v = stage.accumulated.var
         return v if self.axis_of(v).role == "grid" else None
 
+    def scatter_chain(self, stage) -> tuple:
+        """Σ_r Σ_b … g, the leading +-reductions of a scatter-added stage over grid variables
+        (r = ``scatter_var`` first): each program adds its partial over its own tiles of them
+        all (a table's gradient, summed over the batch and heads that own programs beside the
+        query tiles); () for a stage that does not scatter."""
+        if self.scatter_var(stage) is None:
+            return ()
+        chain, red = [stage.accumulated], stage.accumulated.body
+        while (isinstance(red, D.Red) and red.monoid == "add" and self.axis_of(red.var).role == "grid"
+               and all(red.var != x.var for x in chain)):
+            chain.append(red)
+            red = red.body
+        return tuple(chain)
+
+    def scatter_vars(self, stage) -> tuple:
+        """The grid variables of ``scatter_chain``: the programs' tiles a partial is summed over."""
+        return tuple(x.var for x in self.scatter_chain(stage))
+
     def rows_walked_once(self, r: Var) -> bool:
         """Do the programs' rows r run in one walk on a CPU: r walked tile by tile (the cpu_loop
         knob), or held in one tile (one program owns every row)? XLA then computes the outputs
@@ -748,7 +766,7 @@ class ONF:
         for s in self.program.stages:
             if s.place not in PLACES:
                 raise ONFError(f"{self.dnf.name}: stage {s.name!r} has place {s.place!r}; places are {PLACES}")
-            scatter = s.accumulated if self.scatter_var(s) is not None else None
+            scatter = {id(x) for x in self.scatter_chain(s)}
             for e in s.exprs():
                 if e is None:
                     continue
@@ -764,7 +782,7 @@ class ONF:
                                 f"⟨{' '.join(map(str, x.index))}⟩; only its own index ⟨{' '.join(v.name for v in want)}⟩ is supported"
                             )
                     if (isinstance(x, D.Red) and self.axis_of(x.var).role == "grid" and not self._cross_program(x)
-                            and x is not scatter):
+                            and id(x) not in scatter):
                         raise ONFError(
                             f"{self.dnf.name}: axis {x.var.name!r} is reduced in stage {s.name!r} but is a grid axis; "
                             "a program cannot reduce across programs (make it sequential or whole)"

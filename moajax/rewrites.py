@@ -616,12 +616,17 @@ def _drop_unused(stages: list, keep: set) -> list:
         stages = [o for o in stages if o not in dead]
 
 
-def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = None) -> ONF:
+def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | tuple | None = None,
+               rebind: dict | None = None) -> ONF:
     """Let the programs that own tiles of r add their partials of ``output`` = c · Σ_r g into
     memory (``how`` = "atomic"). Factors c that do not use r move back inside the sum
     (distributivity: Σ_r c·g = c · Σ_r g), so each partial is final up to the addition; a
     16-bit output's partials add up in the accumulation dtype. ``over``: r's name, where
-    the output's Σ_r may lie inside other sums (``sum_to_top`` brings it up)."""
+    the output's Σ_r may lie inside other sums (``sum_to_top`` brings it up); or names
+    (r, b, …): Σ_r Σ_b … g, each sum brought up below the one before, so that programs owning
+    tiles of them all add partials (a table's gradient beside the batch and heads that own
+    programs). ``rebind`` {w: b}: a summed variable renamed to the one it stands for (α:
+    Σ_{n_kv} f = Σ_n f[n_kv := n], n used nowhere in f) before it is brought up."""
     outs = dict(onf.program.outputs)
     if output not in outs:
         raise ONFError(f"{onf.dnf.name}: accumulate: unknown output {output!r}; outputs are {sorted(outs)}")
@@ -639,8 +644,16 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = No
         body = body.arg
     while local(body) is not None and local(body).reduction is None:
         body = _at(local(body), body)  # c · Σ split over local stages by hoist: inline them
-    if over is not None and isinstance(body, D.Red) and body.var.name != over:
-        body = sum_to_top(body, over) or body  # Σ_n Σ_s Σ_r … (a table's gradient): Σ_r on top
+    over = (over,) if isinstance(over, str) else tuple(over or ())
+    if over and not (isinstance(body, D.Red) and body.var.name == over[0]):
+        # Σ_n Σ_s Σ_r … (a table's gradient), or (c = 0) ? Σ_r … : 0 (one head's slope): Σ_r on top
+        top = sum_to_top(body, over[0])
+        if top is None:  # (c = 0) ? a + (c = 0) ? b : 0, a and b sums over r that hoist made stages
+            def inline(x):
+                st = local(x)
+                return _at(st, x) if st is not None and any(r.var.name == over[0] for r in D.reductions(st.body)) else None
+            top = sum_to_top(D.transform(body, inline), over[0])
+        body = top or body
     if not (isinstance(body, D.Red) and body.monoid == "add"):
         num, den = D.mul_div_factors(body)
         sums = [f for f in num if local(f) is not None and local(f).reduction is not None
@@ -652,6 +665,8 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = No
         if any(red.var in f.free for f in rest + den):
             raise ONFError(f"{onf.dnf.name}: accumulate: a factor of {output!r} uses the summed variable {red.var.name!r}")
         body = D.Red("add", red.var, D.quotient([red.body] + rest, den, body.dtype))
+    if len(over) > 1:
+        body = _chained(onf, output, body, over[1:], rebind or {}, over[:1])
     stages = [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place) if o is st else o
               for o in onf.program.stages]
     walk = _kernel_walk(onf.program, st)
@@ -666,6 +681,28 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | None = No
     acc[st.name] = how
     return onf.replace(program=Program(tuple(stages), onf.program.outputs), accumulate=tuple(sorted(acc.items())),
                        note=f"accumulate({output}, {how})")
+
+
+def _chained(onf: ONF, output: str, red: D.Red, names, rebind: dict, done=()) -> D.Red:
+    """Σ_r f → Σ_r Σ_b … g: each of ``names`` brought up below the sum before it (Fubini and
+    linearity, ``sum_to_top``), a summed variable ``rebind`` names renamed first."""
+    if not names:
+        return red
+    body, name = red.body, names[0]
+    for old, new in rebind.items():
+        if new != name:
+            continue
+        olds = {x.var for x in D.walk(body) if isinstance(x, D.Red) and x.var.name == old}
+        news = {x.var for x in D.walk(body) if isinstance(x, D.Red) and x.var.name == name}
+        if len(olds) != 1 or news or any(v.name == name for v in body.free):
+            raise ONFError(f"{onf.dnf.name}: accumulate: {output!r} cannot sum over {name!r} in place of {old!r}")
+        (w,) = olds
+        body = D.rebind(body, w, Var(name, w.extent))
+    inner = sum_to_top(body, name)
+    if inner is None:
+        raise ONFError(f"{onf.dnf.name}: accumulate: {output!r} is not {' '.join(f'Σ_{n}' for n in done + (name,))} g "
+                       f"(a term without Σ_{name}, or one under another reduction or a division)")
+    return D.Red("add", red.var, _chained(onf, output, inner, names[1:], rebind, done + (name,)))
 
 
 def factor_out_of_dots(onf: ONF) -> ONF:

@@ -552,17 +552,21 @@ def _split_once(onf: ONF, machine: Machine) -> ONF:
     # around its queries: cut there, the nest below keeps its order)
     cuts = [(axis, parts_for(axis, tiles)) for _, _, axis, tiles in
             sorted(walks, key=lambda w: (w[0], w[1], -w[2].ntiles, -w[3]))]
-    axis, parts = next(((a, p) for a, p in cuts if p >= 2), (None, 1))
-    if parts < 2:
-        return onf
-    try:
-        split = W.split_k(onf, axis.name, parts).validate()
-    except ONFError:  # a stored stage read along the axis: the walk stays whole
-        return onf
-    if onchip_bytes(split) > machine.onchip_limit_bytes:
-        return onf
-    gain = estimate(onf, machine).time_s / estimate(split, machine).time_s
-    return split if gain >= SPLIT_MIN_GAIN else onf
+    # the first cut in that order that pays: one that cannot pay (a table gradient's batch of
+    # 2 around its 8 heads: at most twice the programs, 1.96×) leaves the next its turn —
+    # before, it ended the search and that gradient ran as one program
+    for axis, parts in cuts:
+        if parts < 2:
+            continue
+        try:
+            split = W.split_k(onf, axis.name, parts).validate()
+        except ONFError:  # a stored stage read along the axis: the walk stays whole
+            continue
+        if onchip_bytes(split) > machine.onchip_limit_bytes:
+            continue
+        if estimate(onf, machine).time_s / estimate(split, machine).time_s >= SPLIT_MIN_GAIN:
+            return split
+    return onf
 
 
 def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last_tile: int = 0,
@@ -745,14 +749,19 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
         if names.setdefault(v.name, v) != v:  # within each output: axes are named, so no fusing
             raise ONFError(f"{onf.dnf.name}: two index variables are named {v.name!r} "
                            f"(extents {names[v.name].extent} and {v.extent})")
-    for o in outs:
-        if r not in o.vars and r.extent > 1:  # (over one row there is one program: no partials)
-            onf = W.accumulate(onf, o.name, "atomic", over=r.name)
     shared = set(outs[0].vars)
     for o in outs[1:]:
         shared &= set(o.vars)
     last = (any if spread else all)
     batch = [v for v in outs[0].vars if v in shared and v != r and last(v != o.vars[-1] for o in outs)]
+    chains = {}
+    if machine.is_gpu and not separate:
+        extra, chains = _summed_batch(onf, r, batch)
+        batch += extra
+    for o in outs:
+        if r not in o.vars and r.extent > 1:  # (over one row there is one program: no partials)
+            over, rebind = chains.get(o.name, ((), {}))
+            onf = W.accumulate(onf, o.name, "atomic", over=(r.name,) + over, rebind=rebind)
     if separate:
         onf = W.separate_walks(onf, [r.name] + [v.name for v in batch])
     loops = [v for v in _main_walks(onf) if v != r and v not in batch]
@@ -809,6 +818,76 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
     bt = _cpu_rows(machine, r.extent, other)
     o = lift(bt, 256)
     return W.with_knobs(o, cpu_loop=(r.name,)) if bt < r.extent else o
+
+
+def _summed_batch(onf: ONF, r, batch) -> tuple:
+    """GPU: batch-like variables beside r that an output scatter-added over r lacks but sums
+    over (a score_mod table's gradient Σ_t Σ_b Σ_n …, beside dQ[b t n h] and dK[b s n h]):
+    they own programs too, and each program adds its partial over its own b and n as well
+    (``rewrites.accumulate`` over (r, b, n)). Held whole instead, every program held the
+    batch's and the heads' tiles: 1.5 MB for B = 2, N = 8, T = S = 256, H = 64 in float32,
+    and no named atomic or split plan with a score_mod array fitted a GPU. A sum over
+    another variable of the same extent that reads the inputs where v does (Σ_{n_kv} of
+    query[b t n_kv h], where dQ reads query[b t n h]) stands for v: it is renamed (α).
+    Returns (the variables, {output: (their names, renames)})."""
+    outs = onf.dnf.outputs
+    owned = [o for o in outs if r in o.vars or r.extent <= 1]
+    scattered = [o for o in outs if o not in owned]
+    if not owned or not scattered:
+        return [], {}
+    lasts = {o.vars[-1] for o in outs if o.vars}
+    try:
+        trial = onf
+        for o in scattered:
+            trial = W.accumulate(trial, o.name, "atomic", over=r.name)
+    except ONFError:
+        return [], {}
+    out_stage = dict(trial.program.outputs)
+    bodies = {o.name: trial.program.stage_of(out_stage[o.name]).accumulated for o in scattered}
+    own_names = {out_stage[o.name] for o in scattered}
+
+    def positions(exprs, v) -> set:
+        return {(x.array, i) for e in exprs for x in D.walk(e) if isinstance(x, D.Read)
+                for i, ix in enumerate(x.index) if ix.as_var() == v}
+
+    elsewhere = [e for st in trial.program.stages if not (set(st.defines) & own_names) for e in st.exprs()
+                 if e is not None]
+    found, chains = [], {o.name: ((), {}) for o in scattered}
+    for v in owned[0].vars:
+        if v == r or v in batch or v in lasts or v.extent <= 1 or not all(v in o.vars for o in owned):
+            continue
+        step = {}
+        for o in scattered:
+            if v in o.vars:
+                continue
+            red = bodies[o.name]
+            if red is None:
+                break
+            bound = {x.var for x in D.walk(red.body) if isinstance(x, D.Red)}
+            if v in bound:
+                step[o.name] = {}
+                continue
+            near = positions(elsewhere, v)
+            like = [w for w in bound if w.extent == v.extent and positions([red.body], w) & near]
+            if len(like) != 1 or v.name in {u.name for u in D.mentioned_vars(red.body)}:
+                break
+            step[o.name] = {like[0].name: v.name}
+        else:
+            ok = True
+            for o in scattered:
+                if o.name in step:
+                    over, rebind = chains[o.name]
+                    try:  # Σ_v brought up below Σ_r and the ones before it (linearity, Fubini)
+                        W.accumulate(onf, o.name, "atomic", over=(r.name,) + over + (v.name,), rebind={**rebind, **step[o.name]})
+                    except ONFError:
+                        ok = False
+            if ok:
+                found.append(v)
+                for o in scattered:
+                    if o.name in step:
+                        over, rebind = chains[o.name]
+                        chains[o.name] = (over + (v.name,), {**rebind, **step[o.name]})
+    return found, {n: c for n, c in chains.items() if c[0]}
 
 
 def staged_parts(dnf: D.DNF, groups) -> tuple:

@@ -334,9 +334,9 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
     def target(name: str, vars_: tuple, dtype) -> tuple:
         """(name, vars, dtype, scatter stage or None, the grid variables its programs own)."""
         st = defs[name]
-        r = onf.scatter_var(st)
-        grid = _grid_axes(onf, tuple(vars_) + ((r,) if r is not None else ()))
-        return (name, tuple(vars_), dtype, st if r is not None else None, tuple(grid))
+        chain = onf.scatter_vars(st)  # (a partial sums over the programs' tiles of these too)
+        grid = _grid_axes(onf, tuple(vars_) + tuple(v for v in chain if v not in vars_))
+        return (name, tuple(vars_), dtype, st if chain else None, tuple(grid))
 
     def run_kernel(arrays: dict, perms: dict, memory: dict, targets: list, label: str):
         """One pallas_call computing every target over their (shared) grid. A plain target is

@@ -580,32 +580,242 @@ def test_an_online_pass_read_across_the_query_walk_goes_to_memory(profile, monke
         runtime.schedules.cache_clear()
 
 
-def test_a_named_plan_that_does_not_fit_says_it_is_the_presets(monkeypatch):
-    """ALiBi over 4 heads, B = 3, T = 7, S = 3, H = 16 on the A100 under the seed's split plan:
-    its first kernel (dQ, dK and the slopes' gradient) needs 328.2 KB of shared memory in
-    float64 (164.1 in float32) against 163.0. A plan the Preset names is not swapped for another: the ONFError says it is the
-    Preset's, and without it the derived plan runs (float64 gradients against XLA's, Pallas
-    interpret, rel ≤ 1e-12)."""
+def _on_profile(monkeypatch, profile):
     from moajax import runtime
 
-    a100 = machines.load("delta-a100")
-    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": a100)
+    m = machines.load(profile)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": m)
     runtime.schedules.cache_clear()
+    return m
+
+
+def _alibi_grads(q, k, v, slopes, impl, onf=None):
+    def loss(q, k, v, slopes):
+        mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
+        return jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, onf=onf)))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+
+
+def test_a_score_mod_arrays_gradient_sums_over_the_programs_batch_and_heads(monkeypatch):
+    """ALiBi over 4 heads, B = 3, T = 7, S = 3, H = 16 on the A100 under the seed's split
+    plan: the slopes' gradient Σ_t Σ_b Σ_n … joins dQ and dK, whose programs own query tiles
+    and, beside them, each batch element and head; every program adds its partial over its
+    own t tile, b and n (``ONF.scatter_vars``: t b n; the Σ over n_kv read where dQ reads n is
+    renamed n, ``rewrites.accumulate``). Before, the programs held the batch and the heads
+    whole: 328.2 KB of shared memory in float64 against 163.0, refused. Float64 gradients
+    (Pallas interpret) against XLA's, rel ≤ 1e-12."""
+    from moajax import runtime
+
+    m = _on_profile(monkeypatch, "delta-a100")
     r = np.random.default_rng(9)
     q = r.standard_normal((3, 7, 4, 16))
     k, v = (r.standard_normal((3, 3, 4, 16)) for _ in range(2))
     slopes = jnp.linspace(0.1, 0.5, 4)
+    try:
+        got = _alibi_grads(q, k, v, slopes, "pallas_interpret", Preset.of(backward="split"))
+        for a, b in zip(got, _alibi_grads(q, k, v, slopes, "xla")):
+            assert rel_err(a, b) <= F64
+        onf = _alibi_adjoint_plan((3, 7, 4, 16), (3, 3, 4, 16), slopes, m, "split")[0]
+        st = onf.program.stage_of(dict(onf.program.outputs)["d_score_mod_const0"])
+        assert [v.name for v in onf.scatter_vars(st)] == ["t", "b", "n"]
+        assert {a.name: a.tile for a in onf.axes if a.role == "grid"} == {"t": 8, "b": 1, "n": 1}
+        # every program (1 query tile × 3 × 4) adds its partial into each of the 4 slopes, and
+        # its dK partial [3 × 4 keys (padded) × 16] into its own batch element's and head's dK
+        assert cost.estimate(onf, m).atomics == 12 * 4 + 12 * 4 * 16
+    finally:
+        runtime.schedules.cache_clear()
+
+
+def _alibi_adjoint_dnf(q_shape, kv_shape, slopes, dtype="float64", **kw):
+    """ALiBi's saved adjoint, as ``jax.grad`` of the call derives it."""
+    from moajax.api import _check_score_mod
+
+    mod = _check_score_mod(lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j), np.dtype(dtype))
+    specs = [jax.ShapeDtypeStruct(q_shape, dtype)] + [jax.ShapeDtypeStruct(kv_shape, dtype)] * 2
+    consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
+    with compat.enable_x64_context(True):
+        adj, args = mha_kernel(None, None, False, False, False, mod).saved_adjoint(*specs, *consts, **kw)
+        return adj.dnf(*args, **kw)
+
+
+def _alibi_adjoint_plan(q_shape, kv_shape, slopes, machine, plan, dtype="float64", **kw) -> tuple:
+    """The ONFs of the seed's ``plan`` (None: derived) for ALiBi's adjoint, as the call derives them."""
+    from moajax.api import _backward_plan
+
+    dnf = _alibi_adjoint_dnf(q_shape, kv_shape, slopes, dtype, **kw)
+    groups = _backward_plan(Preset.of(backward=plan), False, 1).backward if plan else None
+    with compat.enable_x64_context(True):
+        onfs = schedule.derive_plan(dnf, machine, Preset.of(plan=groups) if plan else None)
+    return onfs if isinstance(onfs, tuple) else (onfs,)
+
+
+def test_a_scatter_chain_is_the_leading_sums_over_grid_axes():
+    """Σ_t Σ_b Σ_n g: ``rewrites.accumulate`` over (t, b, n) brings each sum up below the one
+    before (Fubini, linearity), the Σ over n_kv renamed n only where asked; the ONF's chain
+    is the leading sums over grid axes, and only those may reduce across programs."""
+    from moajax import onf as O
+
+    slopes = jnp.linspace(0.1, 0.5, 4)
+    dnf = _alibi_adjoint_dnf((2, 16, 4, 16), (2, 16, 4, 16), slopes)
+    o = rewrites.hoist(O.initial(dnf))
+    name = "d_score_mod_const0"
+    with pytest.raises(ONFError, match="is not Σ_t Σ_b Σ_n g"):  # the table's heads are n_kv
+        rewrites.accumulate(o, name, over=("t", "b", "n"))
+    with pytest.raises(ONFError, match="cannot sum over 'n' in place of 'zz'"):
+        rewrites.accumulate(o, name, over=("t", "b", "n"), rebind={"zz": "n"})
+    chained = rewrites.accumulate(o, name, over=("t", "b", "n"), rebind={"n_kv": "n"})
+    top = chained.program.stage_of(dict(chained.program.outputs)[name]).accumulated
+    assert [top.var.name, top.body.var.name, top.body.body.var.name] == ["t", "b", "n"]
+    fused = _alibi_adjoint_plan((2, 16, 4, 16), (2, 16, 4, 16), slopes, machines.load("delta-a100"), "atomic")[0]
+    st = fused.program.stage_of(dict(fused.program.outputs)[name])
+    chain = fused.scatter_chain(st)
+    assert [x.var.name for x in chain] == ["t", "b", "n"] and all(a.body is b for a, b in zip(chain, chain[1:]))
+    # b walked in sequence instead: the chain stops at t, and nothing else may sum over a grid axis
+    assert [v.name for v in rewrites.tile(fused, "b", 1, "sequential").scatter_vars(st)] == ["t"]
+    with pytest.raises(ONFError, match="axis '[bn]' is reduced in stage 'd_score_mod_const0' but is a grid axis"):
+        fused.replace(program=O.Program(tuple(
+            O.Stage(x.name, x.vars, x.body.body, x.place) if x is st else x for x in fused.program.stages),
+            fused.program.outputs), accumulate=tuple((k, v) for k, v in fused.accumulate if k != st.name)).validate()
+
+
+def test_a_score_mod_arrays_own_gradient_kernel_fills_the_gpu_over_a_batch():
+    """The default (owner) plan's kernel of ALiBi's slopes' gradient, causal, B = 2, T = S =
+    1024, N = 8, H = 64 in float32 on the H200: split-K cuts it until its programs fill the
+    machine. The batch of 2 around the heads came first and could at most double the programs
+    (the cost model's gain 1.96×, under the 2× a cut must pay), and that ended the search: the
+    gradient ran as one program walking all 2 × 8 × 1024 × 1024 scores."""
+    h200 = machines.load("h200")
+    (onf,) = [o for o in _alibi_adjoint_plan((2, 1024, 8, 64), (2, 1024, 8, 64), jnp.linspace(0.1, 0.5, 8), h200,
+                                             None, "float32", is_causal=True) if "const" in o.dnf.name]
+    assert [h for h in onf.history if h.startswith("split_k(")] == ["split_k(n_kv, 8)", "split_k(s, 32)"]
+    assert int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"])) >= h200.multiprocessors
+
+
+def test_a_named_plan_that_does_not_fit_says_it_is_the_presets(monkeypatch):
+    """ALiBi over 4 heads, B = 2, T = S = 16, H = 128 on the A40 in float64 under the seed's split
+    plan: its first kernel (dQ, dK and the slopes' gradient) needs 132.9 KB of shared memory
+    against 99.0. A plan the Preset names is not swapped for another: the ONFError says it is
+    the Preset's, and without it the plan is derived (float64 gradients against XLA's, Pallas
+    interpret, rel ≤ 1e-12)."""
+    from moajax import runtime
+
+    _on_profile(monkeypatch, "delta-a40")
+    r = np.random.default_rng(9)
+    q, k, v = (r.standard_normal((2, 16, 4, 128)) for _ in range(3))
+    slopes = jnp.linspace(0.1, 0.5, 4)
+    try:
+        with pytest.raises(ONFError, match=r"132.9 KB .* exceeds the 99.0 KB .* the Preset names for delta-a40; "
+                                           "without it the plan is derived"):
+            _alibi_grads(q, k, v, slopes, "pallas_interpret", Preset.of(backward="split"))
+        for got, want in zip(_alibi_grads(q, k, v, slopes, "pallas_interpret"), _alibi_grads(q, k, v, slopes, "xla")):
+            assert rel_err(got, want) <= F64
+    finally:
+        runtime.schedules.cache_clear()
+
+
+@pytest.mark.parametrize("profile", ["h200", "delta-a100", "delta-a40"])
+def test_the_seeds_plans_take_a_score_mod_array_at_model_shapes(profile, monkeypatch):
+    """B = 2, T = S = 256, N = 8, H = 64 in float32 with ALiBi's slopes and a relative-position
+    table: "atomic" and "split" derive on each GPU profile (before, their programs held the
+    batch and the 8 heads whole: 1546 KB on the H200), and the CUDA lowering of jit(grad) holds
+    the array's gradient in dQ and dK's kernel (one launch: "atomic", all of the adjoint)."""
+    import dataclasses
+
+    from moajax import runtime
+    from moajax.ptx import triton_kernels
+
+    m = dataclasses.replace(machines.load(profile), spill_check=False)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": m)
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 256, 8, 64), jnp.float32),) * 3 + (S((8,), jnp.float32),)
+    mods = {"alibi": lambda c: (lambda s, b, h, i, j: s - c[h] * jnp.abs(i - j)),
+            "relpos": lambda c: (lambda s, b, h, i, j: s + c[jnp.clip(i - j, -4, 3) + 4])}
+    want = {"atomic": ["adjoint_saved"], "split": ["adjoint_saved_d_query_d_key_d_score_mod_const0",
+                                                    "adjoint_saved_d_value"]}
+    try:
+        for name, mod in mods.items():
+            for plan, kernels in want.items():
+                runtime.schedules.cache_clear()
+
+                def loss(q, k, v, c, mod=mod, plan=plan):
+                    return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod(c), onf=Preset.of(backward=plan)))
+
+                names = [k.name for k in triton_kernels(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)]
+                assert [n.removeprefix("moajax_mha_score_mod_mh_") for n in names if "adjoint" in n] == kernels, names
+    finally:
+        runtime.schedules.cache_clear()
+
+
+def test_a_whole_axis_is_padded_to_the_block_pallas_reads(monkeypatch):
+    """A per-head temperature s·(1 + 0.1·c[b + 2h]) over 7 keys, residuals "none" on the A100: the
+    forward's keys are an axis no rewrite lifted, read whole in a block of 8, and the input
+    was padded to 7 only (an out-of-bounds load on a GPU; in interpret mode a TypeError from
+    lax.dynamic_slice). Float64 gradients against XLA's, rel ≤ 1e-12."""
+    from moajax import runtime
+
+    _on_profile(monkeypatch, "delta-a100")
+    r = np.random.default_rng(1)
+    q, g = (r.standard_normal((1, 6, 2, 8)) for _ in range(2))
+    k, v = (r.standard_normal((1, 7, 2, 8)) for _ in range(2))
+    table = jnp.asarray(r.standard_normal(8))
 
     def grads(impl, onf=None):
-        def loss(q, k, v, slopes):
-            mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
-            return jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, onf=onf)))
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+        def loss(q, k, v, c):
+            mod = lambda s, b, h, i, j: s * (1 + 0.1 * c[b + 2 * h])  # noqa: E731
+            return jnp.sum(g * moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, onf=onf))
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, table)
 
     try:
-        with pytest.raises(ONFError, match=r"exceeds the 163.0 KB .* the Preset names for delta-a100; without it the plan is derived"):
-            grads("pallas_interpret", Preset.of(backward="split"))
-        for got, want in zip(grads("pallas_interpret"), grads("xla")):
+        for got, want in zip(grads("pallas_interpret", Preset.of(backward="atomic", residuals="none")), grads("xla")):
+            assert rel_err(got, want) <= F64
+    finally:
+        runtime.schedules.cache_clear()
+
+
+def test_gqa_dk_written_over_a_walked_kv_head_is_computed_tile_by_tile(monkeypatch):
+    """Causal GQA (4 query heads over 2 kv heads) with a bias and a relative-position table, B =
+    2, under the A100's atomic plan: programs own key tiles and walk the kv heads n_kv (the
+    table's gradient sums over them), so dK[b s n_kv h] is written one kv head at a time. Its
+    loop shared with dV computed it over both kv heads at once, where the query head g + 2·n_kv
+    is no window: an ONFError while tracing. Float64 gradients against XLA's, rel ≤ 1e-12."""
+    from moajax import runtime
+
+    _on_profile(monkeypatch, "delta-a100")
+    r = np.random.default_rng(5)
+    q, g = (r.standard_normal((2, 39, 4, 16)) for _ in range(2))
+    k, v = (r.standard_normal((2, 23, 2, 16)) for _ in range(2))
+    bias = r.standard_normal((1, 4, 39, 23))
+    table = jnp.asarray(r.standard_normal(8))
+
+    def grads(impl, onf=None):
+        def loss(q, k, v, bias, c):
+            mod = lambda s, b, h, i, j: s + c[jnp.clip(i - j, -3, 4) + 3]  # noqa: E731
+            return jnp.sum(g * moajax.dot_product_attention(q, k, v, bias, score_mod=mod, is_causal=True,
+                                                            implementation=impl, onf=onf))
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, bias, table)
+
+    try:
+        for got, want in zip(grads("pallas_interpret", Preset.of(backward="atomic")), grads("xla")):
+            assert rel_err(got, want) <= F64
+    finally:
+        runtime.schedules.cache_clear()
+
+
+def test_one_heads_slope_gradient_is_scatter_added_under_the_fused_plan(monkeypatch):
+    """One head (N = 1), ALiBi, the A100's atomic plan: the slope's gradient is (c = 0) ? a : 0 +
+    (c = 0) ? b : 0 of two sums over the queries that hoist made stages; they are read inlined
+    so that Σ_t comes to the top (``rewrites.accumulate``). Before, no output variable could
+    own the programs. Float64 gradients against XLA's, rel ≤ 1e-12."""
+    from moajax import runtime
+
+    _on_profile(monkeypatch, "delta-a100")
+    r = np.random.default_rng(2)
+    q = r.standard_normal((1, 20, 1, 16))
+    k, v = (r.standard_normal((1, 12, 1, 16)) for _ in range(2))
+    slopes = jnp.asarray([0.3])
+    try:
+        for got, want in zip(_alibi_grads(q, k, v, slopes, "pallas_interpret", Preset.of(backward="atomic")),
+                             _alibi_grads(q, k, v, slopes, "xla")):
             assert rel_err(got, want) <= F64
     finally:
         runtime.schedules.cache_clear()

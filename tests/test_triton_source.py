@@ -58,6 +58,34 @@ def test_backward_onfs_through_the_source(plan, dtype):
         assert rel_err(a, b) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("plan", ["split", "atomic"])
+def test_a_score_mod_arrays_gradient_scatter_added_over_batch_and_heads_in_the_source(plan, monkeypatch):
+    """ALiBi over 4 heads, B = 3: under the seed's plans the slopes' gradient joins dQ and dK,
+    each program adding its partial over its own query tile, batch element and head
+    (``ONF.scatter_vars``): through the generated source the program id's batch and head
+    index those partials. Float64 against the XLA path."""
+    from moajax import runtime
+
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": A100)
+    runtime.schedules.cache_clear()
+    r = np.random.default_rng(9)
+    q = r.standard_normal((3, 7, 4, 16))
+    k, v = (r.standard_normal((3, 3, 4, 16)) for _ in range(2))
+    slopes = jnp.linspace(0.1, 0.5, 4)
+
+    def grads(impl, onf=None):
+        def loss(q, k, v, slopes):
+            mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
+            return jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, onf=onf)))
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+
+    try:
+        for a, b in zip(grads("triton_interpret", Preset.of(backward=plan)), grads("xla")):
+            assert rel_err(a, b) <= TOL[np.float64]
+    finally:
+        runtime.schedules.cache_clear()
+
+
 def test_the_interpreter_casts_ints_to_bfloat16_by_value():
     """ALiBi in bfloat16, causal, T = 2 over S = 64: the source casts the distance ki − qi to
     bfloat16, which Triton's interpreter did as its uint16 bits (a NaN in every row t ≥ 1; a

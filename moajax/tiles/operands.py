@@ -38,9 +38,12 @@ def input_padding(onf: ONF, before: bool = False) -> dict:
                 if ix.const < 0 and not before:
                     continue
                 # a window shifted back is padded anyway: past the end as far as a range of
-                # all of vᵢ reaches in a power-of-two block too (Triton's, ``Backend.whole``)
-                pow2 = ix.const < 0
-                top = ix.const + sum(c * (onf.axis_of(a).whole_size(pow2) - 1) for a, c in ix.terms) + 1
+                # all of vᵢ reaches in a power-of-two block too (Triton's, ``Backend.whole``);
+                # so is a whole axis in the Pallas layout, read in one such block (7 keys, an
+                # axis no rewrite lifted, in a block of 8: a GPU load past the array, a
+                # slice error in interpret mode)
+                top = ix.const + sum(c * (onf.axis_of(a).whole_size(ix.const < 0 or (before and onf.axis_of(a).role == "whole")) - 1)
+                                     for a, c in ix.terms) + 1
                 bound = need[r.array][ax]
                 bound[0] = max(bound[0], -ix.const)  # every vᵢ = 0: the window's first position
                 bound[1] = max(bound[1], top)

@@ -75,6 +75,13 @@ def together(ev, roots, emits=None) -> None:
         v = onf.shared_walk(st)
         if v is None or v in ev.ranges or ev.stage_value(st.name, st.result_vars(st.name)) is not None:
             continue
+        if not ev.backend.stored_rows and any(onf.axis_of(w).role == "sequential" and w not in ev.ranges
+                                              for w in st.vars):
+            # written tile by tile over a sequential axis of its own (GQA's dK[b s n_kv h] where
+            # a table's gradient walks n_kv): the caller's walk computes it one tile at a time;
+            # here it would be computed over all of that axis (a query head g + 2·n_kv is then
+            # no window)
+            continue
         # one that reads another of the group (RMSNorm's Σ_d x·w ÷ rms after rms = Σ_d x²)
         # needs that one whole first: it stays a loop of its own
         group = groups.setdefault(v, [])
