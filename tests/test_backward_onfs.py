@@ -13,7 +13,9 @@ import pytest
 
 import moajax
 import references as R
-from helpers import rel_err, sub_jaxprs, walk_eqns
+from helpers import rel_err, scaled_err, sub_jaxprs, walk_eqns
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from moajax import compat, cost, machines, ptx, rewrites, schedule
 from moajax.kernels.attention import mha_kernel
 from moajax.onf import ONFError
@@ -818,4 +820,50 @@ def test_one_heads_slope_gradient_is_scatter_added_under_the_fused_plan(monkeypa
                              _alibi_grads(q, k, v, slopes, "xla")):
             assert rel_err(got, want) <= F64
     finally:
+        runtime.schedules.cache_clear()
+
+
+_PROFILES = {p: machines.load(p) for p in ("h200", "delta-a100", "delta-a40")}
+_MODS = {"alibi": lambda c: (lambda s, b, h, i, j: s - c[h] * jnp.abs(i - j)),
+         "relpos": lambda c: (lambda s, b, h, i, j: s + c[jnp.clip(i - j, -3, 4) + 3]),
+         "temperature": lambda c: (lambda s, b, h, i, j: s * (1 + 0.1 * c[b + 2 * h]))}  # b + 2h < 12
+
+
+@settings(max_examples=12, deadline=None)
+@given(profile=st.sampled_from(sorted(_PROFILES)), plan=st.sampled_from(["atomic", "split"]),
+       mod=st.sampled_from(sorted(_MODS)), B=st.integers(1, 3), K=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]),
+       T_=st.integers(2, 24), S_=st.integers(2, 24), causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_seeds_plans_with_a_score_mod_array_match_xla(profile, plan, mod, B, K, G, T_, S_, causal, seed):
+    """Random shapes, GQA groupings and score_mod arrays (a slope per head, a relative-position
+    table, a temperature per batch element and head) under the seed's named plans on each GPU
+    profile, Pallas interpret: float64 gradients of q, k, v and the array against XLA's, at
+    1e-12 of their scale (``scaled_err``: a gradient that cancels to 0, as the table's where
+    every row keeps one key, leaves the rounding of its O(1) terms). A plan that does not fit a
+    profile is refused by name (the test then checks only that)."""
+    from moajax import runtime
+
+    r = np.random.default_rng(seed)
+    q, g = (r.standard_normal((B, T_, K * G, 8)) for _ in range(2))
+    k, v = (r.standard_normal((B, S_, K, 8)) for _ in range(2))
+    c = jnp.asarray(r.standard_normal(12))
+
+    def grads(impl, onf=None):
+        def loss(q, k, v, c):
+            return jnp.sum(g * moajax.dot_product_attention(q, k, v, score_mod=_MODS[mod](c), is_causal=causal,
+                                                            implementation=impl, onf=onf))
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, c)
+
+    saved = runtime.gpu_machine
+    runtime.gpu_machine = lambda path="pallas": _PROFILES[profile]
+    runtime.schedules.cache_clear()
+    try:
+        try:
+            got = grads("pallas_interpret", Preset.of(backward=plan))
+        except ONFError as e:
+            assert "the Preset names" in str(e), e
+            return
+        for a, b in zip(got, grads("xla")):
+            assert scaled_err(a, b) <= F64
+    finally:
+        runtime.gpu_machine = saved
         runtime.schedules.cache_clear()
