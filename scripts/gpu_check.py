@@ -337,6 +337,32 @@ def main():
                    for b in ("owner", "split", "atomic")}
             con["jax.nn xla"] = grad_fn(jaxnn_attn(True, "xla"))
             race(f"float32, {S}, True, GQA {N}/{K}", con, (q, k, v), 14 * S * S * N * H / 2, 10, "jax.nn xla")
+        # a score_mod closing over an array (ALiBi's slopes, B = 2): its gradient joins dQ and dK
+        # under "atomic" and "split" (each program adds its partial over its own query tile,
+        # batch element and head), under "owner" it is a split-K kernel of its own (never
+        # timed); jax.nn takes ALiBi as a materialised [1 N T S] bias, whose gradient it computes
+        if rep.left() < 15:
+            rep.add(f"| bfloat16, {S}, True, B = 2, ALiBi | (not run: time) | | | | | |")
+        else:
+            q, k, v = (draw((2, S, N, H), "bfloat16") for _ in range(3))
+            slopes = jnp.asarray(2.0 ** -np.arange(1, N + 1), jnp.float32)
+
+            def alibi_grad(plan):
+                def loss(a, b, d, c):
+                    mod = lambda s, bi, h, i, j: s + c[h] * (j - i).astype(s.dtype)  # noqa: E731
+                    return jnp.sum(moajax.dot_product_attention(
+                        a, b, d, is_causal=True, score_mod=mod, onf=Preset.of(backward=plan)).astype(jnp.float32))
+                return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+            def jaxnn_alibi(a, b, d, c):
+                pos = jnp.arange(S)
+                bias = (c[:, None, None] * (pos[None, None, :] - pos[None, :, None]))[None].astype(a.dtype)
+                return jnp.sum(jax.nn.dot_product_attention(a, b, d, bias, is_causal=True).astype(jnp.float32))
+
+            con = {f"moajax {b}": alibi_grad(b) for b in ("owner", "split", "atomic")}
+            con["jax.nn xla"] = jax.grad(jaxnn_alibi, argnums=(0, 1, 2, 3))
+            race(f"bfloat16, {S}, True, B = 2, ALiBi", con, (q, k, v, slopes), 2 * 14 * S * S * N * H / 2, 10,
+                 "jax.nn xla")
         rep.add("", "Causal against non-causal, moajax owner (the skipped tiles): " + ", ".join(
             f"{dt} S = {S}: {causal_speedup[(dt, S, False)] / causal_speedup[(dt, S, True)]:.2f}×"
             for (dt, S, c) in causal_speedup if not c and (dt, S, True) in causal_speedup))
