@@ -645,26 +645,27 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | tuple | N
     while local(body) is not None and local(body).reduction is None:
         body = _at(local(body), body)  # c · Σ split over local stages by hoist: inline them
     over = (over,) if isinstance(over, str) else tuple(over or ())
-    if over and not (isinstance(body, D.Red) and body.var.name == over[0]):
-        # Σ_n Σ_s Σ_r … (a table's gradient), or (c = 0) ? Σ_r … : 0 (one head's slope): Σ_r on top
-        top = sum_to_top(body, over[0])
-        if top is None:  # (c = 0) ? a + (c = 0) ? b : 0, a and b sums over r that hoist made stages
-            def inline(x):
-                st = local(x)
-                return _at(st, x) if st is not None and any(r.var.name == over[0] for r in D.reductions(st.body)) else None
-            top = sum_to_top(D.transform(body, inline), over[0])
-        body = top or body
+    if over and isinstance(body, D.Red) and body.var.name != over[0]:
+        body = sum_to_top(body, over[0]) or body  # Σ_n Σ_s Σ_r … (a table's gradient): Σ_r on top
     if not (isinstance(body, D.Red) and body.monoid == "add"):
         num, den = D.mul_div_factors(body)
         sums = [f for f in num if local(f) is not None and local(f).reduction is not None
                 and local(f).reduction.monoid == "add"]
-        if len(sums) != 1:
+        if len(sums) == 1:
+            red = _at(local(sums[0]), sums[0])
+            rest = [f for f in num if f is not sums[0]]
+            if any(red.var in f.free for f in rest + den):
+                raise ONFError(f"{onf.dnf.name}: accumulate: a factor of {output!r} uses the summed variable {red.var.name!r}")
+            body = D.Red("add", red.var, D.quotient([red.body] + rest, den, body.dtype))
+        elif over:
+            # (c = 0) ? a : 0 + (c = 0) ? b : 0 (one head's slope), a and b sums over r that
+            # hoist made stages: read inlined, then Σ_r brought up (Fubini, linearity)
+            def inline(x):
+                st = local(x)
+                return _at(st, x) if st is not None and any(r.var.name == over[0] for r in D.reductions(st.body)) else None
+            body = sum_to_top(D.transform(body, inline), over[0]) or body
+        if not (isinstance(body, D.Red) and body.monoid == "add"):
             raise ONFError(f"{onf.dnf.name}: accumulate: output {output!r} is not c · Σ_r g (one sum times factors)")
-        red = _at(local(sums[0]), sums[0])
-        rest = [f for f in num if f is not sums[0]]
-        if any(red.var in f.free for f in rest + den):
-            raise ONFError(f"{onf.dnf.name}: accumulate: a factor of {output!r} uses the summed variable {red.var.name!r}")
-        body = D.Red("add", red.var, D.quotient([red.body] + rest, den, body.dtype))
     if len(over) > 1:
         body = _chained(onf, output, body, over[1:], rebind or {}, over[:1])
     stages = [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place) if o is st else o

@@ -705,44 +705,54 @@ def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(
     # programs owning the batch held it whole with one query each
     short = lambda v: machine.is_gpu and v.extent < 16  # noqa: E731
     candidates.sort(key=lambda v: (v.extent <= 1, all(v in r.free for r in reads), short(v), scattered(v)))
-    unfit = None  # on a GPU, the first valid ONF that does not fit: a later variable may fit
-    for separate in (False, True):
-        for r in candidates:
-            for spread in (True, False):
-                try:
-                    o = _scatter_over(onf, machine, r, separate, spread, rank).validate()
-                except ONFError as err:
-                    if not spread:
-                        errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
-                    continue
-                if machine.is_gpu and o.written_walking():
-                    # a GPU program writes its tiles of a result from one loop (dBias[t s] summed
-                    # over a batch that owns the programs would be written walking t and s)
-                    if not spread:
-                        errors.append(f"{r.name}: writes {', '.join(f'{n} walking {list(v)}' for n, v in o.written_walking())}")
-                    continue
-                if machine.is_gpu and onchip_bytes(o) > machine.onchip_limit_bytes:
-                    # (GQA's dK in float64: programs owning query tiles hold the group whole in
-                    # each, 354.5 KB on the H200; owning key tiles, the group walked, 135.7 KB)
-                    unfit = unfit or o
-                    continue
-                if unfit is not None and o.axis(r.name).tile < 16:
-                    # a stand-in owning rows of fewer than Triton's 16 (the heads, a batch of 1:
-                    # every key then a program of its own, its dots one row wide) is not taken:
-                    # the plan's own fallback (one kernel per output) does better
-                    continue
-                return o
+    unfit = None  # on a GPU, a valid ONF that does not fit: a later variable may fit
+    # on a GPU, where no ONF fits: the batch-like variables a scattered output sums over own
+    # programs too (``_summed_batch``: a score_mod table's gradient beside the batch and heads,
+    # held whole 1.5 MB). Only then: where programs holding them whole fit, they sum them on
+    # chip with fewer atomics, and every plan that fitted keeps its schedule
+    for summed in (False, True) if machine.is_gpu else (False,):
+        this_pass = None  # the first valid ONF of this pass that did not fit
+        for separate in (False, True) if not summed else (False,):
+            for r in candidates:
+                earlier = this_pass  # (a valid ONF of an earlier variable that did not fit)
+                for spread in (True, False):
+                    try:
+                        o = _scatter_over(onf, machine, r, separate, spread, rank, summed).validate()
+                    except ONFError as err:
+                        if not spread and not summed:
+                            errors.append(f"{r.name}{' (separate walks)' if separate else ''}: {err}")
+                        continue
+                    if machine.is_gpu and o.written_walking():
+                        # a GPU program writes its tiles of a result from one loop (dBias[t s] summed
+                        # over a batch that owns the programs would be written walking t and s)
+                        if not spread and not summed:
+                            errors.append(f"{r.name}: writes {', '.join(f'{n} walking {list(v)}' for n, v in o.written_walking())}")
+                        continue
+                    if machine.is_gpu and onchip_bytes(o) > machine.onchip_limit_bytes:
+                        # (GQA's dK in float64: programs owning query tiles hold the group whole in
+                        # each, 354.5 KB on the H200; owning key tiles, the group walked, 135.7 KB)
+                        this_pass = this_pass or o
+                        # (the error names the one closest to fitting)
+                        unfit = o if unfit is None or onchip_bytes(o) < onchip_bytes(unfit) else unfit
+                        continue
+                    if earlier is not None and o.axis(r.name).tile < 16:
+                        # a stand-in owning rows of fewer than Triton's 16 (the heads, a batch of 1:
+                        # every key then a program of its own, its dots one row wide) is not taken:
+                        # the plan's own fallback (one kernel per output) does better
+                        continue
+                    return o
     if unfit is not None:
         return unfit  # for check_fits to name the limit
     raise ONFError(f"{onf.dnf.name}: no output variable can own the programs (" + "; ".join(errors) + ")")
 
 
 def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread: bool = False,
-                  rank: int = 0) -> ONF:
+                  rank: int = 0, summed: bool = False) -> ONF:
     """The ONF whose programs own tiles of r (``_scatter_schedule``). A variable every output
     has is batch-like (grid by 1) unless it is the last of every output; with ``spread`` also
     when it is the last of only some (a saving forward's heads: the last axis of its [t n]
-    statistics, not of Out [b t n e]), else it is held whole."""
+    statistics, not of Out [b t n e]), else it is held whole. ``summed`` (a GPU's): so is one
+    that a scattered output sums over (``_summed_batch``); an ONFError where there is none."""
     outs = onf.dnf.outputs
     names: dict = {}
     for v in onf.program.vars():  # the outputs' ψ-reductions name their variables apart only
@@ -755,8 +765,10 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
     last = (any if spread else all)
     batch = [v for v in outs[0].vars if v in shared and v != r and last(v != o.vars[-1] for o in outs)]
     chains = {}
-    if machine.is_gpu and not separate:
+    if summed:
         extra, chains = _summed_batch(onf, r, batch)
+        if not extra:
+            raise ONFError(f"{onf.dnf.name}: no output scattered over {r.name!r} sums over a variable beside it")
         batch += extra
     for o in outs:
         if r not in o.vars and r.extent > 1:  # (over one row there is one program: no partials)
@@ -829,7 +841,8 @@ def _summed_batch(onf: ONF, r, batch) -> tuple:
     and no named atomic or split plan with a score_mod array fitted a GPU. A sum over
     another variable of the same extent that reads the inputs where v does (Σ_{n_kv} of
     query[b t n_kv h], where dQ reads query[b t n h]) stands for v: it is renamed (α).
-    Returns (the variables, {output: (their names, renames)})."""
+    ``_scatter_schedule`` asks only where no ONF fits that holds them whole. Returns (the
+    variables, {output: (their names, renames)})."""
     outs = onf.dnf.outputs
     owned = [o for o in outs if r in o.vars or r.extent <= 1]
     scattered = [o for o in outs if o not in owned]
