@@ -740,6 +740,8 @@ def _map(op: _ops.ScalarOp, *xs) -> Array:
         raise MoATypeError(f"{op.name}: needs a floating dtype, got {dt.name}; cast first")
     if op.bool_only and dt != np.bool_:
         raise MoATypeError(f"{op.name}: needs bool operands, got {dt.name}")
+    if op.int_only and np.dtype(dt).kind not in "iu":
+        raise MoATypeError(f"{op.name}: needs integer operands, got {dt.name}")
     out_dtype = _ops.result_dtype(op, [a.dtype for a in args])
     big = next((a for a in args if a.rank > 0), args[0])
     node = Map(big.shape, big.dims, out_dtype)
@@ -775,6 +777,7 @@ logical_and, logical_or, logical_not = _OpFn("logical_and"), _OpFn("logical_or")
 neg, abs_, exp, log, sqrt, rsqrt = (_OpFn(n) for n in ("neg", "abs", "exp", "log", "sqrt", "rsqrt"))
 tanh, sigmoid, silu = _OpFn("tanh"), _OpFn("sigmoid"), _OpFn("silu")
 where = _OpFn("where")
+quot, rem, sign = _OpFn("quot"), _OpFn("rem"), _OpFn("sign")
 
 
 def _opname(op) -> str:

@@ -31,6 +31,7 @@ class ScalarOp:
     infix: bool = False
     float_only: bool = False
     bool_only: bool = False
+    int_only: bool = False
 
     def jnp_fn(self) -> Callable:
         return _jnp_impl(self.name)
@@ -59,6 +60,12 @@ def _np_rsqrt(x):
 
 def _np_where(c, a, b):
     return np.where(c, a, b)
+
+
+def _np_quot(a, b):
+    # C's (and lax.div's) integer quotient: rounded toward zero, not floored as NumPy's //
+    q = np.abs(a) // np.abs(b)
+    return np.where((np.asarray(a) < 0) != (np.asarray(b) < 0), -q, q)
 
 
 _TABLE = [
@@ -94,6 +101,14 @@ OPS: dict[str, ScalarOp] = {
     name: ScalarOp(name, arity, symbol, result, fn, name, infix, float_only, bool_only)
     for (name, arity, symbol, result, fn, infix, float_only, bool_only) in _TABLE
 }
+# integer index arithmetic (a score_mod's h // G, q_idx % C: jnp's floor division and
+# remainder are written with these, sign and a correction): C's quotient and remainder,
+# rounded toward zero (lax.div, lax.rem)
+OPS.update({
+    "quot": ScalarOp("quot", 2, "quot", "same", _np_quot, "quot", infix=True, int_only=True),
+    "rem": ScalarOp("rem", 2, "rem", "same", np.fmod, "rem", infix=True, int_only=True),
+    "sign": ScalarOp("sign", 1, "sign", "same", np.sign, "sign"),
+})
 
 
 def _jnp_impl(name: str) -> Callable:
@@ -127,6 +142,9 @@ def _jnp_impl(name: str) -> Callable:
         "sigmoid": jax.nn.sigmoid,
         "silu": jax.nn.silu,
         "where": jnp.where,
+        "quot": lax.div,
+        "rem": lax.rem,
+        "sign": lax.sign,
     }
     return table[name]
 

@@ -23,8 +23,11 @@ import numpy as np
 from moajax import moa
 
 _UNARY = {"neg": moa.neg, "exp": moa.exp, "log": moa.log, "tanh": moa.tanh, "logistic": moa.sigmoid,
-          "sqrt": moa.sqrt, "rsqrt": moa.rsqrt, "abs": moa.abs_, "not": moa.logical_not}
-_BINARY = {"add": moa.add, "sub": moa.sub, "mul": moa.mul, "div": moa.div, "max": moa.maximum,
+          "sqrt": moa.sqrt, "rsqrt": moa.rsqrt, "abs": moa.abs_, "not": moa.logical_not, "sign": moa.sign}
+# lax.div of integers is C's quotient (jnp's // adds the floor's correction around it)
+_BINARY = {"add": moa.add, "sub": moa.sub, "mul": moa.mul,
+           "div": lambda a, b: (moa.quot if np.dtype(a.dtype).kind in "iu" else moa.div)(a, b),
+           "rem": moa.rem, "max": moa.maximum,
            "min": moa.minimum, "lt": moa.lt, "le": moa.le, "gt": moa.gt, "ge": moa.ge, "eq": moa.eq,
            "ne": moa.ne, "and": moa.logical_and, "or": moa.logical_or}
 
@@ -107,7 +110,10 @@ def _eval(name, jaxpr, consts, args):
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         xs = [read(v) for v in eqn.invars]
-        out = _op(name, prim, eqn, xs)
+        try:
+            out = _op(name, prim, eqn, xs)
+        except moa.MoATypeError as e:  # (a remainder of floats: s % 1.0) named by the function
+            raise TraceError(f"{name}: {prim} of {[np.dtype(x.dtype).name for x in xs]}: {e}") from None
         for v, o in zip(eqn.outvars, out if isinstance(out, (list, tuple)) else [out]):
             env[v] = o
     (res,) = [read(v) for v in jaxpr.outvars]

@@ -303,6 +303,36 @@ def test_score_mod_equals_the_bias_it_adds(name, mod, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_score_mod_index_arithmetic_floors_as_jnp(impl):
+    """A score_mod's integer // and % (jnp's floor division and remainder: lax.div and lax.rem,
+    C's, with sign and a correction around them): a slope per kv-head group, c[h // 2], and a
+    chunked bias, ((i − j) // 3) and ((i − j) % 3) of negative differences too, where floor
+    and C's quotient differ. Before, // was "div: needs a floating dtype" and % had no
+    counterpart in the algebra. Forward and float64 gradients (of q, k, v and the slopes)
+    against the bias the same values make, built with NumPy's floor."""
+    q, k, v, g = _qkv(2, 12)
+    c = np.array([0.3, -0.7])
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    chunk = 0.25 * ((t - s) // 3) - 0.5 * ((t - s) % 3)
+    bias = np.stack([c[h // 2] * (s - t) + chunk for h in range(N)])[None].repeat(B, 0)
+
+    def f(q, k, v, c):
+        mod = lambda sc, b, h, i, j: sc + c[h // 2] * (j - i) + 0.25 * ((i - j) // 3) - 0.5 * ((i - j) % 3)  # noqa: E731
+        return moajax.dot_product_attention(q, k, v, is_causal=True, score_mod=mod, implementation=impl)
+
+    assert rel_err(f(q, k, v, jnp.asarray(c)), R.mha_variants(q, k, v, bias=bias, is_causal=True)) <= F64
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) * g), (0, 1, 2, 3))(q, k, v, jnp.asarray(c))
+    want = R.mha_variants(q, k, v, bias=bias, is_causal=True, dout=g)
+    for a, b in zip(grads[:3], want[:3]):
+        assert _close(a, b, F64)
+    dbias = want[3].sum(axis=0)  # [N T S]: the slopes' gradient is Σ over their heads of dBias·(j − i)
+    dc = [sum(float(np.sum(dbias[h] * (s - t))) for h in range(N) if h // 2 == e) for e in range(2)]
+    assert rel_err(grads[3], dc) <= F64
+    with pytest.raises(TypeError, match="score_mod: rem of .*needs integer operands"):
+        moajax.dot_product_attention(q, k, v, score_mod=lambda sc, *_: sc % 1.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("table", ["float", "int"])
 def test_score_mod_with_closed_over_arrays_and_lengths(table, impl):
     """A score_mod closing over an array beside query_seq_lengths and key_value_seq_lengths

@@ -185,3 +185,31 @@ def test_causal_gradients_whose_tile_spans_fold_to_constants_lower_for_cuda(monk
         assert any("adjoint_saved" in n and n.endswith("d_query") for n in names), names
     finally:
         runtime.schedules.cache_clear()
+
+
+def test_score_mod_index_arithmetic_lowers_for_cuda(monkeypatch):
+    """jit(grad) of GQA attention whose score_mod reads a slope per kv-head group, c[h // 2],
+    and adds (i − j) % 3 (jnp's floor division and remainder: lax.div, lax.rem and sign in the
+    kernels' index arithmetic) under the H200 profile: every kernel lowers to Triton, the
+    slopes' gradient among them. A sign written as where(x > 0, 1, 0) − … failed there with
+    AssertionError ('i1', 'i32'); lax.sign lowers."""
+    import dataclasses
+
+    from moajax import runtime
+
+    m = dataclasses.replace(machines.load("h200"), spill_check=False)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": m)
+    runtime.schedules.cache_clear()
+    S = jax.ShapeDtypeStruct
+    args = (S((1, 256, 4, 64), jnp.bfloat16), S((1, 256, 2, 64), jnp.bfloat16), S((1, 256, 2, 64), jnp.bfloat16),
+            S((2,), jnp.float32))
+
+    def loss(q, k, v, c):
+        mod = lambda s, b, h, i, j: s + c[h // 2] * (j - i) + 0.1 * ((i - j) % 3)  # noqa: E731
+        return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod).astype(jnp.float32))
+
+    try:
+        names = [k.name for k in triton_kernels(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)]
+        assert any(n.endswith("d_score_mod_const0") for n in names), names
+    finally:
+        runtime.schedules.cache_clear()
