@@ -183,34 +183,47 @@ def tangent_cases(dtypes=("bfloat16", "float32"), targets=None):
     return out
 
 
-def score_mod_cases(dtypes=("float32",), targets=None):
-    """``dot_product_attention`` with a ``score_mod`` (jax.nn layout, B=1, T=S=1024, N=8, H=64,
-    causal), its forward and the derived adjoint's plan: tanh soft-capping (arithmetic on the
-    score), ALiBi (a per-head slope: a table read at the head index) and relative position
-    (a small table read at a computed index, clip(q_idx − kv_idx) — a gather in the kernel)."""
-    import jax
+def score_mods() -> dict:
+    """The report's score_mods by name: tanh soft-capping (arithmetic on the score), ALiBi (a
+    per-head slope: a table read at the head index, 8 slopes) and relative position (a 33-entry
+    table read at a computed index, clip(q_idx − kv_idx) — a gather in the kernel)."""
     import jax.numpy as jnp
+    import numpy as np
+
+    slopes = jnp.asarray(2.0 ** -np.arange(1, 9), jnp.float32)
+    table = jnp.asarray(np.linspace(-1.0, 1.0, 33), jnp.float32)
+    return {"softcap": lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0),
+            "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi).astype(s.dtype),
+            "relpos": lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -16, 16) + 16]}
+
+
+def score_mod_dnfs(fn, shape, dtype, is_causal: bool = True) -> tuple:
+    """(forward DNF, the saved adjoint's DNF, the number of arrays ``fn`` closes over) of
+    ``dot_product_attention`` with the score_mod ``fn`` (jax.nn layout, q, k and v of
+    ``shape``), as ``jax.grad`` of the call derives them."""
+    import jax
     import numpy as np
 
     from moajax.api import _check_score_mod
     from moajax.kernels.attention import mha_kernel
 
-    slopes = jnp.asarray(2.0 ** -np.arange(1, 9), jnp.float32)
-    table = jnp.asarray(np.linspace(-1.0, 1.0, 33), jnp.float32)
-    mods = {"softcap": lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0),
-            "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi).astype(s.dtype),
-            "relpos": lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -16, 16) + 16]}
+    S = [jax.ShapeDtypeStruct(shape, np.dtype(dtype))] * 3
+    mod = _check_score_mod(fn, np.dtype(dtype))
+    kern = mha_kernel(None, None, False, False, False, mod)
+    consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
+    adj, args = kern.saved_adjoint(*S, *consts, is_causal=is_causal)
+    return kern.dnf(*S, *consts, is_causal=is_causal), adj.dnf(*args, is_causal=is_causal), len(consts)
+
+
+def score_mod_cases(dtypes=("float32",), targets=None):
+    """``dot_product_attention`` with a ``score_mod`` (``score_mods``; jax.nn layout, B=1,
+    T=S=1024, N=8, H=64, causal), its forward and the derived adjoint's plan."""
     out = []
     for dt in dtypes:
-        S = [jax.ShapeDtypeStruct((1, 1024, 8, 64), np.dtype(dt))] * 3
-        for name, fn in mods.items():
-            mod = _check_score_mod(fn, np.dtype(dt))
-            kern = mha_kernel(None, None, False, False, False, mod)
-            consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
-            adj, args = kern.saved_adjoint(*S, *consts, is_causal=True)
-            parts = [("forward", kern.dnf(*S, *consts, is_causal=True)), ("adjoint", adj.dnf(*args, is_causal=True))]
+        for name, fn in score_mods().items():
+            forward, adjoint, _ = score_mod_dnfs(fn, (1, 1024, 8, 64), dt)
             for m in _targets(targets):
-                for what, dnf in parts:
+                for what, dnf in (("forward", forward), ("adjoint", adjoint)):
                     out += _plan_rows(f"score_mod {name} causal {what} {dt} H=64", dnf, m)
     return out
 

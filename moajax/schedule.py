@@ -555,6 +555,7 @@ def _split_once(onf: ONF, machine: Machine) -> ONF:
     # the first cut in that order that pays: one that cannot pay (a table gradient's batch of
     # 2 around its 8 heads: at most twice the programs, 1.96×) leaves the next its turn —
     # before, it ended the search and that gradient ran as one program
+    base = None
     for axis, parts in cuts:
         if parts < 2:
             continue
@@ -564,7 +565,8 @@ def _split_once(onf: ONF, machine: Machine) -> ONF:
             continue
         if onchip_bytes(split) > machine.onchip_limit_bytes:
             continue
-        if estimate(onf, machine).time_s / estimate(split, machine).time_s >= SPLIT_MIN_GAIN:
+        base = base or estimate(onf, machine).time_s
+        if base / estimate(split, machine).time_s >= SPLIT_MIN_GAIN:
             return split
     return onf
 
@@ -869,6 +871,7 @@ def _summed_batch(onf: ONF, r, batch) -> tuple:
     for v in owned[0].vars:
         if v == r or v in batch or v in lasts or v.extent <= 1 or not all(v in o.vars for o in owned):
             continue
+        near = positions(elsewhere, v)  # where the outputs that own v read the inputs along it
         step = {}
         for o in scattered:
             if v in o.vars:
@@ -880,7 +883,6 @@ def _summed_batch(onf: ONF, r, batch) -> tuple:
             if v in bound:
                 step[o.name] = {}
                 continue
-            near = positions(elsewhere, v)
             like = [w for w in bound if w.extent == v.extent and positions([red.body], w) & near]
             if len(like) != 1 or v.name in {u.name for u in D.mentioned_vars(red.body)}:
                 break

@@ -43,14 +43,14 @@ def check(onf: ONF) -> ONF:
     onf.validate()
     name = onf.dnf.name
     # the two conditions are the ONF's (``schedule`` derives GPU ONFs that meet them)
-    if onf.written_walking():
-        stage, seq = onf.written_walking()[0]
+    if walking := onf.written_walking():
+        stage, seq = walking[0]
         raise ONFError(
             f"{name}: {stage!r} is written while walking {list(seq)} in sequence; "
             "the Triton backend walks at most one of its own axes per program"
         )
-    if onf.rows_across_walks():
-        stage, over = onf.rows_across_walks()[0]
+    if rows := onf.rows_across_walks():
+        stage, over = rows[0]
         raise ONFError(
             f"{name}: stage {stage!r} stores a row over the sequential axis {list(over)} on chip; "
             "Triton has no indexable on-chip scratch — recompute it (store 'recompute') or place it in "

@@ -30,22 +30,14 @@ SHAPE = (2, 1024, 8, 64)
 def main(argv):
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from moajax import compat, cost, gpu_report, ptx, schedule
-    from moajax.api import _backward_plan, _check_score_mod
-    from moajax.kernels.attention import mha_kernel
+    from moajax import cost, gpu_report, ptx, schedule
+    from moajax.api import _backward_plan
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
 
     if ptx.compiler_available():
         raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
-    slopes = jnp.asarray(2.0 ** -np.arange(1, 9), jnp.float32)
-    table = jnp.asarray(np.linspace(-1.0, 1.0, 33), jnp.float32)
-    mods = {"alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi).astype(s.dtype),
-            "relpos": lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -16, 16) + 16]}
+    mods = {name: fn for name, fn in gpu_report.score_mods().items() if name in ("alibi", "relpos")}
     gpus = gpu_report.gpus()  # derived as a GPU derives them: each profile's spill check on
     lines = [f"# The seed's backward ONFs with a score_mod array, offline PTX ({machine_line()}; ptxas "
              f"{ptx.ptxas_version()}; no GPU used)", "",
@@ -61,16 +53,10 @@ def main(argv):
              "|---|---|---|---|---|---|---|---|---:|---:|---:|---|---|---:|"]
     for m in gpus:
         for dtype in ("float32", "bfloat16"):
-            specs = [jax.ShapeDtypeStruct(SHAPE, dtype)] * 3
             for name, fn in mods.items():
-                mod = _check_score_mod(fn, np.dtype(dtype))
-                consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
-                with compat.enable_x64_context(True):
-                    adj, args = mha_kernel(None, None, False, False, False, mod).saved_adjoint(
-                        *specs, *consts, is_causal=True)
-                    dnf = adj.dnf(*args, is_causal=True)
+                _, dnf, consts = gpu_report.score_mod_dnfs(fn, SHAPE, dtype)
                 for plan in ("atomic", "split", "owner"):
-                    preset = _backward_plan(Preset.of(backward=plan), False, len(consts))
+                    preset = _backward_plan(Preset.of(backward=plan), False, consts)
                     try:
                         onfs = schedule.derive_plan(dnf, m, Preset.of(plan=preset.backward))
                     except Exception as e:  # a plan that does not fit is a row too

@@ -42,8 +42,11 @@ def input_padding(onf: ONF, before: bool = False) -> dict:
                 # so is a whole axis in the Pallas layout, read in one such block (7 keys, an
                 # axis no rewrite lifted, in a block of 8: a GPU load past the array, a
                 # slice error in interpret mode)
-                top = ix.const + sum(c * (onf.axis_of(a).whole_size(ix.const < 0 or (before and onf.axis_of(a).role == "whole")) - 1)
-                                     for a, c in ix.terms) + 1
+                def reach(a):
+                    ax = onf.axis_of(a)
+                    return ax.whole_size(pow2=ix.const < 0 or (before and ax.role == "whole")) - 1
+
+                top = ix.const + sum(c * reach(a) for a, c in ix.terms) + 1
                 bound = need[r.array][ax]
                 bound[0] = max(bound[0], -ix.const)  # every vᵢ = 0: the window's first position
                 bound[1] = max(bound[1], top)
