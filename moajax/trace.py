@@ -44,6 +44,7 @@ class ScalarFn:
     name: str
     jaxpr: object  # jax.extend.core.ClosedJaxpr
     key: str
+    infinite: bool = False  # ``may_be_infinite``: part of the key, so of the kernel's identity
 
     @staticmethod
     def trace(fn, dtypes, name: str) -> "ScalarFn":
@@ -58,7 +59,8 @@ class ScalarFn:
         if len(outs) != 1 or tuple(outs[0].shape) != ():
             raise ValueError(f"{name}: must return one scalar, got {[tuple(o.shape) for o in outs]}")
         consts = ", ".join(f"{np.dtype(c.dtype).name}{list(np.shape(c))}" for c in closed.consts)
-        return ScalarFn(name, closed, f"{closed.jaxpr}|{consts}")
+        infinite = may_be_infinite(closed)
+        return ScalarFn(name, closed, f"{closed.jaxpr}|{consts}|{infinite}", infinite)
 
     def __hash__(self):
         return hash(self.key)
@@ -85,6 +87,41 @@ class ScalarFn:
         if len(consts) != len(jaxpr.constvars):
             raise ValueError(f"{self.name}: {len(jaxpr.constvars)} constants, got {len(consts)}")
         return _eval(self.name, jaxpr, list(consts), list(args))
+
+
+def may_be_infinite(closed) -> bool:
+    """Whether the traced function can give ±∞ from finite arguments: its code holds an
+    infinite float literal (``-jnp.inf``: a mask written FlexAttention's way), a float constant
+    with an infinite entry, or a float ``log`` or a division but by a nonzero literal (log 0,
+    x ÷ 0). Conservative: any such occurrence counts, whether or not it reaches the result. A
+    constant whose values are unknown while tracing (a jit argument closed over) counts as
+    finite, as the kernel's other arrays do; overflow (exp of a large score) is not looked for."""
+    import jax
+
+    def floating(aval) -> bool:
+        return np.dtype(aval.dtype).kind in "fc" or np.dtype(aval.dtype).name == "bfloat16"
+
+    def walk(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if type(v).__name__ == "Literal" and floating(v.aval) and not np.all(np.isfinite(np.asarray(v.val, np.float64))):
+                    return True
+            if eqn.primitive.name in ("log", "div") and floating(eqn.outvars[0].aval):
+                d = eqn.invars[-1]  # a division by a nonzero literal (s / 2.0) stays finite
+                if not (eqn.primitive.name == "div" and type(d).__name__ == "Literal" and float(d.val) != 0):
+                    return True
+            for p in eqn.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns") and walk(inner):
+                    return True
+        return False
+
+    for c in closed.consts:
+        if isinstance(c, jax.core.Tracer) or np.dtype(c.dtype).kind not in "fc" and np.dtype(c.dtype).name != "bfloat16":
+            continue
+        if not np.all(np.isfinite(np.asarray(c, np.float64))):
+            return True
+    return walk(closed.jaxpr)
 
 
 def _literal(x):
@@ -182,4 +219,4 @@ def _squeeze_table_read(name, x: moa.Array) -> moa.Array:
     return moa.omega(lambda c: moa.psi((0,), c), 1)(x) if x.rank > 1 else moa.psi((0,), x)
 
 
-__all__ = ["ScalarFn", "TraceError"]
+__all__ = ["ScalarFn", "TraceError", "may_be_infinite"]

@@ -303,6 +303,61 @@ def test_score_mod_equals_the_bias_it_adds(name, mod, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_minus_infinity_from_score_mod_or_bias_masks_like_mask(impl):
+    """A −∞ score from a score_mod (a mask written FlexAttention's way) or from a bias is
+    jax.nn's masked logit: the result and the float64 gradients equal the reference with the
+    same keys masked by a bool ``mask`` — including rows and a whole head with no finite score,
+    which average V as a masked row does. Before, such a row was NaN (−∞ − −∞ in the softmax's
+    shift) and so were dV and, for the bias, dBias; jax.nn gives NaN for a −∞ bias row."""
+    q, k, v, g = _qkv(2, 14)
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    keep = np.broadcast_to((t >= 2) & (s <= t + 3), (B, N, T, S)).copy()
+    keep[0, 1] = False  # batch element 0, head 1: nothing kept
+    want = R.mha_variants(q, k, v, mask=keep)
+    want_grads = R.mha_variants(q, k, v, mask=keep, dout=g)
+
+    def mod(sc, b, h, i, j):
+        return jnp.where((i >= 2) & (j <= i + 3) & ((b != 0) | (h != 1)), sc, -jnp.inf)
+
+    bias = np.where(keep, 0.0, -np.inf)
+    for kw, extra in ((dict(score_mod=mod), ()), (dict(bias=bias), (3,))):
+        def f(q, k, v, *b):
+            return moajax.dot_product_attention(q, k, v, *b, implementation=impl, **{x: y for x, y in kw.items()
+                                                                                     if x != "bias"})
+        args = (q, k, v) + ((kw["bias"],) if extra else ())
+        assert rel_err(f(*args), want) <= F64
+        grads = jax.grad(lambda *a: jnp.sum(f(*a) * g), (0, 1, 2) + extra)(*args)
+        assert all(np.isfinite(np.asarray(x)).all() for x in grads)
+        for a, b in zip(grads[:3], want_grads[:3]):
+            assert _close(a, b, F64)
+        if extra:  # a −∞ bias entry has gradient 0 (its P is 0); elsewhere jax.nn's
+            assert _close(grads[3], np.where(keep, want_grads[3], 0.0), F64)
+
+
+def test_which_score_mods_can_give_infinity():
+    """``trace.may_be_infinite``, which decides whether the kernel maps a score_mod's −∞ to
+    jax.nn's fill: an infinite literal, a concrete table with an infinite entry, a float log or
+    division count; finite code, a finite table and a table known only as a jit argument (taken
+    finite, as Q and K are) do not — ALiBi's slopes, learned or not, keep their kernels."""
+    from moajax.api import _check_score_mod
+
+    def infinite(mod):
+        return _check_score_mod(mod, np.float32).infinite
+
+    slopes, table = jnp.asarray(SLOPES), jnp.asarray([0.0, -jnp.inf, 1.0])
+    assert infinite(lambda s, b, h, i, j: jnp.where(i >= j, s, -jnp.inf))
+    assert infinite(lambda s, b, h, i, j: s + table[jnp.clip(i - j, 0, 2)])
+    assert infinite(lambda s, b, h, i, j: s + jnp.log(1.0 * (i >= j)))
+    assert infinite(lambda s, b, h, i, j: s / (i - j))
+    assert not infinite(lambda s, b, h, i, j: s + slopes[h] * (j - i))
+    assert not infinite(lambda s, b, h, i, j: 2.0 * jnp.tanh(s / 2.0))  # a division by a literal 2
+    assert not infinite(lambda s, b, h, i, j: jnp.where(i >= j, s, jnp.finfo(jnp.float32).min))
+    seen = []
+    jax.jit(lambda c: seen.append(infinite(lambda s, b, h, i, j: s + c[h])) or c)(table)
+    assert seen == [False]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_score_mod_index_arithmetic_floors_as_jnp(impl):
     """A score_mod's integer // and % (jnp's floor division and remainder: lax.div and lax.rem,
     C's, with sign and a correction around them): a slope per kv-head group, c[h // 2], and a
