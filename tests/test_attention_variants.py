@@ -302,13 +302,14 @@ def test_score_mod_equals_the_bias_it_adds(name, mod, impl):
         assert _close(a, b, F64)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS + ["triton_interpret"])
 def test_minus_infinity_from_score_mod_or_bias_masks_like_mask(impl):
     """A −∞ score from a score_mod (a mask written FlexAttention's way) or from a bias is
     jax.nn's masked logit: the result and the float64 gradients equal the reference with the
     same keys masked by a bool ``mask`` — including rows and a whole head with no finite score,
     which average V as a masked row does. Before, such a row was NaN (−∞ − −∞ in the softmax's
-    shift) and so were dV and, for the bias, dBias; jax.nn gives NaN for a −∞ bias row."""
+    shift) and so were dV and, for the bias, dBias; jax.nn gives NaN for a −∞ bias row. On
+    XLA, Pallas-interpret and the ONF's Triton source (interpreted)."""
     q, k, v, g = _qkv(2, 14)
     t, s = np.arange(T)[:, None], np.arange(S)[None, :]
     keep = np.broadcast_to((t >= 2) & (s <= t + 3), (B, N, T, S)).copy()
