@@ -333,6 +333,9 @@ def test_minus_infinity_from_score_mod_or_bias_masks_like_mask(impl):
             assert _close(a, b, F64)
         if extra:  # a −∞ bias entry has gradient 0 (its P is 0); elsewhere jax.nn's
             assert _close(grads[3], np.where(keep, want_grads[3], 0.0), F64)
+    # the residual too: a row with no finite score has jax.nn's masked log-sum-exp, fill + log S
+    _, lse = moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, return_residual=True)
+    assert rel_err(lse, R.mha_lse(q, k, v, mask=keep)) <= F64
 
 
 def test_which_score_mods_can_give_infinity():
