@@ -151,7 +151,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if mod is not None:
         args += [jnp.asarray(c) for c in mod.consts]
     runtime.check_onf_argument(onf, "dot_product_attention")
-    onf = _backward_plan(onf, bias is not None, len(mod.consts) if mod is not None else 0)
+    onf = _backward_plan(onf, bias is not None, mod.consts if mod is not None else ())
     runtime.check_implementation(implementation, "dot_product_attention")
     runtime.check_residuals(residuals, "dot_product_attention")
 
@@ -180,11 +180,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 # kernel whose programs own query tiles, dK and dV scatter-added; "split" — dV in a kernel of
 # its own owning key tiles, dK still scatter-added beside dQ; "owner" — no atomics (dQ owning
 # query tiles, dK and dV owning key tiles), bitwise repeatable, the GPU default
-def _backward_plan(onf, with_bias: bool, consts: int = 0):
+def _backward_plan(onf, with_bias: bool, consts=()):
     """A Preset's ``backward`` named as the seed's ONFs, as the adjoint's plan (``consts``: the
-    arrays a score_mod closes over, whose gradients, like the bias', sum over t and s: they join
-    dQ and dK; left out, the plan did not name every output and every implementation refused)."""
+    arrays a score_mod closes over; the gradients of its float ones, like the bias', sum over t
+    and s: they join dQ and dK. Left out, the plan did not name every output and every
+    implementation refused; an int table has no gradient, and naming one was refused too)."""
     import dataclasses
+
+    import jax.numpy as jnp
 
     if not isinstance(onf, Preset) or onf.backward is None or isinstance(onf.backward, tuple):
         return onf
@@ -192,7 +195,8 @@ def _backward_plan(onf, with_bias: bool, consts: int = 0):
         from moajax.kernels.attention import score_mod_const_names
 
         first = ("d_query", "d_key") + (("d_bias",) if with_bias else ()) + tuple(
-            f"d_{n}" for n in score_mod_const_names(consts))
+            f"d_{n}" for n, c in zip(score_mod_const_names(len(consts)), consts)
+            if jnp.issubdtype(c.dtype, jnp.inexact))
         return dataclasses.replace(onf, backward=(first, ("d_value",)))
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 

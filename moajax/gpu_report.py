@@ -198,9 +198,9 @@ def score_mods() -> dict:
 
 
 def score_mod_dnfs(fn, shape, dtype, is_causal: bool = True) -> tuple:
-    """(forward DNF, the saved adjoint's DNF, the number of arrays ``fn`` closes over) of
-    ``dot_product_attention`` with the score_mod ``fn`` (jax.nn layout, q, k and v of
-    ``shape``), as ``jax.grad`` of the call derives them."""
+    """(forward DNF, the saved adjoint's DNF, the arrays ``fn`` closes over as
+    ShapeDtypeStructs) of ``dot_product_attention`` with the score_mod ``fn`` (jax.nn layout,
+    q, k and v of ``shape``), as ``jax.grad`` of the call derives them."""
     import jax
     import numpy as np
 
@@ -212,7 +212,7 @@ def score_mod_dnfs(fn, shape, dtype, is_causal: bool = True) -> tuple:
     kern = mha_kernel(None, None, False, False, False, mod)
     consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
     adj, args = kern.saved_adjoint(*S, *consts, is_causal=is_causal)
-    return kern.dnf(*S, *consts, is_causal=is_causal), adj.dnf(*args, is_causal=is_causal), len(consts)
+    return kern.dnf(*S, *consts, is_causal=is_causal), adj.dnf(*args, is_causal=is_causal), tuple(consts)
 
 
 def score_mod_cases(dtypes=("float32",), targets=None):

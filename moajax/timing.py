@@ -47,6 +47,19 @@ def alternating(fns: dict, args, *, reps: int, warmups: int = 1) -> dict:
     return out
 
 
+def compiled_contenders(fns: dict, args, *, reps: int, reference: str, pick) -> dict:
+    """Compiled contenders (``jax.stages.Compiled``) run in turn (``alternating``): name →
+    (times, temp MiB: the executable's temp allocation, max |pick(out) − pick(ref)| over
+    max |pick(ref)|, ref the ``reference`` contender's result)."""
+    import numpy as np
+
+    want = np.asarray(pick(fns[reference](*args)), np.float64)
+    diffs = {n: float(np.max(np.abs(np.asarray(pick(f(*args)), np.float64) - want)) / np.max(np.abs(want)))
+             for n, f in fns.items()}
+    times = alternating(fns, args, reps=reps)
+    return {n: (times[n], f.memory_analysis().temp_size_in_bytes / 2**20, diffs[n]) for n, f in fns.items()}
+
+
 def machine_line() -> str:
     """The line every committed results file starts with: the machine, JAX, Python, the date."""
     import datetime

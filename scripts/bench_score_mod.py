@@ -44,7 +44,7 @@ def main(argv):
     from moajax import dnf as D
     from moajax import lower_xla
     from moajax.tiles.backend import Backend
-    from moajax.timing import alternating, machine_line, write_results
+    from moajax.timing import compiled_contenders, machine_line, write_results
 
     B, N, H = 1, 8, 64
     lines = [f"# Attention gradient with a relative-position table (score_mod), CPU ({machine_line()})", "",
@@ -99,16 +99,13 @@ def main(argv):
                     raise SystemExit(f"{name}: the lowering is not the one named")
                 fns[name] = lowered.compile()
             lower_xla.XlaBackend.bin_sum, D.one_hot_write = scatter_add, one_hot_write
-            want = np.asarray(fns["jax.nn, [T, S] bias"](*args)[3], np.float64)
-            diffs = {n: float(np.max(np.abs(np.asarray(f(*args)[3]) - want)) / np.max(np.abs(want)))
-                     for n, f in fns.items()}
-            temps = {n: f.memory_analysis().temp_size_in_bytes / 2**20 for n, f in fns.items()}
-            times = alternating(fns, args, reps=REPS.value)
-            base = min(times["moajax, scatter-add"])
-            for name, ts in times.items():
-                diff = "— (no table)" if name == "moajax, no score_mod" else f"{diffs[name]:.1e}"
+            rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, [T, S] bias",
+                                       pick=lambda grads: grads[3])
+            base = min(rows["moajax, scatter-add"][0])
+            for name, (ts, temp, diff) in rows.items():
+                diff = "— (no table)" if name == "moajax, no score_mod" else f"{diff:.1e}"
                 lines.append(f"| {T} | {R} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | "
-                             f"{min(ts) / base:.2f}× | {temps[name]:.1f} | {diff} |")
+                             f"{min(ts) / base:.2f}× | {temp:.1f} | {diff} |")
     lines += ["", "vs scatter-add: the contender's best time over the scatter-add's (above 1: slower)."]
     write_results(OUT.value, lines)
 

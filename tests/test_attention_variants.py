@@ -449,13 +449,22 @@ def test_score_mod_with_closed_over_arrays_and_lengths(table, impl):
 def test_a_closed_over_score_mod_array_under_each_backward_plan(plan):
     """ALiBi's slopes closed over, under each of the seed's backward ONFs: "split" names the
     score_mod arrays' gradients with dQ and dK (before it left them out, and every
-    implementation refused the plan). Against the bias the score_mod adds, float64."""
+    implementation refused the plan), and with an int table beside them, none for it. Against
+    the bias the score_mod adds, float64."""
     q, k, v, g = _qkv(2, 14)
     slopes = jnp.asarray(SLOPES)
     mod = lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)  # noqa: E731
     kw = dict(score_mod=mod, onf=moajax.Preset.of(backward=plan))
     grads = jax.grad(lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, **kw) * g), (0, 1, 2))(q, k, v)
     for a, b in zip(grads, R.mha_variants(q, k, v, bias=_as_bias("alibi"), dout=g)):
+        assert _close(a, b, F64)
+    # beside an int table (a document id per position), which has no gradient: "split" named
+    # one for it, and the adjoint refused the plan ("must name each output once")
+    doc = jnp.asarray(np.arange(max(T, S)) // 4, jnp.int32)
+    kw["score_mod"] = lambda s, b, h, qi, ki: jnp.where(doc[qi] == doc[ki], s + slopes[h] * (ki - qi), -jnp.inf)
+    keep = np.broadcast_to(np.asarray(doc)[:T, None] == np.asarray(doc)[None, :S], (B, N, T, S))
+    grads = jax.grad(lambda q, k, v: jnp.sum(moajax.dot_product_attention(q, k, v, **kw) * g), (0, 1, 2))(q, k, v)
+    for a, b in zip(grads, R.mha_variants(q, k, v, bias=_as_bias("alibi"), mask=keep, dout=g)):
         assert _close(a, b, F64)
 
 

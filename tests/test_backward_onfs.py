@@ -645,7 +645,7 @@ def _alibi_adjoint_plan(q_shape, kv_shape, slopes, machine, plan, dtype="float64
     from moajax.api import _backward_plan
 
     dnf = _alibi_adjoint_dnf(q_shape, kv_shape, slopes, dtype, **kw)
-    groups = _backward_plan(Preset.of(backward=plan), False, 1).backward if plan else None
+    groups = _backward_plan(Preset.of(backward=plan), False, (np.asarray(slopes),)).backward if plan else None
     with compat.enable_x64_context(True):
         onfs = schedule.derive_plan(dnf, machine, Preset.of(plan=groups) if plan else None)
     return onfs if isinstance(onfs, tuple) else (onfs,)
