@@ -61,23 +61,24 @@ def attention_scores(q, k, *, scale: float, is_causal: bool, bias=None, bias_axe
     """scale · Q +.× ⍉K [+ bias] [score_mod] [masked] for q [t h], k [s h] (accumulation
     dtype); masked (set to jax.nn's large negative): a bool ``mask``, causal, a local
     ``window`` (left, right), the lengths (scalars); ``score_mod`` (``scored``) with this
-    cell's batch and head indices. A bias or score_mod score of −∞ is that large negative
-    (it masks like ``mask``; for a score_mod, where its code can give ±∞)."""
+    cell's batch and head indices. A score_mod's −∞ is that large negative (it masks like
+    ``mask``; where its code can give ±∞); a bias' is jax.nn's −∞."""
     score = moa.name("score", (q @ moa.transpose(k)) * scale)
     if bias is not None:
         score = _with_cell(score, bias, bias_axes, moa.add)
     if score_mod is not None:
         score = scored(score, score_mod, batch, head)
     big = large_negative(score.dtype)
-    if bias is not None or (score_mod is not None and score_mod[0].infinite):
-        # a −∞ from the bias or score_mod (a mask written FlexAttention's way) is jax.nn's
-        # masked logit, so a row with no finite score averages V as a masked row does, with
-        # finite gradients, where −∞ − −∞ would have made it NaN. A select on −∞ alone, not
-        # ⌈ big: a NaN stays NaN, and the adjoint has no tie branch (⌈'s halves the cotangent
-        # where x = big). Only for a score_mod that can give ±∞ (``trace.may_be_infinite``):
-        # the select's cotangent costs a table gradient's kernel registers (ALiBi's slopes on
-        # the A100: 188 → 255 and 604 B of spill at its tiling)
-        score = moa.where(moa.eq(score, -np.inf), big, score)
+    if score_mod is not None and score_mod[0].infinite:
+        # a −∞ from the score_mod (a mask written FlexAttention's way) is jax.nn's masked
+        # logit, as from ``mask``: a row with no finite score averages V with finite gradients,
+        # where −∞ − −∞ would have made it NaN. Written c ? x : m₀ with c = (x ≠ −∞) — a mask
+        # on data, so tile skipping keeps only the bounds that need no guard (``masked``: a
+        # row whose every key is masked averages all its keys, skipped tiles too), as for
+        # ``mask``; a select on −∞ alone, so a NaN stays NaN. Only where the score_mod's code
+        # can give ±∞ (``trace.may_be_infinite``): the select costs a table gradient's kernel
+        # registers (ALiBi's slopes on the A100, float32: 188 → 255, spilling 604 B, ad hoc)
+        score = moa.where(moa.ne(score, -np.inf), score, big)
     if mask is not None:
         score = _with_cell(score, mask, mask_axes, lambda s, m: moa.where(m, s, big))
     t, s, dims = q.shape[0], k.shape[0], (q.dims[0], k.dims[0])
