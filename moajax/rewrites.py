@@ -758,8 +758,28 @@ def separate_walks(onf: ONF, names) -> ONF:
         stages.append(st)
     if not fresh:
         return onf
+    stages = _gathers_read_inline(stages)
     shown = ", ".join(f"{a.name}→{b.name}" for a, b in fresh.items())
     return onf.replace(program=Program(tuple(stages), onf.program.outputs), note=f"separate_walks({shown})")
+
+
+def _gathers_read_inline(stages: list) -> list:
+    """⟨i′⟩ of a stage X[i] = Σ_j ((j = f(i)) ? ⟨j⟩ψA : 0), a table read hoisted out of a loop
+    (``dnf.selection``: a gather), is that gather at i′: a walk renamed by ``separate_walks``
+    reads X at its own variable (GQA's dK recomputing the row max over s_ with a score_mod
+    reading a table at kv_idx, residuals "none"), and a stage is read only at its own index. A
+    stage that is not a gather stays read there, which ``ONF.validate`` refuses by name."""
+    gathers = {st.name: st for st in stages if isinstance(st, Stage) and D.selection(st.body) is not None}
+    if not gathers:
+        return stages
+
+    def inline(x: D.Expr):
+        g = gathers.get(x.stage) if isinstance(x, D.Ref) else None
+        if g is None or tuple(i.as_var() for i in x.index) == tuple(g.vars):
+            return None
+        return D.substitute(g.body, dict(zip(g.vars, x.index)))
+
+    return [st.map_exprs(lambda e: D.transform(e, inline)) for st in stages]
 
 
 # ----------------------------------------------------------------------------- schedule-only changes

@@ -591,6 +591,48 @@ def _on_profile(monkeypatch, profile):
     return m
 
 
+@pytest.mark.parametrize("profile", ["h200", "delta-a40"])
+def test_a_table_read_hoisted_out_of_a_renamed_walk(monkeypatch, profile):
+    """GQA with residuals "none" and a score_mod reading a relative-position table and a
+    document id at kv_idx: the default plan's dK kernel recomputes each row's max over the
+    keys in a walk of its own (``separate_walks``: s → s_), which read the document id
+    hoisted as a stage over s at s_ — refused by name on the default plan ("stage 'max_s'
+    reads 'sum_c1_0' at ⟨s_⟩", found by a fuzz). The hoisted table read is a gather, read at
+    s_ inline (``rewrites._gathers_read_inline``). Float64 gradients through Pallas-interpret
+    against the reference with the table as a bias and the documents as a mask (q, k, v), and
+    against XLA (the table)."""
+    _on_profile(monkeypatch, profile)
+    r = np.random.default_rng(3)
+    B, T, S, K, G, H = 2, 26, 32, 3, 3, 4
+    q, g = (r.standard_normal((B, T, K * G, H)) for _ in range(2))
+    k, v = (r.standard_normal((B, S, K, H)) for _ in range(2))
+    docs = np.sort(r.integers(0, 4, S))
+    doc, table = jnp.asarray(docs, jnp.int32), jnp.asarray(r.standard_normal(7))
+
+    def loss(impl):
+        def f(q, k, v, table):
+            mod = lambda s, b, h, i, j: jnp.where(doc[i] == doc[j], s + table[jnp.clip(i - j, -3, 3) + 3],  # noqa: E731
+                                                  -jnp.inf)
+            out = moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=True, implementation=impl,
+                                               residuals="none")
+            return jnp.sum(out * g)
+        return f
+
+    try:
+        got = jax.grad(loss("pallas_interpret"), argnums=(0, 1, 2, 3))(q, k, v, table)
+        t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+        bias = np.broadcast_to(np.asarray(table)[np.clip(t - s, -3, 3) + 3], (B, K * G, T, S))
+        keep = np.broadcast_to(docs[:T, None] == docs[None, :], (B, K * G, T, S))
+        want = R.mha_variants(q, k, v, bias=bias, mask=keep, is_causal=True, dout=g)
+        for a, b in zip(got[:3], want[:3]):
+            assert scaled_err(a, b) <= F64
+        assert rel_err(got[3], jax.grad(loss("xla"), argnums=3)(q, k, v, table)) <= F64
+    finally:
+        from moajax import runtime
+
+        runtime.schedules.cache_clear()
+
+
 def _alibi_grads(q, k, v, slopes, impl, onf=None):
     def loss(q, k, v, slopes):
         mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
