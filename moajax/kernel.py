@@ -284,10 +284,12 @@ class Kernel:
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
         residuals = runtime.residual_policy(residuals, onf, self.name)
-        # the profile too: ``machines.using`` changes what a call derives within a process; and
+        # the profiles too: ``machines.using`` changes what a call derives within a process, and
+        # so does a GPU profile set in place of this process's (``runtime.gpu_machine``; before
+        # it was keyed, a second profile in one process ran the first one's GPU ONFs); and
         # jax.default_matmul_precision, which a GPU's float32 dots follow (``schedule.derive``)
         key = (self._key(specs, options), onf, implementation, residuals, repr(machines.local()),
-               compat.matmul_precision_config())
+               repr(runtime.gpu_machine()), compat.matmul_precision_config())
         hit = self._compiled.get(key)
         if hit is not None:
             return hit
