@@ -80,15 +80,17 @@ def schedules(dnf, onf_key=None, path: str = "pallas") -> tuple:
     spill check asks.
     Where no fused ONF fits a multi-output DNF, that side is a tuple of ONFs: the owner plan's
     kernels, else one per output (``schedule.derive_plan``)."""
-    return _schedules(dnf, onf_key, path, repr(machines.local()), compat.default_dot_precision())
+    return _schedules(dnf, onf_key, path, repr(machines.local()), repr(gpu_machine(path)),
+                      compat.default_dot_precision())
 
 
 @functools.lru_cache(maxsize=512)
-def _schedules(dnf, onf_key, path: str, local: str, precision: str) -> tuple:
+def _schedules(dnf, onf_key, path: str, local: str, gpu: str, precision: str) -> tuple:
     # keyed by this machine's profile too (``local``: its repr; a profile holds dicts), which
-    # ``machines.using`` changes within a process, and by jax.default_matmul_precision, which
-    # a GPU's float32 dots follow (``schedule.derive``)
-    del local
+    # ``machines.using`` changes within a process, by the GPU profile (``gpu``: a profile set
+    # in place of this process's GPU, as tests and offline reports set it), and by
+    # jax.default_matmul_precision, which a GPU's float32 dots follow (``schedule.derive``)
+    del local, gpu
     if isinstance(onf_key, ONF):
         same = (len(onf_key.dnf.outputs) == len(dnf.outputs)
                 and all(a.body is b.body for a, b in zip(onf_key.dnf.outputs, dnf.outputs))

@@ -309,3 +309,33 @@ def test_a_profiles_own_tilings_are_read_and_checked():
                 {"scatter 2 64": [[64, 64, 4, 0]]}):
         with pytest.raises(ValueError, match="'h200'.*gpu_tiles"):
             dataclasses.replace(h200, gpu_tiles=bad)
+
+
+def test_a_gpu_profile_set_in_process_runs_its_own_onf(monkeypatch):
+    """A GPU profile set in place of this process's (``runtime.gpu_machine``, as tests and the
+    offline reports set it) derives and runs that profile's ONF, with no cache to clear: the
+    derived schedules and the kernel's compiled functions are keyed by it. Before, a second
+    profile in one process reused the first one's (bfloat16, H = 128: the H200 tiles the
+    queries by 128, the A40 by 64), so a test looping over profiles tested the first only."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    import moajax
+    from moajax import runtime
+    from moajax.kernels.attention import mha_kernel
+
+    spec = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    kern = mha_kernel(None, None, False)
+    seen = {}
+    for name in ("h200", "delta-a40", "h200"):
+        m = machines.load(name)
+        monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas", m=m: m)
+        onf = kern.onf(spec, spec, spec, implementation="pallas_interpret")
+        text = str(jax.make_jaxpr(lambda *a: moajax.dot_product_attention(*a, implementation="pallas_interpret"))(
+            spec, spec, spec))
+        seen.setdefault(name, []).append((onf.axis("t").tile, re.findall(r"grid=\([^)]*\)", text)))
+    assert seen["h200"][0] == seen["h200"][1]
+    assert seen["h200"][0][0] == 128 and seen["delta-a40"][0][0] == 64
+    assert seen["h200"][0][1] != seen["delta-a40"][0][1]
