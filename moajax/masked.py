@@ -24,6 +24,7 @@ in float32 and 745 in float64: true of any score above −2.4·10³⁸ + 745.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -357,8 +358,12 @@ def _extreme(aff: Affine, box, read_value, xp, upper: bool):
             lo, hi = box[t]
             total = total + c * (hi if (c > 0) == upper else lo)
         else:
+            # its values, or pieces of them (a tuple: windows that together cover them)
             vals = read_value(t)
-            total = total + (c * (xp.max(vals) if (c > 0) == upper else xp.min(vals)))
+            high = (c > 0) == upper
+            ext = functools.reduce(xp.maximum if high else xp.minimum,
+                                   [(xp.max if high else xp.min)(p) for p in (vals if isinstance(vals, tuple) else (vals,))])
+            total = total + c * ext
     return total
 
 

@@ -633,6 +633,45 @@ def test_a_table_read_hoisted_out_of_a_renamed_walk(monkeypatch, profile):
         runtime.schedules.cache_clear()
 
 
+@pytest.mark.parametrize("B", [2, 3])
+def test_a_table_gradient_with_sequence_lengths(monkeypatch, B):
+    """A relative-position table's gradient with query (and key) lengths, causal, under the A40
+    profile: its kernel walks t inside a sum over the batch, so the span of the t walk (the
+    tiles the lengths and causal leave) was read at a batch index that no loop bound there —
+    refused on the default plan ("query_seq_lengths: index b varies inside a tile"; found by a
+    fuzz). The span now holds every batch element's tiles (``skipping._read``). Float64
+    gradients through Pallas-interpret against the reference with the table as a bias (q, k,
+    v), and against XLA (the table)."""
+    _on_profile(monkeypatch, "delta-a40")
+    r = np.random.default_rng(5)
+    T, S, N, H = 34, 38, 2, 4
+    q, g = (r.standard_normal((B, T, N, H)) for _ in range(2))
+    k, v = (r.standard_normal((B, S, N, H)) for _ in range(2))
+    table = jnp.asarray(r.standard_normal(7))
+    lengths = dict(query_seq_lengths=np.array([23, 34, 5][:B], np.int32),
+                   key_value_seq_lengths=np.array([38, 20, 31][:B], np.int32))
+
+    def loss(impl):
+        def f(q, k, v, table):
+            mod = lambda s, b, h, i, j: s + table[jnp.clip(i - j, -3, 3) + 3]  # noqa: E731
+            return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=True, implementation=impl,
+                                                        **lengths) * g)
+        return f
+
+    try:
+        got = jax.grad(loss("pallas_interpret"), argnums=(0, 1, 2, 3))(q, k, v, table)
+        t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+        bias = np.broadcast_to(np.asarray(table)[np.clip(t - s, -3, 3) + 3], (B, N, T, S))
+        want = R.mha_variants(q, k, v, bias=bias, is_causal=True, dout=g, **lengths)
+        for a, b in zip(got[:3], want[:3]):
+            assert scaled_err(a, b) <= F64
+        assert rel_err(got[3], jax.grad(loss("xla"), argnums=3)(q, k, v, table)) <= F64
+    finally:
+        from moajax import runtime
+
+        runtime.schedules.cache_clear()
+
+
 def _alibi_grads(q, k, v, slopes, impl, onf=None):
     def loss(q, k, v, slopes):
         mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731

@@ -239,3 +239,29 @@ def test_minus_infinity_masks_lower_for_cuda(monkeypatch):
         assert any("adjoint_saved" in n and "d_query" in n for n in names), names
     finally:
         runtime.schedules.cache_clear()
+
+
+def test_a_table_gradient_with_lengths_over_three_batch_elements_lowers_for_cuda(monkeypatch):
+    """jit(grad) of causal attention with a relative-position table and query lengths, B = 3,
+    float64, under the A40 profile: the table gradient's kernel walks t inside its sum over the
+    batch, and the span of that walk reads every batch element's length — in two windows of
+    2 ([0, 2) and [1, 3): Triton's blocks are powers of two; one window of 3 raised "requires
+    that all operations have array arguments and results whose size is a power of 2")."""
+    import dataclasses
+
+    from moajax import runtime
+
+    m = dataclasses.replace(machines.load("delta-a40"), spill_check=False)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": m)
+    S = jax.ShapeDtypeStruct
+    with compat.enable_x64_context(True):
+        f64 = jnp.dtype("float64")
+        args = (S((3, 34, 2, 4), f64), S((3, 38, 2, 4), f64), S((3, 38, 2, 4), f64), S((7,), f64),
+                S((3,), jnp.int32))
+
+        def loss(q, k, v, table, ql):
+            mod = lambda s, b, h, i, j: s + table[jnp.clip(i - j, -3, 3) + 3]  # noqa: E731
+            return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=True, query_seq_lengths=ql))
+
+        names = [k.name for k in triton_kernels(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)]
+    assert any(n.endswith("d_score_mod_const0") for n in names), names

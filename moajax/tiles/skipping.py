@@ -49,7 +49,23 @@ def _box(ev, vars_, loop: Var, padded: bool = False) -> dict:
 
 
 def _read(ev):
-    return lambda r: ev.eval(r).data  # a length of this program's batch element(s)
+    """A runtime scalar's values over this program's rows (a length of its batch elements).
+    Where the length's index is not bound here — a walk nested in a sum over the batch (a
+    score_mod table's gradient, Σ_b Σ_t Σ_s, with query lengths), whose span the loop over b
+    does not enclose — over every batch element: ``masked._extreme`` takes their max or min,
+    a span that holds every element's tiles. Read in windows of a power of two (Triton's
+    block sizes): [0, P) and [n − P, n), P the largest power of two ≤ n, which cover 0 … n − 1
+    (the pieces, a tuple, for ``masked._extreme``)."""
+    def read(r):
+        free = sorted((v for v in D.mentioned_vars(r) if v not in ev.ranges), key=lambda v: v.name)
+        if not free:
+            return ev.eval(r).data
+        windows = [{}]
+        for v in free:
+            p = 1 << (v.extent.bit_length() - 1)
+            windows = [{**w, v: Range(a, p, v.extent)} for w in windows for a in sorted({0, v.extent - p})]
+        return tuple(ev.child(w).eval(r).data for w in windows)
+    return read
 
 
 class _Folding:
