@@ -340,6 +340,38 @@ def test_minus_infinity_from_a_score_mod_masks_like_mask(impl, causal):
         assert rel_err(f(q, k, v, return_residual=True)[1], want_lse) <= F64
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("variant", ["causal", "window", "plain"])
+def test_minus_infinity_in_a_bias(impl, variant):
+    """A −∞ bias is held at half jax.nn's fill: where a row keeps a key with a finite bias it is
+    jax.nn's −∞ (its weight is 0), and a row whose every kept key has −∞ (here row 0, and all
+    of batch element 0's head 1) averages V over its kept keys — in tiles of 2, however the
+    walks skip masked tiles. Before, such a row took its weights from the masked keys of the
+    tiles walked (Pallas: 0.10 off XLA under causal), and its gradients were NaN under the
+    default plan on a GPU profile (a fuzz). Float64 against the reference with the bias so
+    held; dBias is 0 at the −∞ entries."""
+    from moajax.kernels.common import large_negative
+
+    q, k, v, g = _qkv(2, 15)
+    r = np.random.default_rng(16)
+    bias = r.standard_normal((B, N, T, S))
+    bias[r.random((B, N, T, S)) < 0.3] = -np.inf
+    bias[:, :, 0] = -np.inf
+    bias[0, 1] = -np.inf
+    held = np.where(np.isneginf(bias), large_negative(np.float64) / 2, bias)
+    kw = dict(causal=dict(is_causal=True), window=dict(local_window_size=(2, 1)), plain={})[variant]
+
+    def f(q, k, v, bias):
+        return moajax.dot_product_attention(q, k, v, bias, implementation=impl, onf=TILES, **kw)
+
+    assert rel_err(f(q, k, v, bias), R.mha_variants(q, k, v, bias=held, **kw)) <= F64
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) * g), (0, 1, 2, 3))(q, k, v, bias)
+    want = R.mha_variants(q, k, v, bias=held, dout=g, **kw)
+    for a, b in zip(grads[:3], want[:3]):
+        assert _close(a, b, F64)
+    assert _close(grads[3], np.where(np.isneginf(bias), 0.0, want[3]), F64)
+
+
 @settings(max_examples=300, deadline=None)
 @given(shape=st.sampled_from([(1, 4, 6, 2, 1), (2, 5, 5, 2, 2)]),  # (B, T, S, N, K)
        density=st.sampled_from([0.0, 0.3, 0.8]), causal=st.booleans(), form=st.sampled_from(["kept", "chosen", "added"]),

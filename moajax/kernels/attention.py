@@ -62,13 +62,21 @@ def attention_scores(q, k, *, scale: float, is_causal: bool, bias=None, bias_axe
     dtype); masked (set to jax.nn's large negative): a bool ``mask``, causal, a local
     ``window`` (left, right), the lengths (scalars); ``score_mod`` (``scored``) with this
     cell's batch and head indices. A score_mod's −∞ is that large negative (it masks like
-    ``mask``; where its code can give ±∞); a bias' is jax.nn's −∞."""
+    ``mask``; where its code can give ±∞); a bias' is half of it (the key stays kept)."""
     score = moa.name("score", (q @ moa.transpose(k)) * scale)
+    big = large_negative(score.dtype)
     if bias is not None:
+        # a −∞ bias is held at half the fill: a row whose every kept key has one then averages
+        # V over its kept keys (equal scores), however the walks skip masked tiles — which
+        # leave out the fill only where a kept key scores above it (``masked``). As −∞, such a
+        # row took its weights from the masked keys of the tiles walked (jax.nn's: from all
+        # its masked keys, NaN where there are none), and its gradients were NaN on a GPU.
+        # Not the fill itself (then the row would need every key, skipped ones too); a select
+        # on −∞ alone, whose cotangent (dBias is 0 there) reads the bias it adds anyway
+        bias = moa.where(moa.ne(bias, -np.inf), bias, big / 2)
         score = _with_cell(score, bias, bias_axes, moa.add)
     if score_mod is not None:
         score = scored(score, score_mod, batch, head)
-    big = large_negative(score.dtype)
     if score_mod is not None and score_mod[0].infinite:
         # a −∞ from the score_mod (a mask written FlexAttention's way) is jax.nn's masked
         # logit, as from ``mask``: a row with no finite score averages V with finite gradients,
