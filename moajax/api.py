@@ -187,7 +187,7 @@ def _backward_plan(onf, with_bias: bool, consts=()):
     implementation refused; an int table has no gradient, and naming one was refused too)."""
     import dataclasses
 
-    import jax.numpy as jnp
+    from moajax.adjoint import differentiable
 
     if not isinstance(onf, Preset) or onf.backward is None or isinstance(onf.backward, tuple):
         return onf
@@ -196,7 +196,7 @@ def _backward_plan(onf, with_bias: bool, consts=()):
 
         first = ("d_query", "d_key") + (("d_bias",) if with_bias else ()) + tuple(
             f"d_{n}" for n, c in zip(score_mod_const_names(len(consts)), consts)
-            if jnp.issubdtype(c.dtype, jnp.inexact))
+            if differentiable(c.dtype))  # the adjoint's own rule for which inputs get a gradient
         return dataclasses.replace(onf, backward=(first, ("d_value",)))
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 

@@ -97,9 +97,10 @@ def may_be_infinite(closed) -> bool:
     constant whose values are unknown while tracing (a jit argument closed over) counts as
     finite, as the kernel's other arrays do; overflow (exp of a large score) is not looked for."""
     import jax
+    import jax.numpy as jnp
 
-    def floating(aval) -> bool:
-        return np.dtype(aval.dtype).kind in "fc" or np.dtype(aval.dtype).name == "bfloat16"
+    def floating(x) -> bool:
+        return jnp.issubdtype(x.dtype, jnp.inexact)
 
     def walk(jaxpr) -> bool:
         for eqn in jaxpr.eqns:
@@ -116,11 +117,9 @@ def may_be_infinite(closed) -> bool:
                     return True
         return False
 
-    for c in closed.consts:
-        if isinstance(c, jax.core.Tracer) or np.dtype(c.dtype).kind not in "fc" and np.dtype(c.dtype).name != "bfloat16":
-            continue
-        if not np.all(np.isfinite(np.asarray(c, np.float64))):
-            return True
+    if any(floating(c) and not isinstance(c, jax.core.Tracer) and not np.all(np.isfinite(np.asarray(c, np.float64)))
+           for c in closed.consts):
+        return True
     return walk(closed.jaxpr)
 
 
