@@ -1079,11 +1079,9 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         # MLP's staged U, V, G_H), else one kernel per output
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) > 1:
-            for make in (staged_parts, split_outputs):
-                try:
-                    return tuple(derive(d, machine, preset) for d in make(dnf, groups))
-                except ONFError:
-                    continue
+            plan = _owner_plan(dnf, groups, machine, probe, preset)
+            if plan is not None:
+                return plan
         return tuple(derive(d, machine, preset) for d in split_outputs(dnf))
     scattered = [st for st in onf.program.stages if onf.scatter_var(st) is not None]
     if scattered:
@@ -1108,16 +1106,68 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) == 1:
             return derive(dnf, machine, preset)
-        for parts in (staged_parts(dnf, groups), split_outputs(dnf, groups)):
-            try:  # (a shared first kernel that does not fit: each recomputes instead)
-                plan = tuple(derive(d, machine, preset) for d in parts)
-            except ONFError:
-                continue
+        plan = _owner_plan(dnf, groups, machine, probe, preset)
+        if plan is not None:
             if (not machine.is_gpu and len(scattered) == 1 and onf.rows_walked_once(onf.scatter_var(scattered[0]))
                     and plan_work((onf,)) < plan_work(plan)):
                 return onf
             return plan
     return derive(dnf, machine, preset)
+
+
+def _owner_plan(dnf: D.DNF, groups, machine: Machine, probe: Machine, preset: Preset | None):
+    """The kernels of the owner plan: a first kernel staging the values the groups share in
+    memory, which they read (``staged_parts``), or the groups each recomputing them
+    (``split_outputs``). On a GPU, the one the cost model times faster (probed unchecked, as
+    the fused candidate: the spill check steps tilings down, not the plan's structure): the
+    MLP's U, V, G_H at d = 1024, 2·d flops an element against its 4-byte write and reads, are
+    staged; attention's scores beside a [t s] mask or bias, 2·h flops an element that tensor
+    cores recompute faster than memory moves them, are not (the H200, causal, T = S = 4096,
+    N = 4, float32: 0.13 ms against 0.37 with a mask, 0.19 against 0.53 with a bias; staged,
+    as they were until 2026-12-05, they took two [t n s] arrays of memory, 1 GiB at N = 8),
+    nor are seed-size norms' and MLPs' (n = 1024, d = 64: one launch fewer). Registers are
+    checked, not modelled: where the spill check leaves the faster plan's kernels spilling
+    more than the other's, the other is taken (the seed-size SwiGLU's dZ recomputing U, V and
+    G_H spills 2,112 B at the A100 table's first tiling with IEEE float32 dots, which the
+    check steps past to a clean one; no kernel of the GPU reports needs the fallback). On a CPU the staged plan where it fits: its choice against the fused kernel is
+    ``plan_work``'s, which ``bench/results/backward_plans_cpu.md`` measured. None: neither
+    fits."""
+    from moajax.cost import sequence
+
+    found = []
+    for parts in (staged_parts(dnf, groups), split_outputs(dnf, groups)):
+        if found and len(parts) == len(found[0][1]):
+            continue  # nothing staged: the same kernels
+        try:  # (a shared first kernel that does not fit: each recomputes instead)
+            found.append((tuple(derive(d, probe, preset) for d in parts), parts))
+        except ONFError:
+            continue
+        if not machine.is_gpu:
+            break
+    if not found:
+        return None
+    # a tie keeps the staged plan, the one listed first
+    order = sorted(range(len(found)), key=lambda k: sequence(estimate(o, machine) for o in found[k][0]).time_s)
+    plan = tuple(derive(d, machine, preset) for d in found[order[0]][1])
+    if len(order) > 1 and machine.spill_check:
+        spilled = _plan_spills(plan, machine)
+        if spilled:
+            other = tuple(derive(d, machine, preset) for d in found[order[1]][1])
+            spilled_other = _plan_spills(other, machine)
+            if spilled_other is not None and spilled_other < spilled:
+                return other
+    return plan
+
+
+def _plan_spills(plan, machine: Machine) -> int | None:
+    """Spill bytes over a plan's kernels through the path they run (what the spill check
+    compiled: memoised), or None where the toolchain cannot say."""
+    from moajax import ptx
+
+    try:
+        return sum(ptx.spill_bytes(o, machine.arch, machine.gpu_path) for o in plan)
+    except Exception:  # noqa: BLE001 - the spill check warned already; the model's choice stands
+        return None
 
 
 def plan_work(onfs) -> int:

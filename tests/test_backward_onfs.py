@@ -6,9 +6,12 @@ Pallas-interpret; the cost model counts their atomics and ptxas their atom instr
 
 Tolerance: float64 rel ≤ 1e-12 (the loops and the reference sum ≤ 64 terms in other orders)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 import moajax
@@ -301,6 +304,36 @@ def test_few_keys_against_many_queries_take_the_fused_one_walk_not_staged_scores
     assert [o.shape for o in staged[0].outputs] == [(4096, 8, 256)] * 2 and len(staged) == 3
     text = str(jax.make_jaxpr(lower_xla.lower(plan))(*[jax.ShapeDtypeStruct(i.shape, i.dtype) for i in dnf.inputs]))
     assert text.count("dot_general") == 6 and text.count(" exp ") == 1
+
+
+@pytest.mark.parametrize("profile", ["h200", "delta-a100", "delta-a40"])
+def test_a_gpu_never_stages_attention_scores_beside_a_mask_or_bias(profile):
+    # a [t s] mask or bias put the staged owner plan within its size budget (a multiple of the
+    # largest interface array), so a GPU's gradient wrote QKᵀ and dO Vᵀ as [t n s] arrays to
+    # memory (1 GiB at T = S = 4096, N = 8, float32) and read them back in two kernels. The
+    # cost model times that plan 2.8× (mask) and 2.8× (bias) the plan that recomputes them on
+    # the H200, and now chooses (``schedule._owner_plan``); the MLP's U, V, G_H at d = 1024,
+    # 2·d flops an element, stay staged
+    T, N = 4096, 4
+    m = machines.load(profile)
+    for kern, extra in [(mha_kernel(None, "t s", False), jax.ShapeDtypeStruct((T, T), np.bool_)),
+                        (mha_kernel(None, "b n t s", False), jax.ShapeDtypeStruct((1, N, T, T), np.bool_)),
+                        (mha_kernel("b n t s", None, False), jax.ShapeDtypeStruct((1, N, T, T), np.float32))]:
+        x = jax.ShapeDtypeStruct((1, T, N, 64), np.float32)
+        adj, args = kern.saved_adjoint(x, x, x, extra, is_causal=True)
+        dnf = adj.dnf(*args, is_causal=True)
+        plan = schedule.derive_plan(dnf, dataclasses.replace(m, spill_check=False))
+        assert isinstance(plan, tuple) and len(plan) == 2, [o.dnf.name for o in plan]
+        assert all(o.dnf.inputs == dnf.inputs for o in plan)  # nothing staged in memory
+        staged = schedule.staged_parts(dnf, schedule.plan_groups(dnf, "owner", m))
+        assert [o.shape for o in staged[0].outputs] == [(T, N, T)] * 2  # what it was
+    from moajax.kernels.mlp import swiglu
+
+    S = lambda *s: jax.ShapeDtypeStruct(s, np.float32)  # noqa: E731
+    specs = [S(4096, 1024), S(1024, 4096), S(1024, 4096), S(4096, 1024)]
+    dnf = swiglu.adjoint(*specs).dnf(*specs, S(4096, 1024))
+    plan = schedule.derive_plan(dnf, dataclasses.replace(m, spill_check=False))
+    assert plan[0].dnf.name.endswith("_shared") and len(plan) == 4
 
 
 @pytest.mark.parametrize("causal", [False, True])

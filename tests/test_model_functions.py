@@ -142,7 +142,8 @@ def test_weight_gradients_run_without_atomics_on_every_gpu():
             # RMS, 134 KB for 99 KB of shared memory at d = 1024, and the plan fell back to dw
             # scatter-added; the RMS, which dx and dw both need, is now computed once, first)
             assert atomics == 0 and not any(o.accumulate for o in plan), (m.name, kern.name)
-            if kern is rmsnorm:
+            if kern is rmsnorm and m.name == "delta-a40":  # (the A100 and H200 recompute the
+                # RMS in both kernels, which the cost model times faster: a launch fewer)
                 assert plan[0].dnf.name.endswith("_shared"), (m.name, [o.dnf.name for o in plan])
 
 

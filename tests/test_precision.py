@@ -219,12 +219,14 @@ def test_xla_on_a_gpu_follows_the_matmul_precision_too(monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["swiglu", "rmsnorm"])
 def test_a_16_bit_calls_float32_kernels_take_the_config_too(kernel):
-    """A bfloat16 call's adjoint stages float32 intermediates (SwiGLU's dhidden, gate and up;
-    RMSNorm's row sums) in a kernel of their own: its outputs are float32, so its dots follow
-    the config (TF32 under JAX's default), as a float32 call's. They contract only the call's
-    bfloat16 inputs, which TF32 holds exactly (10 mantissa bits to bfloat16's 7), accumulated in
-    float32 either way: nothing is lost to IEEE. The kernels with 16-bit outputs keep the knob's
-    default (their dots are 16-bit: ``Knobs.lowp_dots``)."""
+    """A bfloat16 call's adjoint staging float32 intermediates (SwiGLU's dhidden, gate and up;
+    RMSNorm's row sums) in a kernel of their own (the owner plan's ``staged_parts``; at this
+    size the A100's default recomputes them instead, which the cost model times faster): its
+    outputs are float32, so its dots follow the config (TF32 under JAX's default), as a float32
+    call's. They contract only the call's bfloat16 inputs, which TF32 holds exactly (10 mantissa
+    bits to bfloat16's 7), accumulated in float32 either way: nothing is lost to IEEE. The
+    kernels with 16-bit outputs keep the knob's default (their dots are 16-bit:
+    ``Knobs.lowp_dots``)."""
     from moajax.kernels.mlp import swiglu
     from moajax.kernels.norm import rmsnorm
 
@@ -235,7 +237,7 @@ def test_a_16_bit_calls_float32_kernels_take_the_config_too(kernel):
     a100 = machines.load("delta-a100")
     for config, want in ((None, "tensorfloat32"), ("highest", "highest")):
         with _under(config):
-            plan = schedule.derive_plan(dnf, a100)
+            plan = [schedule.derive(d, a100) for d in schedule.staged_parts(dnf, schedule.plan_groups(dnf, "owner", a100))]
         f32 = [o for o in plan if all(x.dtype == np.float32 for x in o.dnf.outputs)]
         assert [o.dnf.name for o in f32] == [f"{kernel}_adjoint_shared"], [o.dnf.name for o in plan]
         assert f32[0].knobs.dot_precision == want
