@@ -18,7 +18,11 @@ that needs this is marked *kept*, and the skip carries a ``Guard`` — ∀ rows 
 masking condition of the row holds — that each program checks from the same affine
 conditions; where it fails, every tile is walked, and the fully masked row gets jax.nn's
 result. (It takes every score a kept key has to exceed m₀ by more than exp's range, ≈ 104
-in float32 and 745 in float64: true of any score above −2.4·10³⁸ + 745.)
+in float32 and 745 in float64: true of any score above −2.4·10³⁸ + 745.) A mask on data (a
+bool mask, a score_mod's −∞) has no affine guard; there the rows' statistics are the guard
+(``RowGuard``): a row that keeps no key has statistic m₀, one that keeps a key one above
+m₀/2 — the online pass checks its running max after walking the bounded tiles and walks
+every tile where a row fails; a Σ through exp(m₀ − X) reads its rows' X before its walk.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 
 from moajax import dnf as D
 from moajax.ix import Var
-from moajax.onf import ONF, Affine, Guard, OnlineStage, Skip, Stage
+from moajax.onf import ONF, Affine, Guard, OnlineStage, RowGuard, Skip, Stage
 
 _CMP = {"lt": (1, -1, -1), "le": (1, -1, 0), "gt": (-1, 1, -1), "ge": (-1, 1, 0)}  # y·a + x·b + k ≥ 0
 COMPARISONS = tuple(_CMP)
@@ -181,10 +185,9 @@ class _Under:
         return None
 
 
-def _masking_atoms(exprs) -> list | None:
-    """The conditions that mask a score to the fill: every conjunct of a ``c ? x : m₀``; None
-    when one is not an affine comparison (a data mask: no closed-form guard)."""
-    out: list = []
+def _selects(exprs):
+    """(c ? x : y, the value of the literal y, the mask fill m₀ of its dtype) for each select
+    of these expressions whose y is a float literal."""
     for e in exprs:
         for x in D.walk(e):
             if isinstance(x, D.Call) and x.op == "where":
@@ -192,14 +195,22 @@ def _masking_atoms(exprs) -> list | None:
                 while isinstance(y, (D.Tag, D.Convert)):
                     y = y.children[0]
                 fill = _fill_of(y.dtype) if isinstance(y, D.Lit) else None
-                # the mask fill, or −∞: a key past the end of a split part (``split_k``)
-                if fill is None or float(y.value) not in (fill, float("-inf")):
-                    continue
-                for a in conjuncts(x.children[0]):
-                    if comparison(a) is None:
-                        return None
-                    if a not in out:
-                        out.append(a)
+                if fill is not None:
+                    yield x, float(y.value), fill
+
+
+def _masking_atoms(exprs) -> list | None:
+    """The conditions that mask a score to the fill: every conjunct of a ``c ? x : m₀``; None
+    when one is not an affine comparison (a data mask: no closed-form guard)."""
+    out: list = []
+    for x, value, fill in _selects(exprs):
+        # the mask fill, or −∞: a key past the end of a split part (``split_k``)
+        if value in (fill, float("-inf")):
+            for a in conjuncts(x.children[0]):
+                if comparison(a) is None:
+                    return None
+                if a not in out:
+                    out.append(a)
     return out
 
 
@@ -230,7 +241,7 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
                 aff = comparison(a)
                 if aff is not None and abs(aff.coeff(w)) == 1 and a not in [c for c, _ in cands]:
                     cands.append((a, aff))
-    bounds, kept, shifts = [], [], []
+    bounds, kept, shifts, stats = [], [], [], []
     for a, aff in cands:
         if aff in bounds:
             continue
@@ -244,6 +255,7 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
         if monoid == "max":
             shifts.append(set(of.free) if isinstance(of, D.Red) else set(st.max_vars))
         shifts += [set(x.free) for x in xs]  # the row variables of each statistic X
+        stats += [x for x in sorted(xs, key=D.show) if x not in stats]
     if not bounds:
         return None
     # a row variable that a later stage reduces this one's results over is no row of the
@@ -256,11 +268,43 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
         combined = set()
     shifts = [rows - combined for rows in shifts]
     guard = _guard(exprs, body, shifts) if any(kept) else None
-    if guard is None and any(kept):  # no closed-form guard: keep the exact bounds only
+    if guard is None and any(kept):  # no closed-form guard: the rows' statistics decide
+        guard = _row_guard(st, red, monoid, body, stats)
+    if guard is None and any(kept):  # nor that: keep the exact bounds only
         bounds, kept = [b for b, k in zip(bounds, kept) if not k], [False] * sum(not k for k in kept)
         if not bounds:
             return None
     return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of)
+
+
+def _fill(exprs) -> float | None:
+    """The mask fill m₀ the selects of these expressions put in a masked score, or None."""
+    return next((fill for _, value, fill in _selects(exprs) if value == fill), None)
+
+
+def _row_guard(st, red, monoid: str, body: D.Expr, stats: list) -> RowGuard | None:
+    """The guard of a mask on data (a bool mask, a score_mod's −∞): each row's statistic says
+    whether it keeps a key (``RowGuard``). An online pass checks its own running max after
+    its walk; a Σ through exp(m₀ − X) reads each X at its rows before it. The rows a row
+    condition zeroes whatever the skip (past a query length: their cotangent is 0) are exempt,
+    as in ``_guard``. None: no fill m₀ in the body, or no statistic to read."""
+    fill = _fill([body])
+    if fill is None:
+        return None
+    if isinstance(st, OnlineStage) and red is None:
+        return RowGuard((), fill)
+    if monoid != "add" or not stats:
+        return None
+    rows = set().union(*(x.free for x in stats))
+    exempt = []
+    for x in D.walk(body):
+        if isinstance(x, D.Call) and x.op == "where":
+            for a in conjuncts(x.children[0]):
+                aff = comparison(a)
+                if (aff is not None and a not in exempt and aff.vars() <= rows
+                        and _Under(a)(body) == (ZERO, frozenset())):
+                    exempt.append(a)
+    return RowGuard(tuple(stats), fill, tuple(exempt))
 
 
 def _combined_over(onf: ONF, st) -> set:
@@ -506,7 +550,10 @@ def visited_fraction(onf: ONF, skip: Skip) -> float:
     if not keep:
         return 1.0
     guard = skip.guard
-    if guard is not None:
+    if isinstance(guard, RowGuard):  # the model takes rows as keeping keys (the statistics are data)
+        guard = None
+        keep = [(b, False) for b, _ in keep]
+    elif guard is not None:
         guard = Guard(guard.var, tuple(c for c in guard.conds if static(c)), tuple(c for c in guard.exempt if static(c)))
     sk = Skip(skip.stage, w, tuple(b for b, _ in keep), tuple(k for _, k in keep), guard, skip.of)
     vars_ = {t for b in sk.bounds for t, _ in b.terms if isinstance(t, Var)}

@@ -344,6 +344,32 @@ class Guard:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowGuard:
+    """∀ rows: X > m₀/2 for each statistic X — each row keeps a key, read from the statistics
+    its softmax computed (the row max or log-sum-exp; m₀ the mask fill ``fill``): the guard of a
+    mask on data (a bool ``mask``, a score_mod's −∞), which no affine condition decides. A row
+    with no key kept has X = m₀ (its every score is m₀); where X > m₀/2, exp(m₀ − X) = 0 exactly;
+    a row that keeps a key whose every score lies below m₀/2 fails the check, and walks every
+    tile — never a wrong answer. ``stats`` empty: the online pass's own running max, checked
+    after its walk of the bounded tiles; a row still at m₀ there makes the program walk the
+    rest too (the softmax monoid adds tiles in any order). ``exempt``: comparisons whose failure
+    makes a row's every term 0, skip or not (rows past a query length): those rows pass."""
+
+    stats: tuple  # D.Expr, each read at rows
+    fill: float
+    exempt: tuple = ()  # D.Expr, comparisons over rows
+
+    @property
+    def threshold(self) -> float:
+        return self.fill / 2
+
+    def text(self) -> str:
+        xs = ", ".join(D.show(x) for x in self.stats) if self.stats else "the running max, after the walk"
+        out = f"every row keeps a key: {xs} > m₀/2"
+        return out + (f" (exempt rows: ¬({' ∧ '.join(D.show(c) for c in self.exempt)}))" if self.exempt else "")
+
+
+@dataclasses.dataclass(frozen=True)
 class Skip:
     """The tiles of the walked variable ``var`` that a reduction ``of`` in stage ``stage`` (its
     top one, one nested in it, or an online pass's logit) leaves out: outside every
@@ -351,8 +377,9 @@ class Skip:
     walks only the tiles between the least lower and the greatest upper bound over its rows.
     A bound marked in ``kept`` is exact only for rows that keep a key (exp(m₀ − max) = 0 for
     the mask fill m₀); it is used where ``guard`` holds for the program's rows, else every tile
-    is walked. ``of`` is the expression the skip was derived for (the stage's reduction or
-    online logit): a rewrite that changes it invalidates the skip (``ONF.validate``).
+    is walked (a ``RowGuard``, over a mask on data: the rows' statistics decide). ``of`` is
+    the expression the skip was derived for (the stage's reduction or online logit): a
+    rewrite that changes it invalidates the skip (``ONF.validate``).
     ``interior`` (``rewrites.unmask_interior``): the tiles where every bound holds over the
     whole tile and all the program's rows are walked in a loop of their own that takes the
     bounds as true — c ? x : y is x there, no comparison and no select per element; only the
@@ -362,7 +389,7 @@ class Skip:
     var: Var
     bounds: tuple  # Affine
     kept: tuple  # bool per bound
-    guard: Guard | None
+    guard: Guard | RowGuard | None
     of: D.Expr
     interior: bool = False
 
@@ -758,6 +785,10 @@ class ONF:
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} has a bound that does not bound {sk.var.name}")
             if any(sk.kept) and sk.guard is None:
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} relies on kept keys but has no guard")
+            if isinstance(sk.guard, RowGuard) and not sk.guard.stats and not (isinstance(st, OnlineStage)
+                                                                              and st.logit is sk.of):
+                raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} checks a running max after its walk, "
+                               "which only an online pass carries")
 
     def _validate_program(self):
         self._validate_accumulate()

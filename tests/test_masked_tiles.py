@@ -1,8 +1,8 @@
 """Masked tiles are skipped, not computed and masked (``rewrites.skip_masked``, ``moajax.masked``).
 
 What is checked: the bounds the analysis finds in attention's masks (causal, local window,
-lengths) and where it must find none (a data mask gives no guard); that skipping changes no
-bit of any output or gradient (the online softmax and the Σ over skipped tiles add exact
+lengths), and the guard a mask on data gets (the rows' statistics, ``RowGuard``); that
+skipping changes no bit of any output or gradient (the online softmax and the Σ over skipped tiles add exact
 identities), on XLA and on Pallas-interpret, including fully masked rows (the guard walks
 every tile there: jax.nn's uniform average); that skipped tiles are never read (NaN planted in
 them does not reach the result; without the skip it does — the test can fail); the tile spans
@@ -28,8 +28,9 @@ import pytest
 import moajax
 import references as R
 from moajax import cost, machines, masked, runtime, schedule
+from moajax import dnf as D
 from moajax.kernels.attention import mha_kernel
-from moajax.onf import ONFError, OnlineStage
+from moajax.onf import ONFError, OnlineStage, RowGuard
 from moajax.schedule import Preset
 
 SDS = jax.ShapeDtypeStruct
@@ -75,13 +76,30 @@ def test_the_backward_skips_exactly_where_the_adjoint_masks_with_zero():
     assert any("query_seq_lengths" in c.text() for sk in dv for c in sk.guard.exempt)
 
 
-def test_a_data_mask_gives_no_kept_skip():
-    # a bool mask can mask a whole row: no closed-form guard, so the forward walks every tile
+def test_a_data_mask_gives_a_guard_on_the_rows_statistics():
+    # a bool mask can mask a whole row: no closed-form guard. The rows' statistics decide
+    # (``RowGuard``): the forward's own running max after its walk, the backward's saved max
+    # read before it — where there was no kept bound at all (the forward walked every tile)
     _, _, d = _dnf(mask=True, is_causal=True)
-    onf = schedule.derive(d, machines.load("h200"))
-    assert all(not any(sk.kept) for sk in onf.skips)
+    h200 = machines.load("h200")
+    onf = schedule.derive(d, h200)
     online = next(s for s in onf.program.stages if isinstance(s, OnlineStage))
-    assert onf.skip_of(online.name) is None
+    sk = onf.skip_of(online.name)
+    assert sk.kept == (True,) and isinstance(sk.guard, RowGuard) and sk.guard.stats == ()
+    assert "running max, after the walk" in str(onf)
+    kern, specs, _ = _dnf(mask=True, is_causal=True, qlen=True)
+    adj, args = kern.saved_adjoint(*specs, is_causal=True)
+    plan = schedule.derive_plan(adj.dnf(*args, is_causal=True), dataclasses.replace(h200, spill_check=False))
+    guards = [sk.guard for o in plan for sk in o.skips if any(sk.kept)]
+    assert guards and all(isinstance(g, RowGuard) and g.stats for g in guards)
+    # the rows past a query length have no key and a 0 cotangent: exempt from the check
+    assert all(len(g.exempt) == 1 and "length" in D.show(g.exempt[0]) for g in guards), guards
+    # the cost model takes rows as keeping keys: it counts the skip as plain causal's
+    fractions = []
+    for mask in (True, False):
+        o = schedule.derive(_dnf(B=1, T=1024, S=1024, mask=mask, is_causal=True)[2], h200)
+        fractions.append(masked.visited_fraction(o, o.skip_of(online.name)))
+    assert fractions[0] == fractions[1] < 0.6, fractions
 
 
 def test_skip_false_and_stale_skips():
@@ -118,6 +136,19 @@ def _value_and_grads(impl, skip, q, k, v, g, unmask_interior=None, **kw):
     return [out, *vjp(g)]
 
 
+def _masks():
+    r = np.random.default_rng(11)
+    kept = r.random((B, 1, T, S)) < 0.5
+    kept[..., 0] = True
+    dropped = kept.copy()
+    dropped[0, :, [2, 7]] = False  # two rows of batch element 0: no key at all
+    past = kept.copy()
+    past[0, :, 6:] = False  # the rows past batch element 0's query length (6)
+    return {"kept": kept, "dropped": dropped, "past": past}
+
+
+_MASKS = _masks()
+
 CASES = {
     "causal": dict(is_causal=True),
     "window": dict(local_window_size=(2, 1)),
@@ -126,6 +157,13 @@ CASES = {
                                  key_value_seq_lengths=np.array([4, 11], np.int32)),
     # T > S with a window: the last rows keep no key (fully masked: jax.nn's average of V)
     "rows past every key": dict(local_window_size=(1, 0), T=14, S=6),
+    # a mask on data beside causal: the rows' statistics guard the causal skip (``RowGuard``):
+    # every row keeping a key (key 0), the forward's max and the backward's saved statistic
+    # pass; rows a mask drops whole make their programs walk every tile (jax.nn's average)
+    "causal, a mask keeping a key in every row": dict(is_causal=True, mask=_MASKS["kept"]),
+    "causal, a mask dropping whole rows": dict(is_causal=True, mask=_MASKS["dropped"]),
+    "causal, query lengths, a mask dropping the rows past them": dict(
+        is_causal=True, mask=_MASKS["past"], query_seq_lengths=np.array([6, 9], np.int32)),
 }
 
 
@@ -157,7 +195,10 @@ def _poisoned(impl, keys, **kw):
     q, k, v, g = _qkv(T=5)
     k, v = k.copy(), v.copy()
     k[0, keys], v[0, keys] = 0.0, 0.0
-    clean = _value_and_grads(impl, None, q, k, v, g, **kw)
+    # read back before k and v change in place: a CPU call may alias a NumPy argument and
+    # run after it returns (seen: NaN in this run, where a row walks the poisoned keys)
+    clean = [np.asarray(x) for x in _value_and_grads(impl, None, q, k, v, g, **kw)]
+    k, v = k.copy(), v.copy()
     k[0, keys], v[0, keys] = np.nan, np.nan
     return (_value_and_grads(impl, None, q, k, v, g, **kw), clean,
             _value_and_grads(impl, False, q, k, v, g, **kw))
@@ -172,6 +213,28 @@ def test_skipped_tiles_are_never_read(impl):
     for a, b in zip(got, clean):
         assert np.array_equal(np.asarray(a)[:, :6], np.asarray(b)[:, :6])
     assert not np.all(np.isfinite(walked[0]))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_a_data_mask_keeps_the_causal_skip_where_every_row_keeps_a_key(impl):
+    # a bool mask beside causal: the skip of keys 6 … 10 is kept (its guard reads the rows'
+    # statistics, ``RowGuard``), so NaN there cannot reach the result. One row masked whole
+    # (jax.nn averages V over every key) makes the programs holding it walk every tile, so
+    # NaN reaches it: both ways the test can fail
+    mask = np.random.default_rng(5).random((B, 1, 5, S)) < 0.5
+    mask[..., 0] = True
+    got, clean, walked = _poisoned(impl, slice(6, None), is_causal=True, mask=mask)
+    for a, b in zip(got, clean):
+        assert np.array_equal(np.asarray(a)[:, :6], np.asarray(b)[:, :6])
+    assert not np.all(np.isfinite(walked[0]))
+    mask[0, :, 3] = False
+    got, clean, _ = _poisoned(impl, slice(6, None), is_causal=True, mask=mask)
+    out = np.asarray(got[0])
+    assert not np.all(np.isfinite(out[0, 3])) and np.all(np.isfinite(out[1]))
+    q, k, v, _ = _qkv(T=5)
+    k[0, 6:], v[0, 6:] = 0.0, 0.0  # as ``clean`` has them
+    want = R.mha_variants(q, k, v, is_causal=True, mask=mask)
+    assert float(np.max(np.abs(np.asarray(clean[0]) - want))) <= 1e-12 * float(np.max(np.abs(want)))
 
 
 @pytest.mark.parametrize("kv_heads", [K, N], ids=["gqa", "mha"])

@@ -66,7 +66,7 @@ def carry(ev, st: OnlineStage) -> dict:
         ev.hoist(st.exprs(), v)
 
         m, accs = skipping.walk(ev, [ev.onf.skip_of(st.name)], v, lambda ctx, carried: step(ctx, *carried),
-                                (m0, acc0))
+                                (m0, acc0), running_max=lambda carried: Named(carried[0], mvars))
     else:
         rng = ev.backend.whole(v)
         m, accs = step(ev if same_range(rng, ev.ranges.get(v)) else ev.child({v: rng}), m0, acc0)

@@ -18,6 +18,9 @@ import numpy as np
 from moajax import dnf as D
 from moajax import masked
 from moajax.ix import Var
+from moajax.onf import RowGuard
+from moajax.reference import Named
+from moajax.tiles.masking import valid
 from moajax.tiles.ranges import Range
 
 
@@ -102,11 +105,15 @@ def span(ev, skips, v: Var):
     firsts, ends = [], []
     for sk in skips:
         vars_ = {t for b in sk.bounds for t, _ in b.terms if isinstance(t, Var)}
-        if sk.guard is not None:
+        if isinstance(sk.guard, RowGuard):
+            # the statistics read before the walk; an online pass's own max, after it (``walk``)
+            ok = rows_keep_keys(ev, sk.guard, v) if sk.guard.stats else True
+        elif sk.guard is not None:
             vars_ |= {t for c in sk.guard.conds + sk.guard.exempt for t, _ in c.terms if isinstance(t, Var)}
         box = _box(ev, vars_, v)
         read = _read(ev)
-        ok = masked.guard_holds(sk.guard, box, read, _fold) if any(sk.kept) else True
+        if not isinstance(sk.guard, RowGuard):
+            ok = masked.guard_holds(sk.guard, box, read, _fold) if any(sk.kept) else True
         first, count = masked.tile_span(sk, axis.tile, axis.ntiles, box, read, _fold, ok)
         firsts.append(_fold.where(count > 0, first, axis.ntiles))
         ends.append(_fold.where(count > 0, first + count, 0))
@@ -116,7 +123,64 @@ def span(ev, skips, v: Var):
     return first, _fold.maximum(end - first, 0).astype(jnp.int32)
 
 
-def walk(ev, skips, v: Var, step, init):
+def _past_end_pass(ev, good: Named) -> Named:
+    """``good`` true wherever one of its variables runs past its extent (a tile's padding
+    rows: their reads are 0 and their masks false, no row of the problem)."""
+    import jax.numpy as jnp
+
+    for u in good.vars:
+        inside = valid(ev, u)
+        if inside is not None:
+            datas, vs = ev.align([good, inside])
+            good = Named(jnp.logical_or(datas[0], jnp.logical_not(datas[1])), vs)
+    return good
+
+
+# the rows of a statistic read per step of ``rows_keep_keys``: a few loads per program where
+# the check runs over the walked variable (a program owning key tiles reads every query's)
+ROW_CHECK_ELEMENTS = 1024
+
+
+def rows_keep_keys(ev, guard: RowGuard, v: Var):
+    """Does every row of this program keep a key, by its statistics (``RowGuard``): X > m₀/2
+    at each row, or the row exempt? A statistic indexed by the walked v (a program owning key
+    tiles, walking queries) is read over all of v, in steps of whole tiles of at most
+    ``ROW_CHECK_ELEMENTS`` rows that tile v's padded extent (no read past it); a variable it
+    names that this scope does not bind (a group walked one head at a time), over all of it.
+    Rows past the end of an axis pass (their padded reads are 0, not a statistic)."""
+    import jax.numpy as jnp
+
+    axis = ev.onf.axis_of(v)
+
+    def check(sc):  # 1 where every row passes, else 0 (int32: Triton carries no i1 well)
+        ok = jnp.int32(1)
+        for x in guard.stats:
+            free = [u for u in sorted(x.free, key=lambda u: u.name) if u not in sc.ranges]
+            sub = sc.child({u: sc.backend.whole(u) for u in free}) if free else sc
+            val = sub.eval(x)
+            good = Named(val.data > np.asarray(guard.threshold, val.data.dtype), val.vars)
+            for a in guard.exempt:
+                datas, vs = sub.align([good, sub.eval(a)])
+                good = Named(jnp.logical_or(datas[0], jnp.logical_not(datas[1])), vs)
+            good = _past_end_pass(sub, good)
+            # a min of int32 (Triton's and the Triton source's reductions: no reduce_and)
+            ok = jnp.minimum(ok, jnp.min(good.data.astype(jnp.int32)))
+        return ok
+
+    if v in ev.ranges or not any(v in x.free for x in guard.stats) or axis.ntiles <= 1:
+        return check(ev) > 0
+    per = 1  # tiles a step: a power of two that divides the number of tiles
+    while axis.ntiles % (2 * per) == 0 and 2 * per * axis.tile <= max(ROW_CHECK_ELEMENTS, axis.tile):
+        per *= 2
+    size = per * axis.tile
+
+    def step(i, ok):
+        return jnp.minimum(ok, check(ev.child({v: Range(i * size, size, v.extent)})))
+
+    return ev.backend.fori_loop(axis.ntiles // per, step, jnp.int32(1)) > 0
+
+
+def walk(ev, skips, v: Var, step, init, running_max=None):
     """step(tile scope, carried) over the tiles of v that a loop serving stages with these
     ``skips`` visits (``span``), from ``init``; the carried value after the last.
 
@@ -124,7 +188,42 @@ def walk(ev, skips, v: Var, step, init):
     tiles before and after the interior evaluate the mask; the interior ones
     (``masked.interior_tiles``: every bound of those skips true at every point, the padding
     included) run in a scope that holds the bounds true (``Scope.holds``), so c ? x : y is
-    traced as x. A loop without a lower (upper) bound has no head (tail) loop."""
+    traced as x. A loop without a lower (upper) bound has no head (tail) loop.
+
+    An online pass's skip guarded by its own running max (a ``RowGuard`` without statistics;
+    ``running_max``: that max, a ``Named`` over the rows, from the carried value) walks its
+    span first; where a row's max is still m₀ then — it kept no key there, so none at all —
+    the program walks every tile again from ``init``, masked, as where an affine guard fails:
+    the result of no skip, bit for bit (a row that keeps no key averages V over all of them,
+    in the same order)."""
+    import jax
+    import jax.numpy as jnp
+
+    carried = _walk_span(ev, skips, v, step, init)
+    after = [sk.guard for sk in skips or () if sk is not None and isinstance(sk.guard, RowGuard)
+             and not sk.guard.stats and any(sk.kept)]
+    if not after:
+        return carried
+    if running_max is None:
+        raise AssertionError("a skip checked after its walk needs the running max it checks")
+    axis = ev.onf.axis_of(v)
+    m = running_max(carried)  # a Named over the rows
+    kept = Named(m.data > np.asarray(after[0].threshold, m.data.dtype), m.vars)
+    passed = jnp.min(_past_end_pass(ev, kept).data.astype(jnp.int32))  # 1: every row kept a key
+    ok = passed > 0
+
+    def body(i, c):
+        return step(ev.child({v: Range(i * axis.tile, axis.tile, v.extent)}, frozenset()), c)
+
+    # restarted in place (one carried value live, not two selected after: registers on a GPU)
+    restart = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), carried, init)
+    # (the count as arithmetic: Pallas' Triton lowering of a select of constants met an i1
+    # where it expected an i32, as ``_Folding`` says)
+    return ev.backend.fori_loop((1 - passed) * np.int32(axis.ntiles), body, restart, 0)
+
+
+def _walk_span(ev, skips, v: Var, step, init):
+    """``walk`` over the span ``span`` gives (the interior split off where a skip asks)."""
     import jax.numpy as jnp
 
     axis = ev.onf.axis_of(v)
