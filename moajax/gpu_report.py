@@ -134,26 +134,28 @@ def _plan_rows(label: str, dnf, machine) -> list:
 def training_cases(dtypes=("bfloat16", "float32"), targets=None):
     """What ``jax.grad`` of ``dot_product_attention`` runs on a GPU (jax.nn layout, B=1,
     T=S=1024, N=8, H=64; multi-head K=8, GQA K=2, and causal multi-head, whose loops skip the
-    masked tiles: their bounds are computed in the kernel): the saving forward (Out with its
-    row max and sum) and the derived adjoint's plan (one fused ONF, or one per output), each
-    ONF its own row."""
+    masked tiles: their bounds are computed in the kernel; and causal multi-head beside a bool
+    [t s] mask, a mask on data, whose skips the rows' statistics guard, ``onf.RowGuard``): the
+    saving forward (Out with its row max and sum) and the derived adjoint's plan (one fused
+    ONF, or one per output), each ONF its own row."""
     import jax
     import numpy as np
 
     from moajax.kernels.attention import mha_kernel
 
     out = []
-    for kv, causal in ((8, False), (2, False), (8, True)):
-        kern = mha_kernel(None, None, kv != 8)
+    for kv, causal, mask in ((8, False, False), (2, False, False), (8, True, False), (8, True, True)):
+        kern = mha_kernel(None, "t s" if mask else None, kv != 8)
         for dt in dtypes:
             S = [jax.ShapeDtypeStruct((1, 1024, n, 64), np.dtype(dt)) for n in (8, kv, kv)]
+            S += [jax.ShapeDtypeStruct((1024, 1024), np.bool_)] if mask else []
             adj, args = kern.saved_adjoint(*S, is_causal=causal)
             parts = [("saving forward", kern.with_row_statistics().dnf(*S, is_causal=causal)),
                      ("adjoint", adj.dnf(*args, is_causal=causal))]
+            name = f"{'GQA K=2' if kv != 8 else 'MHA'}{' causal' if causal else ''}{' mask' if mask else ''}"
             for m in _targets(targets):
                 for what, dnf in parts:
-                    out += _plan_rows(f"grad {'GQA K=2' if kv != 8 else 'MHA'}{' causal' if causal else ''} {what} "
-                                      f"{dt} H=64", dnf, m)
+                    out += _plan_rows(f"grad {name} {what} {dt} H=64", dnf, m)
     return out
 
 

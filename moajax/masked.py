@@ -21,8 +21,9 @@ result. (It takes every score a kept key has to exceed m₀ by more than exp's r
 in float32 and 745 in float64: true of any score above −2.4·10³⁸ + 745.) A mask on data (a
 bool mask, a score_mod's −∞) has no affine guard; there the rows' statistics are the guard
 (``RowGuard``): a row that keeps no key has statistic m₀, one that keeps a key one above
-m₀/2 — the online pass checks its running max after walking the bounded tiles and walks
-every tile where a row fails; a Σ through exp(m₀ − X) reads its rows' X before its walk.
+m₀/2 — the online pass checks its running max after walking the bounded tiles (a row still
+at m₀ kept no key: every weight 1, its sums those of every tile); a Σ through exp(m₀ − X)
+reads its rows' X before its walk.
 """
 
 from __future__ import annotations

@@ -363,6 +363,22 @@ def main():
             con["jax.nn xla"] = jax.grad(jaxnn_alibi, argnums=(0, 1, 2, 3))
             race(f"bfloat16, {S}, True, B = 2, ALiBi", con, (q, k, v, slopes), 2 * 14 * S * S * N * H / 2, 10,
                  "jax.nn xla")
+        # document masking beside causal (never timed on a GPU): a bool [T, S] mask, and the same
+        # mask as a score_mod's −∞ — masks on data, whose causal skips the rows' statistics guard
+        # (``onf.RowGuard``, since 2026-12-05; before, their forward walked every tile)
+        if rep.left() < 15:
+            rep.add(f"| bfloat16, {S}, True, document mask | (not run: time) | | | | | |")
+        else:
+            q, k, v = (draw((1, S, N, H), "bfloat16") for _ in range(3))
+            doc = jnp.asarray(np.arange(S) * 4 // S, jnp.int32)
+            mask = doc[:, None] == doc[None, :]
+            minus_inf = lambda s, b, h, i, j: jnp.where(doc[i] == doc[j], s, -jnp.inf)  # noqa: E731
+            con = {"moajax bool mask": grad_fn(moajax_attn(True, mask=mask)),
+                   "moajax score_mod −∞": grad_fn(moajax_attn(True, score_mod=minus_inf)),
+                   "moajax causal, no mask": grad_fn(moajax_attn(True)),
+                   "jax.nn xla": grad_fn(lambda a, b, d: jax.nn.dot_product_attention(
+                       a, b, d, mask=mask, is_causal=True, implementation="xla"))}
+            race(f"bfloat16, {S}, True, document mask", con, (q, k, v), 14 * S * S * N * H / 2, 10, "jax.nn xla")
         rep.add("", "Causal against non-causal, moajax owner (the skipped tiles): " + ", ".join(
             f"{dt} S = {S}: {causal_speedup[(dt, S, False)] / causal_speedup[(dt, S, True)]:.2f}×"
             for (dt, S, c) in causal_speedup if not c and (dt, S, True) in causal_speedup))

@@ -2,6 +2,8 @@
 shared memory at head dims ≤ 128, for every dtype. Skips (with the reason) only where the
 CUDA plugin or ptxas is truly unavailable."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from moajax import compat, gpu_report, machines, ptx, schedule
 from moajax.cost import onchip_bytes
 from moajax.kernels.attention import mha_dnf
+from moajax.onf import RowGuard
 
 REASON = ptx.toolchain_missing()
 needs_compiler = pytest.mark.skipif(REASON is not None, reason=f"offline GPU toolchain unavailable: {REASON}")
@@ -142,7 +145,19 @@ def test_causal_training_kernels_with_skipped_tiles_compile_without_spills(machi
     enough — jnp's integer floor division and a min over a stack of scalars lowered, but did
     not compile — so each is compiled to PTX: 0 spill bytes, and every walk has its skip."""
     cases = [c for c in gpu_report.training_cases(("float32",), targets=[machine]) if "causal" in c[0]]
-    assert [c[0].split("float32 H=64")[-1].strip() for c in cases] == ["", "d_query", "d_key_d_value"]
+    plain = [c for c in cases if "mask" not in c[0]]
+    assert [c[0].split("float32 H=64")[-1].strip() for c in plain] == ["", "d_query", "d_key_d_value"]
+    # beside a bool mask (a mask on data) the forward's and dV's kept skips are guarded by the
+    # rows' statistics: the forward's running max checked after its walk, and a walk of every
+    # tile summing V for the rows that kept no key, where one did; dV's saved statistic read in
+    # steps of 1024 rows. Derived as a GPU derives them, the spill check on: the saving
+    # forward's first table tiling spills 4 B on sm_86 and sm_90a (80 registers)
+    spill_checked = dataclasses.replace(machine, spill_check=True)
+    masked = [c for c in gpu_report.training_cases(("float32",), targets=[spill_checked]) if "mask" in c[0]]
+    cases = plain + masked
+    assert [c[0].split("float32 H=64")[-1].strip() for c in masked] == ["", "d_query", "d_key_d_value"]
+    assert isinstance(masked[0][2].skips[0].guard, RowGuard) and masked[0][2].skips[0].kept == (True,)
+    assert any(isinstance(sk.guard, RowGuard) and sk.guard.stats for sk in masked[2][2].skips)
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
         assert onf.skips, label

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from moajax import dnf as D
-from moajax.onf import OnlineStage
+from moajax.onf import OnlineStage, RowGuard
 from moajax.reference import Named
 from moajax.tiles import skipping
 from moajax.tiles.contract import contract, operand
 from moajax.tiles.masking import fill_past_end, valid, zero_padded
-from moajax.tiles.ranges import broadcast_to_vars, same_range
+from moajax.tiles.ranges import Range, broadcast_to_vars, same_range
 
 
 def carry(ev, st: OnlineStage) -> dict:
@@ -50,23 +50,25 @@ def carry(ev, st: OnlineStage) -> dict:
         p = Named(jnp.exp(datas[0] - datas[1]), vs)
         new_accs = []
         for (_, _, w), acc, sv in zip(st.sums, accs, svars):
-            if w is None:
-                ax = p.vars.index(v) if v in p.vars else None
-                contrib = Named(jnp.sum(p.data, axis=ax), p.vars[:ax] + p.vars[ax + 1:]) if ax is not None else p
-            else:
-                wf = D.product_factors(w)
-                # p is exactly 0 past the end of v (its logits were masked to −∞)
-                contrib = contract(ctx, [p] + [operand(ctx, x) for x in wf], v, dtype,
-                                   [True] + [zero_padded(x, v) for x in wf])
+            contrib = weighted(ctx, p, w)
             new_accs.append(acc * broadcast_to_vars(Named(alpha, mvars), sv, ev.ranges)
                             + broadcast_to_vars(contrib, sv, ev.ranges))
         return m_new, tuple(new_accs)
 
+    def weighted(ctx, p, w):  # one Σ's tile: Σ_tile p·g (w: g, None for 1)
+        if w is None:
+            ax = p.vars.index(v) if v in p.vars else None
+            return Named(jnp.sum(p.data, axis=ax), p.vars[:ax] + p.vars[ax + 1:]) if ax is not None else p
+        wf = D.product_factors(w)
+        # p is exactly 0 past the end of v (its logits were masked to −∞)
+        return contract(ctx, [p] + [operand(ctx, x) for x in wf], v, dtype, [True] + [zero_padded(x, v) for x in wf])
+
     if axis.role == "sequential" and axis.ntiles > 1:
         ev.hoist(st.exprs(), v)
-
-        m, accs = skipping.walk(ev, [ev.onf.skip_of(st.name)], v, lambda ctx, carried: step(ctx, *carried),
-                                (m0, acc0), running_max=lambda carried: Named(carried[0], mvars))
+        sk = ev.onf.skip_of(st.name)
+        m, accs = skipping.walk(ev, [sk], v, lambda ctx, carried: step(ctx, *carried), (m0, acc0))
+        if sk is not None and isinstance(sk.guard, RowGuard) and not sk.guard.stats and any(sk.kept):
+            m, accs = _masked_whole(ev, st, sk.guard.fill, Named(m, mvars), accs, svars, weighted)
     else:
         rng = ev.backend.whole(v)
         m, accs = step(ev if same_range(rng, ev.ranges.get(v)) else ev.child({v: rng}), m0, acc0)
@@ -74,3 +76,39 @@ def carry(ev, st: OnlineStage) -> dict:
     for (name, _, _), acc, sv in zip(st.sums, accs, svars):
         out[name] = Named(acc, sv)
     return out
+
+
+def _masked_whole(ev, st: OnlineStage, fill: float, m: Named, accs: tuple, svars: list, weighted) -> tuple:
+    """The walk's carry (max, sums) with each row that kept no key in it — a mask on data,
+    its skip guarded by the rows' own max (``onf.RowGuard``) — set to what walking every tile
+    gives it: every score is the fill m₀, so max m₀ and every weight exp(m₀ − m₀) = 1, the
+    sums Σ_v gᵢ over all of v, walked where a row of the program needs it, the tiles in order
+    and each contracted as the walk contracts p = 1 (bit for bit no skip). (A row keeping a
+    key has a max above m₀: every score a kept key has lies far above the fill, the skip's
+    assumption; one that walked no tile has −∞.)"""
+    import jax.numpy as jnp
+
+    v = st.var
+    axis = ev.onf.axis_of(v)
+    dtype = m.data.dtype
+    whole = Named(m.data <= np.asarray(fill, dtype), m.vars)
+    kept = skipping.past_end_pass(ev, Named(jnp.logical_not(whole.data), m.vars))
+    need = 1 - jnp.min(kept.data.astype(jnp.int32))  # 1: some row of the program kept no key
+    pvars = ev.ordered(list(m.vars) + [v])
+
+    def step(i, sums):
+        ctx = ev.child({v: Range(i * axis.tile, axis.tile, v.extent)})
+        p = Named(jnp.ones(tuple(ctx.range_of(x).size for x in pvars), dtype), pvars)
+        inside = valid(ctx, v)
+        if inside is not None:
+            p = fill_past_end(ev, p, inside, np.zeros((), dtype))
+        return tuple(acc + broadcast_to_vars(weighted(ctx, p, w), sv, ev.ranges)
+                     for (_, _, w), acc, sv in zip(st.sums, sums, svars))
+
+    # (the count as arithmetic: Pallas' Triton lowering of a select of constants met an i1
+    # where it expected an i32, as ``skipping._Folding`` says)
+    sums = ev.backend.fori_loop(need * np.int32(axis.ntiles), step, tuple(jnp.zeros_like(a) for a in accs), 0)
+    out = []
+    for acc, alt, sv in zip(accs, sums, svars):
+        out.append(jnp.where(broadcast_to_vars(whole, sv, ev.ranges), alt, acc))
+    return jnp.where(whole.data, np.asarray(fill, dtype), m.data), tuple(out)

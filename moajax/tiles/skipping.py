@@ -123,7 +123,7 @@ def span(ev, skips, v: Var):
     return first, _fold.maximum(end - first, 0).astype(jnp.int32)
 
 
-def _past_end_pass(ev, good: Named) -> Named:
+def past_end_pass(ev, good: Named) -> Named:
     """``good`` true wherever one of its variables runs past its extent (a tile's padding
     rows: their reads are 0 and their masks false, no row of the problem)."""
     import jax.numpy as jnp
@@ -162,7 +162,7 @@ def rows_keep_keys(ev, guard: RowGuard, v: Var):
             for a in guard.exempt:
                 datas, vs = sub.align([good, sub.eval(a)])
                 good = Named(jnp.logical_or(datas[0], jnp.logical_not(datas[1])), vs)
-            good = _past_end_pass(sub, good)
+            good = past_end_pass(sub, good)
             # a min of int32 (Triton's and the Triton source's reductions: no reduce_and)
             ok = jnp.minimum(ok, jnp.min(good.data.astype(jnp.int32)))
         return ok
@@ -180,7 +180,7 @@ def rows_keep_keys(ev, guard: RowGuard, v: Var):
     return ev.backend.fori_loop(axis.ntiles // per, step, jnp.int32(1)) > 0
 
 
-def walk(ev, skips, v: Var, step, init, running_max=None):
+def walk(ev, skips, v: Var, step, init):
     """step(tile scope, carried) over the tiles of v that a loop serving stages with these
     ``skips`` visits (``span``), from ``init``; the carried value after the last.
 
@@ -188,42 +188,9 @@ def walk(ev, skips, v: Var, step, init, running_max=None):
     tiles before and after the interior evaluate the mask; the interior ones
     (``masked.interior_tiles``: every bound of those skips true at every point, the padding
     included) run in a scope that holds the bounds true (``Scope.holds``), so c ? x : y is
-    traced as x. A loop without a lower (upper) bound has no head (tail) loop.
-
-    An online pass's skip guarded by its own running max (a ``RowGuard`` without statistics;
-    ``running_max``: that max, a ``Named`` over the rows, from the carried value) walks its
-    span first; where a row's max is still m₀ then — it kept no key there, so none at all —
-    the program walks every tile again from ``init``, masked, as where an affine guard fails:
-    the result of no skip, bit for bit (a row that keeps no key averages V over all of them,
-    in the same order)."""
-    import jax
-    import jax.numpy as jnp
-
-    carried = _walk_span(ev, skips, v, step, init)
-    after = [sk.guard for sk in skips or () if sk is not None and isinstance(sk.guard, RowGuard)
-             and not sk.guard.stats and any(sk.kept)]
-    if not after:
-        return carried
-    if running_max is None:
-        raise AssertionError("a skip checked after its walk needs the running max it checks")
-    axis = ev.onf.axis_of(v)
-    m = running_max(carried)  # a Named over the rows
-    kept = Named(m.data > np.asarray(after[0].threshold, m.data.dtype), m.vars)
-    passed = jnp.min(_past_end_pass(ev, kept).data.astype(jnp.int32))  # 1: every row kept a key
-    ok = passed > 0
-
-    def body(i, c):
-        return step(ev.child({v: Range(i * axis.tile, axis.tile, v.extent)}, frozenset()), c)
-
-    # restarted in place (one carried value live, not two selected after: registers on a GPU)
-    restart = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), carried, init)
-    # (the count as arithmetic: Pallas' Triton lowering of a select of constants met an i1
-    # where it expected an i32, as ``_Folding`` says)
-    return ev.backend.fori_loop((1 - passed) * np.int32(axis.ntiles), body, restart, 0)
-
-
-def _walk_span(ev, skips, v: Var, step, init):
-    """``walk`` over the span ``span`` gives (the interior split off where a skip asks)."""
+    traced as x. A loop without a lower (upper) bound has no head (tail) loop. (An online
+    pass's skip guarded by its own running max, a ``RowGuard`` without statistics, is walked
+    as if it held: ``tiles.online`` checks the max after the walk.)"""
     import jax.numpy as jnp
 
     axis = ev.onf.axis_of(v)
