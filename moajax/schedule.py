@@ -1115,6 +1115,10 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
     return derive(dnf, machine, preset)
 
 
+# how much faster the cost model must time recomputing than staging on a CPU to recompute
+CPU_STAGE_MARGIN = 2.0
+
+
 def _owner_plan(dnf: D.DNF, groups, machine: Machine, probe: Machine, preset: Preset | None):
     """The kernels of the owner plan: a first kernel staging the values the groups share in
     memory, which they read (``staged_parts``), or the groups each recomputing them
@@ -1129,9 +1133,16 @@ def _owner_plan(dnf: D.DNF, groups, machine: Machine, probe: Machine, preset: Pr
     checked, not modelled: where the spill check leaves the faster plan's kernels spilling
     more than the other's, the other is taken (the seed-size SwiGLU's dZ recomputing U, V and
     G_H spills 2,112 B at the A100 table's first tiling with IEEE float32 dots, which the
-    check steps past to a clean one; no kernel of the GPU reports needs the fallback). On a CPU the staged plan where it fits: its choice against the fused kernel is
-    ``plan_work``'s, which ``bench/results/backward_plans_cpu.md`` measured. None: neither
-    fits."""
+    check steps past to a clean one; no kernel of the GPU reports needs the fallback).
+
+    On a CPU, whose measured times stray from the model's by up to 3× (``moajax validate``),
+    the staged plan stands unless the model times it at least ``CPU_STAGE_MARGIN`` times the
+    recomputing one: attention's adjoint beside a [1 8 T S] bias (2.4× at T = 1024), whose
+    staged plan took 1.16× and 1.28× the time of the fused kernel derive_plan then takes, and
+    3× and 4× its temp memory (180 against 59 MiB, 668 against 165), at T = 1024 and 2048
+    (``bench/results/staging_cpu.md``); not the seed-size MLP (1.3×), whose staged plan was
+    the fastest. Its choice against the fused kernel is then ``plan_work``'s, which
+    ``bench/results/backward_plans_cpu.md`` measured. None: neither fits."""
     from moajax.cost import sequence
 
     found = []
@@ -1142,12 +1153,13 @@ def _owner_plan(dnf: D.DNF, groups, machine: Machine, probe: Machine, preset: Pr
             found.append((tuple(derive(d, probe, preset) for d in parts), parts))
         except ONFError:
             continue
-        if not machine.is_gpu:
-            break
     if not found:
         return None
+    times = [sequence(estimate(o, machine) for o in plan).time_s for plan, _ in found]
+    if not machine.is_gpu and len(found) > 1:
+        times[0] /= CPU_STAGE_MARGIN
     # a tie keeps the staged plan, the one listed first
-    order = sorted(range(len(found)), key=lambda k: sequence(estimate(o, machine) for o in found[k][0]).time_s)
+    order = sorted(range(len(found)), key=lambda k: times[k])
     plan = tuple(derive(d, machine, preset) for d in found[order[0]][1])
     if len(order) > 1 and machine.spill_check:
         spilled = _plan_spills(plan, machine)

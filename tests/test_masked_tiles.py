@@ -237,6 +237,28 @@ def test_a_data_mask_keeps_the_causal_skip_where_every_row_keeps_a_key(impl):
     assert float(np.max(np.abs(np.asarray(clean[0]) - want))) <= 1e-12 * float(np.max(np.abs(want)))
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_rows_masked_whole_in_tiles_of_one_key(impl):
+    # the rows a mask on data drops whole take every tile's values with weight 1: in tiles of
+    # one key the weights have no key axis, as the walk's (it crashed there: the A40 profile's
+    # tiling of a windowed score_mod's −∞, found by a fuzz)
+    q, k, v, g = _qkv()
+    mask = _MASKS["dropped"]
+
+    def run(skip):
+        onf = Preset.of(tiles={"t": 2, "s": 1}, skip=skip)
+        f = lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation=impl, onf=onf,  # noqa: E731
+                                                         is_causal=True, local_window_size=(3, 4), mask=mask)
+        out, vjp = jax.vjp(f, q, k, v)
+        return [np.asarray(x) for x in (out, *vjp(g))]
+
+    got, full = run(None), run(False)
+    for a, b in zip(got, full):
+        assert np.array_equal(a, b)
+    ref = R.mha_variants(q, k, v, is_causal=True, local_window_size=(3, 4), mask=mask)
+    assert float(np.max(np.abs(got[0] - ref))) <= 1e-12 * float(np.max(np.abs(ref)))
+
+
 @pytest.mark.parametrize("kv_heads", [K, N], ids=["gqa", "mha"])
 def test_the_fused_backward_never_reads_skipped_key_tiles_on_xla(kv_heads):
     # on a CPU the fused plan's programs own key tiles and add dQ (FlashAttention-2's order):

@@ -98,7 +98,8 @@ def _masked_whole(ev, st: OnlineStage, fill: float, m: Named, accs: tuple, svars
 
     def step(i, sums):
         ctx = ev.child({v: Range(i * axis.tile, axis.tile, v.extent)})
-        p = Named(jnp.ones(tuple(ctx.range_of(x).size for x in pvars), dtype), pvars)
+        pv = tuple(x for x in pvars if ctx.range_of(x).size != 1)  # (a tile of one key: no axis, as the walk's)
+        p = Named(jnp.ones(tuple(ctx.range_of(x).size for x in pv), dtype), pv)
         inside = valid(ctx, v)
         if inside is not None:
             p = fill_past_end(ev, p, inside, np.zeros((), dtype))
