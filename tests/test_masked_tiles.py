@@ -259,6 +259,25 @@ def test_rows_masked_whole_in_tiles_of_one_key(impl):
     assert float(np.max(np.abs(got[0] - ref))) <= 1e-12 * float(np.max(np.abs(ref)))
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_jvp_skips_the_masked_tiles_and_takes_the_presets_skip(impl):
+    # the tangent kernel skips the tiles causal masks (NaN planted there does not reach the
+    # tangent), and takes the Preset's tiles and skip=False, as the backward does (it took only
+    # the ring's settings and the knobs: skip=False did not reach jax.jvp — found by a fuzz)
+    q, k, v, _ = _qkv(T=5)
+    dq, dk, dv = (np.random.default_rng(9).standard_normal(x.shape) for x in (q, k, v))
+    k, v = k.copy(), v.copy()
+    k[0, 6:], v[0, 6:] = np.nan, np.nan
+
+    def tangent(skip):
+        f = lambda q, k, v: moajax.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, implementation=impl, onf=Preset.of(tiles=TILES, skip=skip))
+        return np.asarray(jax.jvp(f, (q, k, v), (dq, dk, dv))[1])
+
+    assert np.all(np.isfinite(tangent(None)))
+    assert not np.all(np.isfinite(tangent(False)))
+
+
 @pytest.mark.parametrize("kv_heads", [K, N], ids=["gqa", "mha"])
 def test_the_fused_backward_never_reads_skipped_key_tiles_on_xla(kv_heads):
     # on a CPU the fused plan's programs own key tiles and add dQ (FlashAttention-2's order):
