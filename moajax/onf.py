@@ -352,8 +352,9 @@ class RowGuard:
     a row that keeps a key whose every score lies below m₀/2 fails the check, and walks every
     tile — never a wrong answer. ``stats`` empty: the online pass's own running max, checked
     after its walk of the bounded tiles; a row still at m₀ there kept no key, and takes what
-    walking every tile gives it: max m₀, every weight 1 (``tiles.online``). ``exempt``: comparisons whose failure
-    makes a row's every term 0, skip or not (rows past a query length): those rows pass."""
+    walking every tile gives it: max m₀, every weight 1 (``tiles.online``). ``exempt``:
+    comparisons whose failure makes a row's every term 0, skip or not (rows past a query
+    length): those rows pass."""
 
     stats: tuple  # D.Expr, each read at rows
     fill: float

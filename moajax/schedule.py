@@ -1127,8 +1127,9 @@ def _owner_plan(dnf: D.DNF, groups, machine: Machine, probe: Machine, preset: Pr
     MLP's U, V, G_H at d = 1024, 2·d flops an element against its 4-byte write and reads, are
     staged; attention's scores beside a [t s] mask or bias, 2·h flops an element that tensor
     cores recompute faster than memory moves them, are not (the H200, causal, T = S = 4096,
-    N = 4, float32: 0.13 ms against 0.37 with a mask, 0.19 against 0.53 with a bias; staged,
-    as they were until 2026-12-05, they took two [t n s] arrays of memory, 1 GiB at N = 8),
+    N = 4, float32, the model's estimates: 0.13 ms against 0.37 with a mask, 0.19 against
+    0.53 with a bias; staged, as they were until 2026-12-05, they took two [t n s] arrays of
+    memory, 1 GiB at N = 8),
     nor are seed-size norms' and MLPs' (n = 1024, d = 64: one launch fewer). Registers are
     checked, not modelled: where the spill check leaves the faster plan's kernels spilling
     more than the other's, the other is taken (the seed-size SwiGLU's dZ recomputing U, V and

@@ -92,8 +92,7 @@ def _masked_whole(ev, st: OnlineStage, fill: float, m: Named, accs: tuple, svars
     axis = ev.onf.axis_of(v)
     dtype = m.data.dtype
     whole = Named(m.data <= np.asarray(fill, dtype), m.vars)
-    kept = skipping.past_end_pass(ev, Named(jnp.logical_not(whole.data), m.vars))
-    need = 1 - jnp.min(kept.data.astype(jnp.int32))  # 1: some row of the program kept no key
+    need = 1 - skipping.all_rows(ev, Named(jnp.logical_not(whole.data), m.vars))  # 1: a row kept no key
     pvars = ev.ordered(list(m.vars) + [v])
 
     def step(i, sums):

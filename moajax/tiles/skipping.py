@@ -105,15 +105,17 @@ def span(ev, skips, v: Var):
     firsts, ends = [], []
     for sk in skips:
         vars_ = {t for b in sk.bounds for t, _ in b.terms if isinstance(t, Var)}
-        if isinstance(sk.guard, RowGuard):
-            # the statistics read before the walk; an online pass's own max, after it (``walk``)
-            ok = rows_keep_keys(ev, sk.guard, v) if sk.guard.stats else True
-        elif sk.guard is not None:
+        affine = sk.guard is not None and not isinstance(sk.guard, RowGuard)
+        if affine:
             vars_ |= {t for c in sk.guard.conds + sk.guard.exempt for t, _ in c.terms if isinstance(t, Var)}
         box = _box(ev, vars_, v)
         read = _read(ev)
-        if not isinstance(sk.guard, RowGuard):
-            ok = masked.guard_holds(sk.guard, box, read, _fold) if any(sk.kept) else True
+        if not any(sk.kept):
+            ok = True
+        elif affine:
+            ok = masked.guard_holds(sk.guard, box, read, _fold)
+        else:  # the statistics read before the walk; an online pass's own max, after it (``tiles.online``)
+            ok = rows_keep_keys(ev, sk.guard, v) if sk.guard.stats else True
         first, count = masked.tile_span(sk, axis.tile, axis.ntiles, box, read, _fold, ok)
         firsts.append(_fold.where(count > 0, first, axis.ntiles))
         ends.append(_fold.where(count > 0, first + count, 0))
@@ -123,9 +125,11 @@ def span(ev, skips, v: Var):
     return first, _fold.maximum(end - first, 0).astype(jnp.int32)
 
 
-def past_end_pass(ev, good: Named) -> Named:
-    """``good`` true wherever one of its variables runs past its extent (a tile's padding
-    rows: their reads are 0 and their masks false, no row of the problem)."""
+def all_rows(ev, good: Named):
+    """1 (int32) where ``good`` holds at every row of this scope, else 0 — a row past the end
+    of one of its variables passing (a tile's padding rows: their reads are 0 and their masks
+    false, no row of the problem). A min of int32: Triton's and the Triton source's reductions
+    have no reduce_and, and Triton carries no i1 well."""
     import jax.numpy as jnp
 
     for u in good.vars:
@@ -133,7 +137,7 @@ def past_end_pass(ev, good: Named) -> Named:
         if inside is not None:
             datas, vs = ev.align([good, inside])
             good = Named(jnp.logical_or(datas[0], jnp.logical_not(datas[1])), vs)
-    return good
+    return jnp.min(good.data.astype(jnp.int32))
 
 
 # the rows of a statistic read per step of ``rows_keep_keys``: a few loads per program where
@@ -152,7 +156,7 @@ def rows_keep_keys(ev, guard: RowGuard, v: Var):
 
     axis = ev.onf.axis_of(v)
 
-    def check(sc):  # 1 where every row passes, else 0 (int32: Triton carries no i1 well)
+    def check(sc):  # 1 where every row passes, else 0
         ok = jnp.int32(1)
         for x in guard.stats:
             free = [u for u in sorted(x.free, key=lambda u: u.name) if u not in sc.ranges]
@@ -162,9 +166,7 @@ def rows_keep_keys(ev, guard: RowGuard, v: Var):
             for a in guard.exempt:
                 datas, vs = sub.align([good, sub.eval(a)])
                 good = Named(jnp.logical_or(datas[0], jnp.logical_not(datas[1])), vs)
-            good = past_end_pass(sub, good)
-            # a min of int32 (Triton's and the Triton source's reductions: no reduce_and)
-            ok = jnp.minimum(ok, jnp.min(good.data.astype(jnp.int32)))
+            ok = jnp.minimum(ok, all_rows(sub, good))
         return ok
 
     if v in ev.ranges or not any(v in x.free for x in guard.stats) or axis.ntiles <= 1:
