@@ -187,16 +187,24 @@ def tangent_cases(dtypes=("bfloat16", "float32"), targets=None):
 
 def score_mods() -> dict:
     """The report's score_mods by name: tanh soft-capping (arithmetic on the score), ALiBi (a
-    per-head slope: a table read at the head index, 8 slopes) and relative position (a 33-entry
-    table read at a computed index, clip(q_idx − kv_idx) — a gather in the kernel)."""
+    per-head slope: a table read at the head index, 8 slopes), relative position (a 33-entry
+    table read at a computed index, clip(q_idx − kv_idx) — a gather in the kernel), and ALiBi
+    inside documents, masked FlexAttention's way (−∞ where the document ids of q_idx and
+    kv_idx differ: the kernel's −∞ select, a mask on data, beside a learned table)."""
     import jax.numpy as jnp
     import numpy as np
 
     slopes = jnp.asarray(2.0 ** -np.arange(1, 9), jnp.float32)
     table = jnp.asarray(np.linspace(-1.0, 1.0, 33), jnp.float32)
+    doc = jnp.asarray(np.repeat(np.arange(4), (100, 400, 300, 224)), jnp.int32)
+
+    def alibi(s, h, qi, ki):
+        return s + slopes[h] * (ki - qi).astype(s.dtype)
+
     return {"softcap": lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0),
-            "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi).astype(s.dtype),
-            "relpos": lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -16, 16) + 16]}
+            "alibi": lambda s, b, h, qi, ki: alibi(s, h, qi, ki),
+            "relpos": lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -16, 16) + 16],
+            "alibi_document": lambda s, b, h, qi, ki: jnp.where(doc[qi] == doc[ki], alibi(s, h, qi, ki), -jnp.inf)}
 
 
 def score_mod_dnfs(fn, shape, dtype, is_causal: bool = True) -> tuple:
@@ -218,15 +226,18 @@ def score_mod_dnfs(fn, shape, dtype, is_causal: bool = True) -> tuple:
 
 
 def score_mod_cases(dtypes=("float32",), targets=None):
-    """``dot_product_attention`` with a ``score_mod`` (``score_mods``; jax.nn layout, B=1,
-    T=S=1024, N=8, H=64, causal), its forward and the derived adjoint's plan."""
+    """``dot_product_attention`` with a ``score_mod`` (``score_mods``; jax.nn layout, B=1 —
+    B=2 for the documents, whose table gradient then walks the batch: the loop whose
+    accumulator ``rewrites.conditions_out`` keeps small —, T=S=1024, N=8, H=64, causal), its
+    forward and the derived adjoint's plan."""
     out = []
     for dt in dtypes:
         for name, fn in score_mods().items():
-            forward, adjoint, _ = score_mod_dnfs(fn, (1, 1024, 8, 64), dt)
+            b = 2 if name == "alibi_document" else 1
+            forward, adjoint, _ = score_mod_dnfs(fn, (b, 1024, 8, 64), dt)
             for m in _targets(targets):
                 for what, dnf in (("forward", forward), ("adjoint", adjoint)):
-                    out += _plan_rows(f"score_mod {name} causal {what} {dt} H=64", dnf, m)
+                    out += _plan_rows(f"score_mod {name} causal {what} {dt} H=64{' B=2' if b != 1 else ''}", dnf, m)
     return out
 
 

@@ -9,7 +9,8 @@
     fuse_sums      Σ_a (Σ_r f + Σ_r g) → Σ_a Σ_r (f + g): sibling sums inside a sum walk r once
                    (a table's gradient: the two terms of dS share their scores).
     split_k        op_r e → op_{r₀} (op_{r₁} e[r ↦ r₀·c + r₁]): partials over r₀ in parallel,
-                   then the monoid combine (for online stages: max, and Σ aₚ·e^{mₚ − m}).
+                   then the monoid combine (for online stages: max, and Σ aₚ·e^{mₚ − m});
+                   below op_{r₁}, Σ_v (p ? x : 0) → p ? Σ_v x : 0 (``conditions_out``).
     materialize    a labelled subexpression becomes a stage (kept on chip, or in memory):
                    the store-vs-recompute choice.
     place          a stage moves between chip and memory (its values unchanged): a row a walk
@@ -389,6 +390,34 @@ def sum_to_top(e: D.Expr, var: str) -> D.Red | None:
     return None
 
 
+def conditions_out(e: D.Expr) -> D.Expr:
+    """Σ_v (p ? x : 0) → p ? Σ_v x : 0  and  (p ? x : 0) ± (p ? y : 0) → p ? x ± y : 0, for p
+    not using v: a condition leaves the sums that do not move it (``sum_to_top`` in reverse),
+    so the sums' accumulators do not carry p's axes.
+
+    Why: a split table gradient's partial, Σ_{s_i} Σ_b ((c = n) ? Σ_t … : 0 + …), carried a
+    [s_i, c] accumulator through its walk over b, and Triton laid the walk's [t s] tiles out
+    as that accumulator's broadcast: ptxas spilled 956–1,112 B a thread for ALiBi's slopes
+    beside a −∞ mask on the H200 (a window or a document mask, float32, at the spill check's
+    least-spilling tiling; 7,956 B at the table's first), where this form has none (201 and
+    251 registers, ad hoc offline compiles)."""
+    def zero_select(x):
+        return (isinstance(x, D.Call) and x.op == "where" and isinstance(x.children[2], D.Lit)
+                and x.children[2].value == 0)
+
+    def fn(x):
+        if isinstance(x, D.Red) and x.monoid == "add" and zero_select(x.body) and x.var not in x.body.children[0].free:
+            p, y, zero = x.body.children
+            return D.Call("where", (p, D.Red("add", x.var, y), zero))
+        if isinstance(x, D.Call) and x.op in ("add", "sub") and all(zero_select(c) for c in x.children):
+            (p, a, zero), (q, b, _) = (c.children for c in x.children)
+            if p is q and a.dtype == b.dtype == x.dtype:
+                return D.Call("where", (p, D.Call(x.op, (a, b)), zero))
+        return None
+
+    return D.transform(e, fn)
+
+
 def fused_sums(e: D.Expr) -> D.Expr:
     """Σ_a (… Σ_r f ± Σ_r g …) → Σ_a (… Σ_r (f ± g) …): inside a reduction of e, two sibling
     sums over one axis become one (``sum_to_top`` of their sum), so what they share is
@@ -501,7 +530,12 @@ def split_k(onf: ONF, var: str, parts: int) -> ONF:
             from moajax import ops as _ops
 
             ident = _ops.MONOIDS[red.monoid].identity(red.dtype).item()
-            stages.append(Stage(pn, s.vars + (outer,), D.Red(red.monoid, inner, guard(red.body, ident)), place="memory"))
+            body = guard(red.body, ident)
+            # the conditions ``sum_to_top`` moved inside to reach Σ_r move back out of the sums
+            # below it: a per-head table's gradient, (c = n) ? Σ_b Σ_t … : 0, added into one bin
+            # once per tile, not selected into every bin at every step of the walks
+            body = conditions_out(body) if red.monoid == "add" else body
+            stages.append(Stage(pn, s.vars + (outer,), D.Red(red.monoid, inner, body), place="memory"))
             stages.append(Stage(s.name, s.vars, D.Red(red.monoid, outer, D.Ref(pn, s.vars + (outer,), red.dtype)), s.place))
     if found is None:
         raise ONFError(f"{onf.dnf.name}: split_k: no stage reduces over {var!r}")

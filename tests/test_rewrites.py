@@ -305,6 +305,64 @@ def test_split_k_of_a_nested_sum_on_both_backends():
 
 @settings(max_examples=300, deadline=None)
 @given(linear_terms())
+def test_conditions_out_keeps_the_meaning(term):
+    """Σ_v (p ? x : 0) → p ? Σ_v x : 0 and (p ? x : 0) ± (p ? y : 0) → p ? x ± y : 0 for p not
+    using v: the term's value (float64: the same sums, a few ulps where a ± regroups), and
+    no Σ is left holding a condition it could give up."""
+    a = np.random.default_rng(3).standard_normal((4, 4))
+    out = W.conditions_out(term)
+    assert out.free == term.free
+    want = scalar_value(term, a, {})
+    assert abs(scalar_value(out, a, {}) - want) <= F64 * max(1.0, abs(want))
+    for x in D.walk(out):
+        if isinstance(x, D.Red) and x.monoid == "add" and isinstance(x.body, D.Call) and x.body.op == "where":
+            p, _, zero = x.body.children
+            assert x.var in p.free or not (isinstance(zero, D.Lit) and zero.value == 0), x
+
+
+def test_split_k_moves_a_per_head_condition_out_of_the_partials_sums():
+    """ALiBi's slopes inside documents masked by −∞ (B = 2): the slopes' gradient,
+    Σ_b Σ_n ((c = n) ? Σ_s Σ_t … : 0), split over the heads and then the keys. ``sum_to_top``
+    moves (c = n) inside to reach Σ_s; below the partial's top it moves out again
+    (``conditions_out``), so the walk over b carries no [s, c] accumulator (the layout ptxas
+    spilled 1 KB a thread for: tests/test_gpu_report.py). XLA and Pallas-interpret equal the
+    reference (float64)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels
+    from moajax import machines, schedule
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    slopes = jnp.asarray(2.0 ** -np.arange(1, 3))
+    doc = jnp.asarray([0] * 5 + [1] * 11, jnp.int32)
+    mod = _check_score_mod(lambda s, b, h, qi, ki: jnp.where(doc[qi] == doc[ki], s + slopes[h] * (ki - qi), -jnp.inf),
+                           np.dtype(np.float64))
+    kern = mha_kernel(None, None, False, False, False, mod)
+    specs = [jax.ShapeDtypeStruct((2, 16, 2, 8), np.float64)] * 3
+    specs += [jax.ShapeDtypeStruct((16,), np.int32), jax.ShapeDtypeStruct((2,), np.float64)]
+    adj = kern.adjoint(*specs)
+    dnf = adj.dnf(*specs, jax.ShapeDtypeStruct((2, 16, 2, 8), np.float64), is_causal=True)
+    (sub,) = schedule.split_outputs(dnf, [(dnf.outputs[-1].name,)])
+    args = rand_args(sub, 4)
+    args[3] = np.asarray(doc)
+    want = ref(sub, args)
+    for machine in ("delta-epyc-7763", "delta-a100"):
+        split = schedule.derive(sub, machines.load(machine), tiles={"t": 4, "s": 4}, split={"n_kv": 2, "s": 2})
+        (part,) = [st for st in split.program.stages if st.name.endswith("_part_part")]
+        below = part.body.body  # under the partial's own Σ_{s_i}: the condition, then the sums
+        assert isinstance(below, D.Call) and below.op == "where", below
+        assert not any(isinstance(x, D.Call) and x.op == "where" and "c1_0" in {v.name for v in x.children[0].free}
+                       for x in D.walk(below.children[1])), "a sum below still selects the head's bin"
+        assert rel_err(run(split, args), want) <= F64
+        if machine == "delta-a100":
+            got = np.asarray(pallas_kernels.lower(split, interpret=True)(*args))
+            assert rel_err(got, want) <= F64
+
+
+@settings(max_examples=300, deadline=None)
+@given(linear_terms())
 def test_fused_sums_keep_the_meaning(term):
     """Sibling sums over one axis inside a sum become one, guards they share merge: the term's
     value (float64, reassociated: a few ulps)."""
