@@ -359,7 +359,17 @@ def main():
                 bias = (c[:, None, None] * (pos[None, None, :] - pos[None, :, None]))[None].astype(a.dtype)
                 return jnp.sum(jax.nn.dot_product_attention(a, b, d, bias, is_causal=True).astype(jnp.float32))
 
+            # and inside 4 documents masked FlexAttention's way (−∞: a mask on data beside the
+            # slopes, whose gradient kernel spilled 1 KB a thread offline before 2026-12-05)
+            doc = jnp.asarray(np.arange(S) * 4 // S, jnp.int32)
+
+            def alibi_documents(a, b, d, c):
+                mod = lambda s, bi, h, i, j: jnp.where(  # noqa: E731
+                    doc[i] == doc[j], s + c[h] * (j - i).astype(s.dtype), -jnp.inf)
+                return jnp.sum(moajax.dot_product_attention(a, b, d, is_causal=True, score_mod=mod).astype(jnp.float32))
+
             con = {f"moajax {b}": alibi_grad(b) for b in ("owner", "split", "atomic")}
+            con["moajax owner, in documents"] = jax.grad(alibi_documents, argnums=(0, 1, 2, 3))
             con["jax.nn xla"] = jax.grad(jaxnn_alibi, argnums=(0, 1, 2, 3))
             race(f"bfloat16, {S}, True, B = 2, ALiBi", con, (q, k, v, slopes), 2 * 14 * S * S * N * H / 2, 10,
                  "jax.nn xla")

@@ -265,28 +265,44 @@ def test_sum_to_top_refuses_what_it_would_change():
     assert top.var == r and top.body == D.Red("add", s, D.Call("mul", (g, f)))
 
 
+def _table_gradient(fn, shape, consts) -> D.DNF:
+    """The DNF of a score_mod array's gradient alone (``fn`` closes over ``consts``; q, k, v
+    of ``shape``, causal, float64): the kernel ``jax.grad`` cuts from attention's adjoint."""
+    import jax
+
+    from moajax import schedule
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    kern = mha_kernel(None, None, False, False, False, _check_score_mod(fn, np.dtype(np.float64)))
+    specs = [jax.ShapeDtypeStruct(shape, np.float64)] * 3 + [jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts]
+    dnf = kern.adjoint(*specs).dnf(*specs, jax.ShapeDtypeStruct(shape, np.float64), is_causal=True)
+    (sub,) = schedule.split_outputs(dnf, [(dnf.outputs[-1].name,)])
+    assert sub.outputs[0].name.startswith("d_score_mod_const")
+    return sub
+
+
+def _on_both_backends(split, machine: str, args, want):
+    """The split ONF on XLA, and in Pallas interpret mode where ``machine`` is a GPU's."""
+    import pallas_kernels
+
+    assert rel_err(run(split, args), want) <= F64
+    if machine == "delta-a100":
+        assert rel_err(np.asarray(pallas_kernels.lower(split, interpret=True)(*args)), want) <= F64
+
+
 def test_split_k_of_a_nested_sum_on_both_backends():
     """A table's gradient Σ_n Σ_s Σ_t ((c = i(t, s)) ? dS : 0) split over t into grid parts
     (``split_k`` through ``sum_to_top``, as ``schedule._split_to_fill`` does on a GPU whose
     programs over c are too few): the XLA and Pallas-interpret kernels equal the reference
     (float64), the partials over t are a grid axis, each program binning its scores
     (``Backend.bin_sum``)."""
-    import jax
     import jax.numpy as jnp
 
-    import pallas_kernels
     from moajax import machines, schedule
-    from moajax.api import _check_score_mod
-    from moajax.kernels.attention import mha_kernel
 
     table = jnp.asarray(np.linspace(-1.0, 1.0, 9))
-    mod = _check_score_mod(lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -4, 4) + 4], np.dtype(np.float64))
-    kern = mha_kernel(None, None, False, False, False, mod)
-    specs = [jax.ShapeDtypeStruct((1, 16, 2, 8), np.float64)] * 3 + [jax.ShapeDtypeStruct((9,), np.float64)]
-    adj = kern.adjoint(*specs)
-    dnf = adj.dnf(*specs, jax.ShapeDtypeStruct((1, 16, 2, 8), np.float64), is_causal=True)
-    (sub,) = schedule.split_outputs(dnf, [(dnf.outputs[-1].name,)])
-    assert sub.outputs[0].name.startswith("d_score_mod_const")
+    sub = _table_gradient(lambda s, b, h, qi, ki: s + table[jnp.clip(qi - ki, -4, 4) + 4], (1, 16, 2, 8), [table])
     args = rand_args(sub, 3)
     want = ref(sub, args)
     for machine in ("delta-epyc-7763", "delta-a100"):
@@ -297,10 +313,7 @@ def test_split_k_of_a_nested_sum_on_both_backends():
             for v, parts in cuts.items():
                 assert f"split_k({v}, {parts})" in split.history
                 assert any(a.name == f"{v}_o" and a.role == "grid" for a in split.axes)
-            assert rel_err(run(split, args), want) <= F64
-            if machine == "delta-a100":
-                got = np.asarray(pallas_kernels.lower(split, interpret=True)(*args))
-                assert rel_err(got, want) <= F64
+            _on_both_backends(split, machine, args, want)
 
 
 @settings(max_examples=300, deadline=None)
@@ -327,24 +340,14 @@ def test_split_k_moves_a_per_head_condition_out_of_the_partials_sums():
     (``conditions_out``), so the walk over b carries no [s, c] accumulator (the layout ptxas
     spilled 1 KB a thread for: tests/test_gpu_report.py). XLA and Pallas-interpret equal the
     reference (float64)."""
-    import jax
     import jax.numpy as jnp
 
-    import pallas_kernels
     from moajax import machines, schedule
-    from moajax.api import _check_score_mod
-    from moajax.kernels.attention import mha_kernel
 
     slopes = jnp.asarray(2.0 ** -np.arange(1, 3))
     doc = jnp.asarray([0] * 5 + [1] * 11, jnp.int32)
-    mod = _check_score_mod(lambda s, b, h, qi, ki: jnp.where(doc[qi] == doc[ki], s + slopes[h] * (ki - qi), -jnp.inf),
-                           np.dtype(np.float64))
-    kern = mha_kernel(None, None, False, False, False, mod)
-    specs = [jax.ShapeDtypeStruct((2, 16, 2, 8), np.float64)] * 3
-    specs += [jax.ShapeDtypeStruct((16,), np.int32), jax.ShapeDtypeStruct((2,), np.float64)]
-    adj = kern.adjoint(*specs)
-    dnf = adj.dnf(*specs, jax.ShapeDtypeStruct((2, 16, 2, 8), np.float64), is_causal=True)
-    (sub,) = schedule.split_outputs(dnf, [(dnf.outputs[-1].name,)])
+    sub = _table_gradient(lambda s, b, h, qi, ki: jnp.where(doc[qi] == doc[ki], s + slopes[h] * (ki - qi), -jnp.inf),
+                          (2, 16, 2, 8), [doc, slopes])
     args = rand_args(sub, 4)
     args[3] = np.asarray(doc)
     want = ref(sub, args)
@@ -355,10 +358,7 @@ def test_split_k_moves_a_per_head_condition_out_of_the_partials_sums():
         assert isinstance(below, D.Call) and below.op == "where", below
         assert not any(isinstance(x, D.Call) and x.op == "where" and "c1_0" in {v.name for v in x.children[0].free}
                        for x in D.walk(below.children[1])), "a sum below still selects the head's bin"
-        assert rel_err(run(split, args), want) <= F64
-        if machine == "delta-a100":
-            got = np.asarray(pallas_kernels.lower(split, interpret=True)(*args))
-            assert rel_err(got, want) <= F64
+        _on_both_backends(split, machine, args, want)
 
 
 @settings(max_examples=300, deadline=None)
