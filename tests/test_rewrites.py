@@ -316,6 +316,35 @@ def test_split_k_of_a_nested_sum_on_both_backends():
             _on_both_backends(split, machine, args, want)
 
 
+@pytest.mark.parametrize("which", ["adjoint d_query", "tangent"])
+def test_a_split_online_pass_is_combined_over_every_part(which):
+    """The dQ of attention's adjoint without residuals (its online pass recomputes each row's
+    max and sum) and attention's tangent, split over the keys (``split_k``): a later kernel's
+    programs own key parts too (dQ's Σ_{s₀}) and read ⌈_{s₀} and Σ_{s₀} of the online partials
+    in memory. Those combine every part, not the program's own: before, Pallas normalised each
+    part by its own max and sum (dQ off by 1.7 here; a fuzz found it with a document mask and
+    query lengths on the H200 profile). Pallas-interpret equals the reference (float64)."""
+    import jax
+
+    import pallas_kernels
+    from moajax import machines, schedule
+    from moajax.kernels.attention import mha_kernel
+
+    specs = [jax.ShapeDtypeStruct((1, 12, 2, 4), np.float64)] * 3
+    kern = mha_kernel(None, None, False)
+    if which == "tangent":
+        sub = kern.tangent(*specs).dnf(*specs, *specs, is_causal=False)
+    else:
+        dnf = kern.adjoint(*specs).dnf(*specs, jax.ShapeDtypeStruct((1, 12, 2, 4), np.float64), is_causal=False)
+        sub = schedule.split_outputs(dnf)[0]
+        assert sub.outputs[0].name == "d_query"
+    args = rand_args(sub, 5)
+    want = ref(sub, args)
+    split = schedule.derive(sub, machines.load("delta-a100"), tiles={"s": 2, "t": 16}, split={"s": 3})
+    assert "split_k(s, 3)" in split.history
+    _on_both_backends(split, "delta-a100", args, want)
+
+
 @settings(max_examples=300, deadline=None)
 @given(linear_terms())
 def test_conditions_out_keeps_the_meaning(term):

@@ -172,12 +172,24 @@ class TileEval(Scope):
 
             return Named(skipping.walk(self, [skip], v, step, init), out_vars)
         if axis.role == "grid" and v in self.ranges:
+            if self._combines_parts(body, v):
+                # split_k's combine op_{r₀} of partials in memory, read by a later kernel whose
+                # programs own tiles of r₀ too (a split dQ's Σ_{s₀} beside its online pass'
+                # ⌈_{s₀}): over every part, not this program's own (before, each program
+                # normalised by its own part's max and sum: a wrong dQ, found by a fuzz)
+                return self.child({v: self.backend.whole(v)}).tile_reduce(mono, v, body)
             # a stage accumulated across programs (ONF.accumulate): this program's partial
             # sum is over its own tile of v (the XLA backend's tile is the whole grid)
             return self.tile_reduce(mono, v, body)
         rng = self.backend.whole(v)
         sub = self if same_range(rng, self.ranges.get(v)) else self.child({v: rng})
         return sub.tile_reduce(mono, v, body)
+
+    def _combines_parts(self, body: D.Expr, v: Var) -> bool:
+        """Does ``body`` read, along v, a stage held in memory (the partials a split wrote)?"""
+        places = {n: st.place for st in self.onf.program.stages for n in st.defines}
+        return any(isinstance(x, D.Ref) and places.get(x.stage) == "memory" and any(v in ix.free_vars() for ix in x.index)
+                   for x in D.walk(body))
 
     def reduce_together(self, reds, skips=None, v: Var | None = None, emits=()) -> list:
         """Several reductions ``(monoid, v, body, result_free)`` over one sequential v in one
