@@ -65,7 +65,7 @@ def main(argv):
     doc = jnp.asarray(np.repeat(np.arange(4), (100, 400, 300, 224)), jnp.int32)
     gpus = gpu_report.gpus()
     lines = [f"## At {commit}{' plus uncommitted changes' if dirty else ''}{f' ({LABEL.value})' if LABEL.value else ''}",
-             "", f"{machine_line().rstrip(".")}; ptxas {ptx.ptxas_version()}; no GPU used.", "",
+             "", f"{machine_line().rstrip('.')}; ptxas {ptx.ptxas_version()}; no GPU used.", "",
              "| B | N | kv heads | H | score_mod | " + " | ".join(m.name for m in gpus) + " |",
              "|---:|---:|---:|---:|---|" + "---|" * len(gpus)]
     spilled = 0

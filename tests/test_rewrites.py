@@ -326,7 +326,6 @@ def test_a_split_online_pass_is_combined_over_every_part(which):
     query lengths on the H200 profile). Pallas-interpret equals the reference (float64)."""
     import jax
 
-    import pallas_kernels
     from moajax import machines, schedule
     from moajax.kernels.attention import mha_kernel
 
