@@ -172,11 +172,12 @@ class TileEval(Scope):
 
             return Named(skipping.walk(self, [skip], v, step, init), out_vars)
         if axis.role == "grid" and v in self.ranges:
-            if self._combines_parts(body, v):
+            if D.Red(monoid, v, body) not in self._scattered() and self._combines_parts(body, v):
                 # split_k's combine op_{r₀} of partials in memory, read by a later kernel whose
                 # programs own tiles of r₀ too (a split dQ's Σ_{s₀} beside its online pass'
                 # ⌈_{s₀}): over every part, not this program's own (before, each program
-                # normalised by its own part's max and sum: a wrong dQ, found by a fuzz)
+                # normalised by its own part's max and sum: a wrong dQ, found by a fuzz). A
+                # scatter-added partial's own Σ stays over its tile, whatever it reads
                 return self.child({v: self.backend.whole(v)}).tile_reduce(mono, v, body)
             # a stage accumulated across programs (ONF.accumulate): this program's partial
             # sum is over its own tile of v (the XLA backend's tile is the whole grid)
@@ -184,6 +185,15 @@ class TileEval(Scope):
         rng = self.backend.whole(v)
         sub = self if same_range(rng, self.ranges.get(v)) else self.child({v: rng})
         return sub.tile_reduce(mono, v, body)
+
+    def _scattered(self) -> frozenset:
+        """The reductions whose partials programs scatter-add (``ONF.scatter_chain``): over
+        their own tiles, whatever they read."""
+        hit = self.state.__dict__.get("_scattered")
+        if hit is None:
+            hit = frozenset(r for st in self.onf.program.stages for r in self.onf.scatter_chain(st))
+            self.state.__dict__["_scattered"] = hit
+        return hit
 
     def _combines_parts(self, body: D.Expr, v: Var) -> bool:
         """Does ``body`` read, along v, a stage held in memory (the partials a split wrote)?"""
