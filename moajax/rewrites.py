@@ -157,7 +157,9 @@ SHORT_REDUCTION = 128
 
 
 def _short(e: D.Red) -> bool:
-    return e.var.extent <= SHORT_REDUCTION and not any(isinstance(x, D.Red) for x in D.walk(e.body))
+    # (a table read at a computed index is a gather, one load whatever its extent: ``dnf.selection``)
+    return (e.var.extent <= SHORT_REDUCTION and not any(isinstance(x, D.Red) for x in D.walk(e.body))
+            or D.selection(e) is not None)
 
 
 def hoist(onf: ONF) -> ONF:

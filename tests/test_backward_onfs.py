@@ -624,6 +624,25 @@ def _on_profile(monkeypatch, profile):
     return m
 
 
+@pytest.mark.parametrize("profile", ["h200", "delta-a40"])
+def test_a_document_masks_gather_is_read_in_the_walk_not_staged(profile):
+    """A document mask written FlexAttention's way reads doc[kv_idx], a table read at a
+    computed index: a gather (``dnf.selection``), one load per key whatever the table's
+    length. Hoisting took it for a row statistic and staged it in memory, a kernel of its own
+    before the forward, the dQ and the dK/dV kernels (T = S = 1024 on a GPU profile); it is
+    read inside the walk now (``rewrites._short``), so no kernel of the plan holds a memory
+    stage but the slopes' gradient's split partials."""
+    from moajax import gpu_report
+
+    forward, adjoint, _ = gpu_report.score_mod_dnfs(gpu_report.score_mods()["alibi_document"], (1, 1024, 8, 64),
+                                                    "float32")
+    m = machines.load(profile)
+    kernels = [schedule.derive_plan(forward, m)] + list(schedule.derive_plan(adjoint, m))
+    assert len(kernels) == 4  # the forward, dQ, dK with dV, the slopes' gradient
+    for onf in kernels[:3]:
+        assert not [st.name for st in onf.program.stages if st.place == "memory"], onf
+
+
 def test_jvp_where_the_gpu_schedule_splits_the_tangent_over_the_keys(monkeypatch):
     """``jax.jvp`` of attention with few query rows over many keys (B=1, T=16, S=4096, N=2,
     H=16) on the H200 profile: the default schedule splits the tangent kernel's keys (its 4
