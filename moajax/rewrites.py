@@ -399,10 +399,9 @@ def conditions_out(e: D.Expr) -> D.Expr:
 
     Why: a split table gradient's partial, Σ_{s_i} Σ_b ((c = n) ? Σ_t … : 0 + …), carried a
     [s_i, c] accumulator through its walk over b, and Triton laid the walk's [t s] tiles out
-    as that accumulator's broadcast: ptxas spilled 956–1,112 B a thread for ALiBi's slopes
-    beside a −∞ mask on the H200 (a window or a document mask, float32, at the spill check's
-    least-spilling tiling; 7,956 B at the table's first), where this form has none (201 and
-    251 registers, ad hoc offline compiles)."""
+    as that accumulator's broadcast: ptxas spilled 1,028–8,476 B a thread for ALiBi's slopes
+    inside a −∞ document mask at B = 2 on every GPU profile, where this form has none
+    (bench/results/table_grad_spills_ptx.md, before and after)."""
     def zero_select(x):
         return (isinstance(x, D.Call) and x.op == "where" and isinstance(x.children[2], D.Lit)
                 and x.children[2].value == 0)

@@ -86,8 +86,8 @@ def attention_scores(q, k, *, scale: float, is_causal: bool, bias=None, bias_axe
         # ``mask``; a select on −∞ alone, so a NaN stays NaN. Only where the score_mod's code
         # can give ±∞ (``trace.may_be_infinite``): a mask on data costs the row guard's checks
         # (``onf.RowGuard``) and, on a GPU, smaller forward tiles where the check's registers
-        # do not fit (gpu_report.md, "causal mask"). (Its table gradients' 956–1,168 B of
-        # spills were a layout, gone with ``rewrites.conditions_out``.)
+        # do not fit (gpu_report.md, "causal mask"). (Its table gradients' spills were a
+        # layout, gone with ``rewrites.conditions_out``: table_grad_spills_ptx.md.)
         score = moa.where(moa.ne(score, -np.inf), score, big)
     if mask is not None:
         score = _with_cell(score, mask, mask_axes, lambda s, m: moa.where(m, s, big))

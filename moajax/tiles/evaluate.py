@@ -197,8 +197,7 @@ class TileEval(Scope):
 
     def _combines_parts(self, body: D.Expr, v: Var) -> bool:
         """Does ``body`` read, along v, a stage held in memory (the partials a split wrote)?"""
-        places = {n: st.place for st in self.onf.program.stages for n in st.defines}
-        return any(isinstance(x, D.Ref) and places.get(x.stage) == "memory" and any(v in ix.free_vars() for ix in x.index)
+        return any(isinstance(x, D.Ref) and v in x.free and self.onf.program.stage_of(x.stage).place == "memory"
                    for x in D.walk(body))
 
     def reduce_together(self, reds, skips=None, v: Var | None = None, emits=()) -> list:
