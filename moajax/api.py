@@ -157,9 +157,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
     if not batched:
         args[:3] = [jnp.reshape(a, s) for a, s in zip(args[:3], (qs, ks, vs))]
-    kern = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
-                      None if mask_shape is None else broadcast_dims(mask_shape), K != N,
-                      lengths[0] is not None, lengths[1] is not None, mod, bool(return_residual))
+    def kernel(mod):
+        return mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
+                          None if mask_shape is None else broadcast_dims(mask_shape), K != N,
+                          lengths[0] is not None, lengths[1] is not None, mod, bool(return_residual))
+
+    kern = kernel(mod)
     if bias is None and mask is None and mod is None and not any(x is not None for x in lengths) and window is None:
         from moajax import ring
 
@@ -168,9 +171,30 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         kern = ring.sequence_lift(kern, mha_kernel(None, None, K != N) if return_residual else None)
     # a kernel like any other: compiled per platform, its gradient the compiled adjoint kernel
     # derived in the algebra (moajax.adjoint), reading the forward's saved row statistics
-    out = kern(*args, onf=onf, implementation=implementation, residuals=residuals,
-               scale=None if scale is None else float(scale), is_causal=bool(is_causal),
-               **({} if window is None else {"local_window_size": window}))
+    options = dict(onf=onf, implementation=implementation, residuals=residuals,
+                   scale=None if scale is None else float(scale), is_causal=bool(is_causal),
+                   **({} if window is None else {"local_window_size": window}))
+    tables = [] if mod is None or mod.infinite else mod.traced_tables
+    if tables:
+        # a float table the score_mod closes over as a jit argument: its values, unseen while
+        # tracing (``trace.may_be_infinite``), decide at run time whether its −∞ needs the
+        # masked fill — a kernel of its own (``as_infinite``: the select is a mask on data, with
+        # the row guard's checks). Without it, a row the table masks whole gave NaN or another
+        # row's weights, where the same concrete table gives jax.nn's masked row
+        import jax
+        import jax.numpy as jnp
+
+        from moajax import compat
+
+        first = len(args) - len(mod.consts)
+        infinite = jnp.any(jnp.stack([jnp.any(jnp.isinf(args[first + i])) for i in tables]))
+        masked = kernel(mod.as_infinite())
+        if compat.is_batched(infinite):  # vmapped over the table: a cond would run both kernels
+            out = masked(*args, **options)
+        else:
+            out = jax.lax.cond(infinite, lambda a: masked(*a, **options), lambda a: kern(*a, **options), args)
+    else:
+        out = kern(*args, **options)
     if return_residual:  # (held constant in the kernel's own definition: no cotangent flows back)
         return (out[0], out[1]) if batched else (out[0][0], out[1][0])
     return out if batched else out[0]

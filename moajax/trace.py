@@ -43,8 +43,12 @@ class ScalarFn:
 
     name: str
     jaxpr: object  # jax.extend.core.ClosedJaxpr
-    key: str
+    text: str  # the jaxpr and its constants' avals
     infinite: bool = False  # ``may_be_infinite``: part of the key, so of the kernel's identity
+
+    @property
+    def key(self) -> str:
+        return f"{self.text}|{self.infinite}"
 
     @staticmethod
     def trace(fn, dtypes, name: str) -> "ScalarFn":
@@ -59,8 +63,21 @@ class ScalarFn:
         if len(outs) != 1 or tuple(outs[0].shape) != ():
             raise ValueError(f"{name}: must return one scalar, got {[tuple(o.shape) for o in outs]}")
         consts = ", ".join(f"{np.dtype(c.dtype).name}{list(np.shape(c))}" for c in closed.consts)
-        infinite = may_be_infinite(closed)
-        return ScalarFn(name, closed, f"{closed.jaxpr}|{consts}|{infinite}", infinite)
+        return ScalarFn(name, closed, f"{closed.jaxpr}|{consts}", may_be_infinite(closed))
+
+    def as_infinite(self) -> "ScalarFn":
+        """This function taken to give ±∞ (another key, so a kernel of its own)."""
+        return dataclasses.replace(self, infinite=True)
+
+    @property
+    def traced_tables(self) -> list:
+        """The indices of the float constants known only as tracers (a table closed over as a
+        jit argument): ``may_be_infinite`` cannot see their values."""
+        import jax
+        import jax.numpy as jnp
+
+        return [i for i, c in enumerate(self.jaxpr.consts)
+                if isinstance(c, jax.core.Tracer) and jnp.issubdtype(c.dtype, jnp.inexact)]
 
     def __hash__(self):
         return hash(self.key)
@@ -95,7 +112,8 @@ def may_be_infinite(closed) -> bool:
     with an infinite entry, or a float ``log`` or a division but by a nonzero literal (log 0,
     x ÷ 0). Conservative: any such occurrence counts, whether or not it reaches the result. A
     constant whose values are unknown while tracing (a jit argument closed over) counts as
-    finite, as the kernel's other arrays do; overflow (exp of a large score) is not looked for."""
+    finite here (``traced_tables``: the caller looks at its values when it runs);
+    overflow (exp of a large score) is not looked for."""
     import jax
     import jax.numpy as jnp
 

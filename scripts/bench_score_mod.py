@@ -11,7 +11,11 @@ gather, ``dnf.selection``), the gradient adds every score's dS into its bin (a s
   before the scatter; ``dnf.one_hot_write`` switched off while that contender is traced);
 - moajax without a score_mod (the floor: plain causal attention);
 - moajax with the table materialised as a [1, 1, T, S] bias, its gradient summed into bins;
-- jax.nn with that bias (XLA), its gradient through the gather by JAX's autodiff.
+- jax.nn with that bias (XLA), its gradient through the gather by JAX's autodiff;
+- moajax without the run-time test of the table (a jit argument, its values unseen while
+  tracing): the kernel that takes the table finite, alone (before 2026-12-05: a −∞ in the
+  table gave NaN or a wrong row), and the kernel with the masked fill, alone (what the test
+  picks for a table holding ±∞: a mask on data, with the row guard's checks).
 
 `python scripts/bench_score_mod.py` writes bench/results/score_mod_grad_cpu.md.
 """
@@ -31,6 +35,8 @@ OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "score_mod_gra
 SEQ = flags.DEFINE_list("seq", ["1024"], "sequence lengths (T = S)")
 ENTRIES = flags.DEFINE_list("entries", ["9", "65"], "table sizes R")
 REPS = flags.DEFINE_integer("reps", 3, "timed rounds")
+FINITE = "moajax, one kernel: the table taken finite"
+MASKED = "moajax, one kernel: the masked fill"
 
 
 def main(argv):
@@ -43,6 +49,7 @@ def main(argv):
     import moajax
     from moajax import dnf as D
     from moajax import lower_xla
+    from moajax import trace
     from moajax.tiles.backend import Backend
     from moajax.timing import compiled_contenders, machine_line, write_results
 
@@ -54,7 +61,10 @@ def main(argv):
              "gradient binned one entry at a time (what the Pallas kernels do) on XLA; 'one-hot Σ': lowered as "
              "the DNF writes it (the lowering before the scatter), in the same run. The plan: dQ, dK + dV and "
              "the table's gradient (its Σ_s Σ_t walked in 256 × 256 tiles, the two terms of dS in one walk) "
-             "are three kernels. Temp: the compiled executable's temp allocation.", "",
+             "are three kernels. The table is a jit argument: the default contenders compile two plans under a "
+             "lax.cond that tests the table for ±∞ when it runs (the masked fill's kernel where it holds one); "
+             "'one kernel': without that test, the table taken finite (the kernel before 2026-12-05) or "
+             "with the masked fill (a mask on data). Temp: the compiled executable's temp allocation.", "",
              "| T = S | R | contender | best s | median s | vs scatter-add | temp MiB | max rel. diff of d table vs jax.nn |",
              "|---:|---:|---|---:|---:|---:|---:|---:|"]
     r = np.random.default_rng(0)
@@ -83,22 +93,30 @@ def main(argv):
                                                                                implementation="xla"))
             args = (q, k, v, table)
             losses = {"moajax, scatter-add": relpos, "moajax, bins by a loop": relpos, "moajax, one-hot Σ": relpos,
-                      "moajax, no score_mod": plain, "moajax, [T, S] bias": moa_bias, "jax.nn, [T, S] bias": nn_bias}
+                      "moajax, no score_mod": plain, "moajax, [T, S] bias": moa_bias, "jax.nn, [T, S] bias": nn_bias,
+                      FINITE: relpos, MASKED: relpos}
             # compiled ahead of time, each after clearing JAX's trace caches (the kernels are
             # lowered when traced): the loop contender with the Pallas kernels' binning, the
             # one-hot contender with the one-hot write not recognised
             fns = {}
             scatter_add, one_hot_write = lower_xla.XlaBackend.bin_sum, D.one_hot_write
+            traced, infinite = trace.ScalarFn.traced_tables, trace.may_be_infinite
             for name, loss in losses.items():
                 lower_xla.XlaBackend.bin_sum = Backend.bin_sum if name == "moajax, bins by a loop" else scatter_add
                 D.one_hot_write = (lambda v, body: None) if name == "moajax, one-hot Σ" else one_hot_write
+                # one kernel, no run-time test: the table taken finite, or taken to hold ±∞
+                trace.ScalarFn.traced_tables = property(lambda fn: []) if name in (FINITE, MASKED) else traced
+                trace.may_be_infinite = (lambda closed: True) if name == MASKED else infinite
                 jax.clear_caches()
                 lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args)
                 if name.startswith("moajax, ") and loss is relpos and (
-                        ("scatter" in lowered.as_text()) != (name == "moajax, scatter-add")):
+                        ("scatter" in lowered.as_text()) != (name in ("moajax, scatter-add", FINITE, MASKED))):
                     raise SystemExit(f"{name}: the lowering is not the one named")
+                if loss is relpos and ("stablehlo.case" in lowered.as_text()) == (name in (FINITE, MASKED)):
+                    raise SystemExit(f"{name}: the run-time test of the table is not as named")
                 fns[name] = lowered.compile()
             lower_xla.XlaBackend.bin_sum, D.one_hot_write = scatter_add, one_hot_write
+            trace.ScalarFn.traced_tables, trace.may_be_infinite = traced, infinite
             rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, [T, S] bias",
                                        pick=lambda grads: grads[3])
             base = min(rows["moajax, scatter-add"][0])

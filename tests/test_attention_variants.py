@@ -406,8 +406,8 @@ def test_random_minus_infinity_masks(shape, density, causal, form, seed):
 def test_which_score_mods_can_give_infinity():
     """``trace.may_be_infinite``, which decides whether the kernel maps a score_mod's −∞ to
     jax.nn's fill: an infinite literal, a concrete table with an infinite entry, a float log or
-    division count; finite code, a finite table and a table known only as a jit argument (taken
-    finite, as Q and K are) do not — ALiBi's slopes, learned or not, keep their kernels."""
+    division count; finite code, a finite table and a table known only as a jit argument (its
+    values looked at when the call runs: ``traced_tables``, the next test) do not."""
     from moajax.api import _check_score_mod
 
     def infinite(mod):
@@ -422,8 +422,48 @@ def test_which_score_mods_can_give_infinity():
     assert not infinite(lambda s, b, h, i, j: 2.0 * jnp.tanh(s / 2.0))  # a division by a literal 2
     assert not infinite(lambda s, b, h, i, j: jnp.where(i >= j, s, jnp.finfo(jnp.float32).min))
     seen = []
-    jax.jit(lambda c: seen.append(infinite(lambda s, b, h, i, j: s + c[h])) or c)(table)
-    assert seen == [False]
+    jax.jit(lambda c: seen.append(_check_score_mod(lambda s, b, h, i, j: s + c[h], np.float32)) or c)(table)
+    assert not seen[0].infinite and seen[0].traced_tables == [0]
+    assert _check_score_mod(lambda s, b, h, i, j: s + slopes[h], np.float32).traced_tables == []
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("how", ["jit", "vmap over the table"])
+def test_a_minus_infinity_in_a_table_passed_to_jit_masks_as_the_concrete_one(impl, how):
+    """A float table the score_mod closes over as a jit argument, ``s + tab[i] + tab[j]`` with
+    −∞ entries (rows 1 and 4 masked whole, causal, in tiles of 2): forward, dQ, dK, dV and
+    d tab equal the bias tab[i] + tab[j] with the bool mask of its finite entries (jax.nn's
+    masked rows: V averaged over every key), float64. ``may_be_infinite`` cannot see a traced
+    table's values; before, such a row gave another row's weights on XLA (0.99 off the
+    eager call, the concrete table) — the run-time test now picks the kernel with the masked
+    fill. Under vmap over the table, the tables' rows each; the finite table still matches."""
+    q, k, v, g = _qkv(2, 41, T=6, S=6)
+    tabs = np.array([[0.3, -np.inf, 0.5, -0.2, -np.inf, 1.0], [0.3, 0.1, 0.5, -0.2, 0.7, 1.0]])
+
+    def att(q, k, v, tab):
+        return moajax.dot_product_attention(q, k, v, is_causal=True, implementation=impl, onf=TILES,
+                                            score_mod=lambda s, b, h, i, j: s + tab[i] + tab[j])
+
+    def value_and_grads(q, k, v, tab):
+        out, pullback = jax.vjp(att, q, k, v, tab)
+        return out, pullback(g)
+
+    run = jax.jit(value_and_grads)
+    if how == "vmap over the table":
+        run = jax.jit(jax.vmap(value_and_grads, (None, None, None, 0)))
+        results = run(q, k, v, jnp.asarray(tabs))
+        results = [jax.tree.map(lambda x, i=i: x[i], results) for i in range(len(tabs))]
+    else:
+        results = [run(q, k, v, jnp.asarray(tab)) for tab in tabs]
+    for tab, (out, (dq, dk, dv, dtab)) in zip(tabs, results):
+        keep = np.isfinite(tab)[:, None] & np.isfinite(tab)[None, :]
+        bias = np.broadcast_to(np.where(keep, np.nan_to_num(tab[:, None] + tab[None, :], neginf=0.0), 0.0), (B, N, 6, 6))
+        mask = np.broadcast_to(keep, (B, N, 6, 6))
+        assert _close(out, R.mha_variants(q, k, v, bias=bias, mask=mask, is_causal=True), F64)
+        rq, rk, rv, rbias = R.mha_variants(q, k, v, bias=bias, mask=mask, is_causal=True, dout=g)
+        rbias = np.where(mask, rbias, 0.0).sum((0, 1))
+        for a, b in zip((dq, dk, dv, dtab), (rq, rk, rv, rbias.sum(1) + rbias.sum(0))):
+            assert _close(a, b, F64)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

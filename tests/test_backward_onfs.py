@@ -908,7 +908,10 @@ def test_the_seeds_plans_take_a_score_mod_array_at_model_shapes(profile, monkeyp
                     return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod(c), onf=Preset.of(backward=plan)))
 
                 names = [k.name for k in triton_kernels(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)]
-                assert [n.removeprefix("moajax_mha_score_mod_mh_") for n in names if "adjoint" in n] == kernels, names
+                # twice: the table is a jit argument, so the call holds the kernels that take it
+                # finite and those with the masked fill, picked when it runs (``traced_tables``)
+                assert sorted(n.removeprefix("moajax_mha_score_mod_mh_") for n in names if "adjoint" in n) == sorted(
+                    kernels * 2), names
     finally:
         runtime.schedules.cache_clear()
 
