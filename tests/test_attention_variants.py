@@ -434,9 +434,8 @@ def test_a_minus_infinity_in_a_table_passed_to_jit_masks_as_the_concrete_one(imp
     −∞ entries (rows 1 and 4 masked whole, causal, in tiles of 2): forward, dQ, dK, dV and
     d tab equal the bias tab[i] + tab[j] with the bool mask of its finite entries (jax.nn's
     masked rows: V averaged over every key), float64. ``may_be_infinite`` cannot see a traced
-    table's values; before, such a row gave another row's weights on XLA (0.99 off the
-    eager call, the concrete table) — the run-time test now picks the kernel with the masked
-    fill. Under vmap over the table, the tables' rows each; the finite table still matches."""
+    table's values; before, such a row was NaN in Pallas and, on XLA, not the eager call's
+    (the concrete table's) — the run-time test now picks the kernel with the masked fill. Under vmap over the table, the tables' rows each; the finite table still matches."""
     q, k, v, g = _qkv(2, 41, T=6, S=6)
     tabs = np.array([[0.3, -np.inf, 0.5, -0.2, -np.inf, 1.0], [0.3, 0.1, 0.5, -0.2, 0.7, 1.0]])
 
