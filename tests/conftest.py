@@ -58,7 +58,10 @@ os.environ["MOAJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="moajax-test-cache-")
 atexit.register(shutil.rmtree, os.environ["MOAJAX_CACHE_DIR"], ignore_errors=True)
 os.environ.pop("MOAJAX_MACHINE", None)
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -71,3 +74,31 @@ settings.register_profile(
 settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+
+
+def _rss_mib() -> int:
+    """This process's resident memory (Linux; 0 elsewhere, where nothing is released)."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+_released_at = [_rss_mib()]
+RELEASE_AFTER_MIB = 1024
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After a module that grew this worker's memory by over ``RELEASE_AFTER_MIB`` since the
+    last release, drop JAX's compiled programs (``jax.clear_caches``). A worker otherwise keeps
+    every program the suite compiles, over 5 GB each of two workers by the end of a run
+    (bench/results/test_suite_cpu_epyc_avx2.md), and an XLA compile that cannot allocate aborts
+    its worker with no message. Past the threshold, not after every module: a module reuses
+    the kernels of the ones before it, which a release compiles again."""
+    yield
+    if _rss_mib() - _released_at[0] > RELEASE_AFTER_MIB:
+        jax.clear_caches()
+        gc.collect()
+        _released_at[0] = _rss_mib()
