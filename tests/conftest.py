@@ -94,9 +94,11 @@ def _release_compiled_programs():
     """After a module that grew this worker's memory by over ``RELEASE_AFTER_MIB`` since the
     last release, drop JAX's compiled programs (``jax.clear_caches``). A worker otherwise keeps
     every program the suite compiles, over 5 GB each of two workers by the end of a run
-    (bench/results/test_suite_cpu_epyc_avx2.md), and an XLA compile that cannot allocate aborts
-    its worker with no message. Past the threshold, not after every module: a module reuses
-    the kernels of the ones before it, which a release compiles again."""
+    (bench/results/test_suite_cpu_epyc_avx2.md), where a CI machine may have less; LLVM
+    failing to allocate has aborted fuzz processes here, and one clean run lost a worker to
+    an abort inside XLA's compile (no message: the cause not shown). Past the threshold, not
+    after every module: a module reuses the kernels of the ones before it, which a release
+    compiles again."""
     yield
     if _rss_mib() - _released_at[0] > RELEASE_AFTER_MIB:
         jax.clear_caches()
