@@ -58,7 +58,10 @@ class ScalarFn:
         try:
             closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct((), np.dtype(d)) for d in dtypes])
         except TypeError as e:
-            raise TypeError(f"{name}: could not be traced on {len(dtypes)} scalars ({e})") from None
+            # a NumPy table indexed at a traced index (np.ndarray[q_idx]) asks the tracer for a value
+            hint = ("; a NumPy array it indexes at a traced index must be a jax array: jnp.asarray(table)"
+                    if isinstance(e, jax.errors.TracerArrayConversionError) else "")
+            raise TypeError(f"{name}: could not be traced on {len(dtypes)} scalars ({e}){hint}") from None
         outs = closed.out_avals
         if len(outs) != 1 or tuple(outs[0].shape) != ():
             raise ValueError(f"{name}: must return one scalar, got {[tuple(o.shape) for o in outs]}")

@@ -682,6 +682,9 @@ def test_bad_score_mods_are_named():
         attn(q, k, v, score_mod=lambda s, b, h, qi, ki: jnp.sin(s))
     with pytest.raises(TypeError, match="score_mod must be callable"):
         attn(q, k, v, score_mod=3.0)
+    table = np.linspace(-1.0, 1.0, 2 * S)  # NumPy, indexed at a traced index: says what to do
+    with pytest.raises(TypeError, match=r"(?s)could not be traced.*must be a jax array: jnp.asarray\(table\)"):
+        attn(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[qi - ki + S])
 
 
 def test_a_table_read_is_a_gather_not_a_one_hot_sum():
