@@ -12,6 +12,7 @@ The table appends a section for the code it runs on (its git commit), so two run
 older checkout through PYTHONPATH — compare the same rows.
 
     python scripts/ptx_table_grad_sweep.py --append   # bench/results/table_grad_spills_ptx.md
+    python scripts/ptx_table_grad_sweep.py --append --kind "ALiBi, the masked fill's kernel"
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ sys.path.append(str(ROOT))  # appended: a PYTHONPATH naming another checkout is 
 OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "table_grad_spills_ptx.md"), "the results file")
 APPEND = flags.DEFINE_bool("append", False, "add a section to the file instead of replacing it")
 LABEL = flags.DEFINE_string("label", "", "a word on the code measured (the commit is found from the moajax imported)")
+KINDS = ("ALiBi", "ALiBi in documents", "ALiBi, the masked fill's kernel")
+KIND = flags.DEFINE_multi_enum("kind", list(KINDS[:2]), KINDS,
+                               "the score_mods: the third is the kernel a call with the slopes as a jit argument "
+                               "compiles beside ALiBi's, for a table that holds ±∞ (the select of −∞, a mask on data)")
 
 
 def main(argv):
@@ -53,10 +58,11 @@ def main(argv):
     dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
 
-    def adjoint(fn, b, n, k, h):
+    def adjoint(fn, b, n, k, h, masked_fill=False):
         specs = [jax.ShapeDtypeStruct((b, 1024, n, h), np.float32)]
         specs += [jax.ShapeDtypeStruct((b, 1024, k, h), np.float32)] * 2
         mod = _check_score_mod(fn, np.dtype(np.float32))
+        mod = mod.as_infinite() if masked_fill else mod
         kern = mha_kernel(None, None, k != n, False, False, mod)
         consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
         adj, args = kern.saved_adjoint(*specs, *consts, is_causal=True)
@@ -69,16 +75,17 @@ def main(argv):
              "| B | N | kv heads | H | score_mod | " + " | ".join(m.name for m in gpus) + " |",
              "|---:|---:|---:|---:|---|" + "---|" * len(gpus)]
     spilled = 0
-    for b, n, h, gqa, kind in itertools.product((2, 4), (8, 16), (64, 128), (False, True), ("ALiBi", "ALiBi in documents")):
+    for b, n, h, gqa, kind in itertools.product((2, 4), (8, 16), (64, 128), (False, True),
+                                                [x for x in KINDS if x in KIND.value]):
         k = 2 if gqa else n
         slopes = jnp.asarray(2.0 ** -np.arange(1, n + 1), jnp.float32)
 
         def alibi(s, hh, qi, ki, slopes=slopes):
             return s + slopes[hh] * (ki - qi).astype(s.dtype)
 
-        fn = ((lambda s, bi, hh, qi, ki: alibi(s, hh, qi, ki)) if kind == "ALiBi" else
+        fn = ((lambda s, bi, hh, qi, ki: alibi(s, hh, qi, ki)) if kind != "ALiBi in documents" else
               (lambda s, bi, hh, qi, ki: jnp.where(doc[qi] == doc[ki], alibi(s, hh, qi, ki), -jnp.inf)))
-        dnf = adjoint(fn, b, n, k, h)
+        dnf = adjoint(fn, b, n, k, h, masked_fill=kind == KINDS[2])
         cells = []
         for m in gpus:
             try:
