@@ -58,7 +58,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     (FlexAttention's contract, written with jax.numpy on scalars) rewrites each score after
     the bias and before the masks; it is traced into the kernel's array expression
     (``moajax.trace``), so both backends run it and its derivative is derived with the rest
-    (an array it closes over, such as a table of relative-position biases, gets its gradient). float16/bfloat16 accumulate in float32; float32 and float64 in
+    (an array it closes over, such as a table of relative-position biases, gets its gradient).
+    A −∞ it gives masks the key as ``mask`` does (a row with none kept averages V); a float
+    array it closes over as a jit argument is looked at when the call runs, the masked
+    kernel run where it holds ±∞ (both are compiled). float16/bfloat16 accumulate in float32; float32 and float64 in
     themselves (float64 is float64-accurate). A GPU's float32 dots follow
     ``jax.default_matmul_precision`` as jax.nn's do: TF32 under JAX's default, IEEE float32
     under "highest" (the gradient takes the precision of the call); a CPU's are float32.
