@@ -61,7 +61,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     (an array it closes over, such as a table of relative-position biases, gets its gradient).
     A −∞ it gives masks the key as ``mask`` does (a row with none kept averages V); a float
     array it closes over as a jit argument is looked at when the call runs, the masked
-    kernel run where it holds ±∞ (both are compiled). float16/bfloat16 accumulate in float32; float32 and float64 in
+    kernel run where it holds ±∞ (under jit both are compiled, and a lax.cond picks). float16/bfloat16 accumulate in float32; float32 and float64 in
     themselves (float64 is float64-accurate). A GPU's float32 dots follow
     ``jax.default_matmul_precision`` as jax.nn's do: TF32 under JAX's default, IEEE float32
     under "highest" (the gradient takes the precision of the call); a CPU's are float32.
@@ -192,7 +192,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         first = len(args) - len(mod.consts)
         infinite = jnp.any(jnp.stack([jnp.any(jnp.isinf(args[first + i])) for i in tables]))
         masked = kernel(mod.as_infinite())
-        if compat.is_batched(infinite):  # vmapped over the table: a cond would run both kernels
+        if not isinstance(infinite, jax.core.Tracer):
+            # known now (an eager call, jax.grad's too: a bool has no tangent): the one kernel
+            # it needs. A cond built afresh in each eager call compiled both again in each
+            out = (masked if bool(infinite) else kern)(*args, **options)
+        elif compat.is_batched(infinite):  # vmapped over the table: a cond would run both kernels
             out = masked(*args, **options)
         else:
             out = jax.lax.cond(infinite, lambda a: masked(*a, **options), lambda a: kern(*a, **options), args)

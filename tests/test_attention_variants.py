@@ -465,6 +465,30 @@ def test_a_minus_infinity_in_a_table_passed_to_jit_masks_as_the_concrete_one(imp
             assert _close(a, b, F64)
 
 
+def test_an_eager_gradient_through_a_table_picks_one_kernel_by_its_values(monkeypatch):
+    """``jax.grad`` outside jit of a function whose score_mod closes over the table it
+    differentiates: the table is a tracer, but its values are known (a bool has no tangent),
+    so the call runs the one kernel they need, never a ``lax.cond`` (built afresh in each
+    eager call, a cond compiled both kernels again in each). Its gradients equal jit's, for a
+    table with −∞ entries (a row masked whole) and for a finite one."""
+    q, k, v, g = _qkv(2, 17, T=5, S=5)
+
+    def loss(q, tab):
+        att = moajax.dot_product_attention(q, k, v, is_causal=True, score_mod=lambda s, b, h, i, j: s + tab[i] + tab[j])
+        return jnp.sum(att * g)
+
+    tabs = [jnp.asarray([0.2, -np.inf, 0.4, -0.1, 0.3]), jnp.asarray([0.2, 0.5, 0.4, -0.1, 0.3])]
+    compiled = [jax.jit(jax.grad(loss, (0, 1)))(q, tab) for tab in tabs]
+
+    def no_cond(*args, **kwargs):
+        raise AssertionError("an eager call built a lax.cond")
+
+    monkeypatch.setattr(jax.lax, "cond", no_cond)
+    for tab, want in zip(tabs, compiled):
+        for a, b in zip(jax.grad(loss, (0, 1))(q, tab), want):
+            assert _close(a, b, F64)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_score_mod_index_arithmetic_floors_as_jnp(impl):
     """A score_mod's integer // and % (jnp's floor division and remainder: lax.div and lax.rem,
