@@ -97,8 +97,13 @@ class ScalarFn:
 
     @property
     def consts(self) -> list:
-        """The closed-over values, in order: the arrays ``apply`` takes as ``consts``."""
-        return list(self.jaxpr.consts)
+        """The closed-over values, in order: the arrays ``apply`` takes as ``consts``. A table of
+        rank ≥ 2 (a bias per head and distance, document ids per batch element) comes
+        flattened, in C order: the function reads it one element at a time, at the flat index
+        of its indices (``_flat_index``), so every kernel sees 1-D tables."""
+        import jax.numpy as jnp
+
+        return [jnp.reshape(c, (-1,)) if np.ndim(c) >= 2 else c for c in self.jaxpr.consts]
 
     def apply(self, args, consts=()):
         """The function applied elementwise to moa arrays ``args`` (scalar-extended), its
@@ -208,12 +213,25 @@ def _op(name, prim, eqn, xs):
         return _eval(name, inner, [], xs)
     if prim == "dynamic_slice":  # table[i] of a closed-over table: (one-hot) +/ (ι n = i) × table
         table, index = xs[0], xs[1:]
-        if table.rank != 1 or eqn.params["slice_sizes"] != (1,):
-            raise TraceError(f"{name}: dynamic_slice of shape {list(table.shape)} (only one element of a 1-D table)")
-        return _one_hot_read(table, index[0])
+        shape = tuple(eqn.invars[0].aval.shape)
+        if eqn.params["slice_sizes"] != (1,) * len(shape) or table.rank != 1 or table.shape[0] != int(np.prod(shape)):
+            raise TraceError(f"{name}: dynamic_slice of {list(eqn.params['slice_sizes'])} from a table of shape "
+                             f"{list(shape)} (only one element of a table: table[h, k], not a row, table[h][k])")
+        return _one_hot_read(table, index[0] if len(shape) == 1 else _flat_index(index, shape))
     if prim == "squeeze":  # of a table read's trailing axis of 1
         return _squeeze_table_read(name, xs[0])
     raise TraceError(f"{name}: the operation {prim!r} has no counterpart in the algebra")
+
+
+def _flat_index(index, shape) -> moa.Array:
+    """The C-order flat index of (i₀, …, i_{r−1}) in an array of ``shape``, each clamped to
+    0 ⌈ i_d ⌊ n_d − 1 as dynamic_slice clamps its starts: a read past an end of one axis is
+    that axis' end entry, never another row's."""
+    flat = None
+    for d, (i, n) in enumerate(zip(index, shape)):
+        term = moa.minimum(moa.maximum(i, 0), n - 1) * int(np.prod(shape[d + 1:], dtype=np.int64))
+        flat = term if flat is None else flat + term
+    return flat
 
 
 def _one_hot_read(table: moa.Array, index: moa.Array) -> moa.Array:

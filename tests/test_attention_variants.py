@@ -465,6 +465,39 @@ def test_a_minus_infinity_in_a_table_passed_to_jit_masks_as_the_concrete_one(imp
             assert _close(a, b, F64)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_two_dimensional_table_is_read_one_element_at_a_time(impl):
+    """A table of rank 2 closed over (T5's bias per head and distance bucket, tab[h, k]; a
+    document id per batch element and position, doc[b, i]): read at its C-order flat index,
+    each index clamped as jnp's table[i, j] clamps it. Float64 forward and gradients (of q,
+    k, v and the table, a jit argument) under GQA and causal, against the bias and bool mask
+    the tables mean. Before, "only one element of a 1-D table"; a row read, tab[h][k], is
+    still refused, naming the form that works."""
+    q, k, v, g = _qkv(2, 23)
+    r = np.random.default_rng(23)
+    tab = jnp.asarray(r.standard_normal((N, 5)))
+    doc = np.sort(r.integers(0, 3, (B, max(T, S))), axis=1).astype(np.int32)
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+
+    def att(q, k, v, tab):
+        def mod(sc, b, h, i, j):
+            return jnp.where(jnp.asarray(doc)[b, i] == jnp.asarray(doc)[b, j], sc + tab[h, jnp.clip(i - j, -2, 2) + 2],
+                             -jnp.inf)
+        return moajax.dot_product_attention(q, k, v, is_causal=True, implementation=impl, score_mod=mod)
+
+    bias = np.broadcast_to(np.asarray(tab)[:, np.clip(t - s, -2, 2) + 2][None], (B, N, T, S))
+    mask = doc[:, None, :T, None] == doc[:, None, None, :S]
+    out, pullback = jax.jit(lambda *a: jax.vjp(att, *a))(q, k, v, tab)
+    assert _close(out, R.mha_variants(q, k, v, bias=bias, mask=mask, is_causal=True), F64)
+    rq, rk, rv, rbias = R.mha_variants(q, k, v, bias=bias, mask=mask, is_causal=True, dout=g)
+    dtab = np.zeros((N, 5))
+    np.add.at(dtab, (slice(None), np.clip(t - s, -2, 2) + 2), np.asarray(rbias).sum(0))
+    for a, b in zip(pullback(g), (rq, rk, rv, dtab)):
+        assert _close(a, b, F64)
+    with pytest.raises(TypeError, match=r"only one element of a table: table\[h, k\], not a row"):
+        moajax.dot_product_attention(q, k, v, score_mod=lambda sc, b, h, i, j: sc + tab[h][j % 5])
+
+
 def test_an_eager_gradient_through_a_table_picks_one_kernel_by_its_values(monkeypatch):
     """``jax.grad`` outside jit of a function whose score_mod closes over the table it
     differentiates: the table is a tracer, but its values are known (a bool has no tangent),
