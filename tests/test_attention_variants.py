@@ -498,6 +498,30 @@ def test_a_two_dimensional_table_is_read_one_element_at_a_time(impl):
         moajax.dot_product_attention(q, k, v, score_mod=lambda sc, b, h, i, j: sc + tab[h][j % 5])
 
 
+@settings(max_examples=25, deadline=None)
+@given(shape=st.sampled_from([(4, 5), (3, 7), (2, 3, 4)]), row=st.integers(-6, 6), col=st.integers(-9, 9),
+       seed=st.integers(0, 2**16))
+def test_a_table_read_out_of_range_clamps_as_jax_does(shape, row, col, seed):
+    """Random table reads whose indices leave the table on either side, tab[h + row, i − j +
+    col] (and a third axis at b + col): the kernel's scores equal the score_mod evaluated by
+    JAX itself on each (b, h, i, j) as int32 scalars under jit (jnp wraps a negative index
+    once, then dynamic_slice clamps each axis), float64, XLA."""
+    q, k, v, _ = _qkv(2, seed % 97)
+    tab = jnp.asarray(np.random.default_rng(seed).standard_normal(shape))
+    if len(shape) == 2:
+        def mod(sc, b, h, i, j):
+            return sc + tab[h + row, i - j + col]
+    else:
+        def mod(sc, b, h, i, j):
+            return sc + tab[h + row, i - j + col, b + col]
+    one = jax.jit(lambda b, h, i, j: mod(0.0, b, h, i, j))
+    ix = [jnp.int32(x) for x in range(max(B, N, T, S))]
+    bias = np.array([[[[one(ix[b], ix[h], ix[i], ix[j]) for j in range(S)] for i in range(T)] for h in range(N)]
+                     for b in range(B)])
+    got = moajax.dot_product_attention(q, k, v, score_mod=mod, implementation="xla")
+    assert _close(got, R.mha_variants(q, k, v, bias=bias), F64)
+
+
 def test_an_eager_gradient_through_a_table_picks_one_kernel_by_its_values(monkeypatch):
     """``jax.grad`` outside jit of a function whose score_mod closes over the table it
     differentiates: the table is a tracer, but its values are known (a bool has no tangent),
