@@ -59,9 +59,10 @@ class ScalarFn:
             closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct((), np.dtype(d)) for d in dtypes])
         except TypeError as e:
             # a NumPy table indexed at a traced index (np.ndarray[q_idx]) asks the tracer for a value
-            hint = ("; a NumPy array it indexes at a traced index must be a jax array: jnp.asarray(table)"
-                    if isinstance(e, jax.errors.TracerArrayConversionError) else "")
-            raise TypeError(f"{name}: could not be traced on {len(dtypes)} scalars ({e}){hint}") from None
+            if isinstance(e, jax.errors.TracerArrayConversionError):
+                raise TypeError(f"{name}: indexes a NumPy array at a traced index; a table it reads must be a jax "
+                                f"array: jnp.asarray(table) (could not be traced on {len(dtypes)} scalars: {e})") from None
+            raise TypeError(f"{name}: could not be traced on {len(dtypes)} scalars ({e})") from None
         outs = closed.out_avals
         if len(outs) != 1 or tuple(outs[0].shape) != ():
             raise ValueError(f"{name}: must return one scalar, got {[tuple(o.shape) for o in outs]}")
@@ -215,8 +216,9 @@ def _op(name, prim, eqn, xs):
         table, index = xs[0], xs[1:]
         shape = tuple(eqn.invars[0].aval.shape)
         if eqn.params["slice_sizes"] != (1,) * len(shape) or table.rank != 1 or table.shape[0] != int(np.prod(shape)):
-            raise TraceError(f"{name}: dynamic_slice of {list(eqn.params['slice_sizes'])} from a table of shape "
-                             f"{list(shape)} (only one element of a table: table[h, k], not a row, table[h][k])")
+            raise TraceError(f"{name}: reads more than one element of a table of shape {list(shape)}; read one "
+                             "element at a time: table[h, k], not a row, table[h][k] (a dynamic_slice of "
+                             f"{list(eqn.params['slice_sizes'])})")
         return _one_hot_read(table, index[0] if len(shape) == 1 else _flat_index(index, shape))
     if prim == "squeeze":  # of a table read's trailing axis of 1
         return _squeeze_table_read(name, xs[0])
