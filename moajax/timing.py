@@ -5,6 +5,7 @@ more), then timed ``reps`` times, and the median is reported."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -58,6 +59,24 @@ def compiled_contenders(fns: dict, args, *, reps: int, reference: str, pick) -> 
              for n, f in fns.items()}
     times = alternating(fns, args, reps=reps)
     return {n: (times[n], f.memory_analysis().temp_size_in_bytes / 2**20, diffs[n]) for n, f in fns.items()}
+
+
+@contextlib.contextmanager
+def one_score_mod_kernel(masked: bool = False):
+    """While tracing inside: a score_mod's tables known only as tracers get no run-time test
+    (``ScalarFn.traced_tables``: a lax.cond between two kernels); its one kernel takes them
+    finite, or with ``masked`` gives the masked fill (``trace.may_be_infinite`` taken True).
+    What a benchmark times beside the default to show the test's cost."""
+    from moajax import trace
+
+    saved = trace.ScalarFn.traced_tables, trace.may_be_infinite
+    trace.ScalarFn.traced_tables = property(lambda fn: [])
+    if masked:
+        trace.may_be_infinite = lambda closed: True
+    try:
+        yield
+    finally:
+        trace.ScalarFn.traced_tables, trace.may_be_infinite = saved
 
 
 def machine_line() -> str:

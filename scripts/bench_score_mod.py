@@ -22,6 +22,7 @@ gather, ``dnf.selection``), the gradient adds every score's dS into its bin (a s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -49,9 +50,8 @@ def main(argv):
     import moajax
     from moajax import dnf as D
     from moajax import lower_xla
-    from moajax import trace
     from moajax.tiles.backend import Backend
-    from moajax.timing import compiled_contenders, machine_line, write_results
+    from moajax.timing import compiled_contenders, machine_line, one_score_mod_kernel, write_results
 
     B, N, H = 1, 8, 64
     lines = [f"# Attention gradient with a relative-position table (score_mod), CPU ({machine_line()})", "",
@@ -100,15 +100,14 @@ def main(argv):
             # one-hot contender with the one-hot write not recognised
             fns = {}
             scatter_add, one_hot_write = lower_xla.XlaBackend.bin_sum, D.one_hot_write
-            traced, infinite = trace.ScalarFn.traced_tables, trace.may_be_infinite
             for name, loss in losses.items():
                 lower_xla.XlaBackend.bin_sum = Backend.bin_sum if name == "moajax, bins by a loop" else scatter_add
                 D.one_hot_write = (lambda v, body: None) if name == "moajax, one-hot Σ" else one_hot_write
-                # one kernel, no run-time test: the table taken finite, or taken to hold ±∞
-                trace.ScalarFn.traced_tables = property(lambda fn: []) if name in (FINITE, MASKED) else traced
-                trace.may_be_infinite = (lambda closed: True) if name == MASKED else infinite
                 jax.clear_caches()
-                lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args)
+                # one kernel, no run-time test: the table taken finite, or taken to hold ±∞
+                with (one_score_mod_kernel(masked=name == MASKED) if name in (FINITE, MASKED)
+                      else contextlib.nullcontext()):
+                    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args)
                 if name.startswith("moajax, ") and loss is relpos and (
                         ("scatter" in lowered.as_text()) != (name in ("moajax, scatter-add", FINITE, MASKED))):
                     raise SystemExit(f"{name}: the lowering is not the one named")
@@ -116,7 +115,6 @@ def main(argv):
                     raise SystemExit(f"{name}: the run-time test of the table is not as named")
                 fns[name] = lowered.compile()
             lower_xla.XlaBackend.bin_sum, D.one_hot_write = scatter_add, one_hot_write
-            trace.ScalarFn.traced_tables, trace.may_be_infinite = traced, infinite
             rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, [T, S] bias",
                                        pick=lambda grads: grads[3])
             base = min(rows["moajax, scatter-add"][0])

@@ -371,14 +371,11 @@ def main():
             def without_the_test(fn):
                 """``fn`` traced with the slopes taken finite, as before 2026-12-05: one kernel,
                 no run-time test of the slopes for ±∞ (a lax.cond between two kernels)."""
-                from moajax import trace
+                from moajax.timing import one_score_mod_kernel
 
                 def run(*a):
-                    test, trace.ScalarFn.traced_tables = trace.ScalarFn.traced_tables, property(lambda f: [])
-                    try:
+                    with one_score_mod_kernel():
                         return fn(*a)
-                    finally:
-                        trace.ScalarFn.traced_tables = test
                 return run
 
             con = {f"moajax {b}": alibi_grad(b) for b in ("owner", "split", "atomic")}

@@ -75,7 +75,6 @@ settings.register_profile("ci", parent=settings.get_profile("default"), derandom
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-
 def _rss_mib() -> int:
     """This process's resident memory (Linux; 0 elsewhere, where nothing is released)."""
     try:
