@@ -27,15 +27,71 @@ def _shape_dtype(x, name, who: str = "dot_product_attention"):
     return tuple(int(s) for s in x.shape), np.dtype(jnp.dtype(x.dtype))
 
 
-def _check_broadcast(name, shape, target):
+def _check_broadcast(name, shape, target, who: str = "dot_product_attention"):
     if len(shape) > len(target):
-        raise ValueError(f"dot_product_attention: {name} has rank {len(shape)} > {len(target)}; it must broadcast to {list(target)}")
+        raise ValueError(f"{who}: {name} has rank {len(shape)} > {len(target)}; it must broadcast to {list(target)}")
     full = (1,) * (len(target) - len(shape)) + tuple(shape)
     for s, t in zip(full, target):
         if s not in (1, t):
             raise ValueError(
-                f"dot_product_attention: {name} shape {list(shape)} does not broadcast to [B, N, T, S] = {list(target)}"
+                f"{who}: {name} shape {list(shape)} does not broadcast to [B, N, T, S] = {list(target)}"
             )
+
+
+def _attention_shapes(query, key, value, bias, mask, who: str = "dot_product_attention"):
+    """jax.nn.dot_product_attention's arguments checked (named TypeError/ValueError): the
+    shapes of query, key and value (rank 4, or 3 without a batch), their one float dtype, and
+    bias and mask broadcasting to [B, N, T, S]. Returns (qs, ks, vs, dtype, batched, bias
+    shape, bias dtype, mask shape), the shapes of rank 4 (a batch of 1 where none was given)."""
+    qs, qd = _shape_dtype(query, "query", who)
+    ks, kd = _shape_dtype(key, "key", who)
+    vs, vd = _shape_dtype(value, "value", who)
+    if len(qs) not in (3, 4):
+        raise ValueError(f"{who}: query must have rank 4 [B, T, N, H] or 3 [T, N, H], got shape {list(qs)}")
+    if len(ks) != len(qs) or len(vs) != len(qs):
+        raise ValueError(
+            f"{who}: key and value must have the rank of query ({len(qs)}); "
+            f"got key {list(ks)}, value {list(vs)}"
+        )
+    if qd.name not in _FLOATS:
+        raise TypeError(f"{who}: query dtype must be one of {_FLOATS}, got {qd.name}")
+    if kd != qd or vd != qd:
+        raise TypeError(
+            f"{who}: query, key and value must share one dtype; got query {qd.name}, "
+            f"key {kd.name}, value {vd.name}"
+        )
+    batched = len(qs) == 4
+    if not batched:
+        qs, ks, vs = (1,) + qs, (1,) + ks, (1,) + vs
+    B, T, N, H = qs
+    Bk, S, K, Hk = ks
+    Bv, Sv, Kv, E = vs
+    if Bk != B or Bv != B:
+        raise ValueError(f"{who}: batch sizes differ: query {B}, key {Bk}, value {Bv}")
+    if Hk != H:
+        raise ValueError(f"{who}: key head dim {Hk} does not match query head dim {H}")
+    if (Sv, Kv) != (S, K):
+        raise ValueError(f"{who}: value shape {list(vs)} does not match key shape {list(ks)} in S and K")
+    if K == 0 or N % K:
+        raise ValueError(f"{who}: query has {N} heads, not a multiple of the {K} key/value heads")
+    if min(B, T, S, H, E, N) == 0:
+        raise ValueError(f"{who}: zero-size dimension in query {list(qs)}, key {list(ks)} or "
+                         f"value {list(vs)}")
+    target = (B, N, T, S)
+    bias_shape = bias_dtype = mask_shape = None
+    if bias is not None:
+        bias_shape, bias_dtype = _shape_dtype(bias, "bias", who)
+        if bias_dtype.name not in _FLOATS:
+            raise TypeError(f"{who}: bias dtype must be floating, got {bias_dtype.name}")
+        _check_broadcast("bias", bias_shape, target if batched or len(bias_shape) == 4 else target[1:], who)
+        bias_shape = (1,) * (4 - len(bias_shape)) + bias_shape  # rank 4: one kernel per pattern
+    if mask is not None:
+        mask_shape, mask_dtype = _shape_dtype(mask, "mask", who)
+        if mask_dtype != np.bool_:
+            raise TypeError(f"{who}: mask must be a bool array (True = keep), got {mask_dtype.name}")
+        _check_broadcast("mask", mask_shape, target if batched or len(mask_shape) == 4 else target[1:], who)
+        mask_shape = (1,) * (4 - len(mask_shape)) + mask_shape  # rank 4: one kernel per pattern
+    return qs, ks, vs, qd, batched, bias_shape, bias_dtype, mask_shape
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -82,65 +138,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
     from moajax.kernels.attention import broadcast_dims, mha_kernel
 
-    qs, qd = _shape_dtype(query, "query")
-    ks, kd = _shape_dtype(key, "key")
-    vs, vd = _shape_dtype(value, "value")
-    if len(qs) not in (3, 4):
-        raise ValueError(f"dot_product_attention: query must have rank 4 [B, T, N, H] or 3 [T, N, H], got shape {list(qs)}")
-    if len(ks) != len(qs) or len(vs) != len(qs):
-        raise ValueError(
-            f"dot_product_attention: key and value must have the rank of query ({len(qs)}); "
-            f"got key {list(ks)}, value {list(vs)}"
-        )
-    if qd.name not in _FLOATS:
-        raise TypeError(f"dot_product_attention: query dtype must be one of {_FLOATS}, got {qd.name}")
-    if kd != qd or vd != qd:
-        raise TypeError(
-            f"dot_product_attention: query, key and value must share one dtype; got query {qd.name}, "
-            f"key {kd.name}, value {vd.name}"
-        )
-    batched = len(qs) == 4
-    if not batched:
-        qs, ks, vs = (1,) + qs, (1,) + ks, (1,) + vs
+    qs, ks, vs, qd, batched, bias_shape, bias_dtype, mask_shape = _attention_shapes(query, key, value, bias, mask)
     B, T, N, H = qs
-    Bk, S, K, Hk = ks
-    Bv, Sv, Kv, E = vs
-    if Bk != B or Bv != B:
-        raise ValueError(f"dot_product_attention: batch sizes differ: query {B}, key {Bk}, value {Bv}")
-    if Hk != H:
-        raise ValueError(f"dot_product_attention: key head dim {Hk} does not match query head dim {H}")
-    if (Sv, Kv) != (S, K):
-        raise ValueError(f"dot_product_attention: value shape {list(vs)} does not match key shape {list(ks)} in S and K")
-    if K == 0 or N % K:
-        raise ValueError(f"dot_product_attention: query has {N} heads, not a multiple of the {K} key/value heads")
-    if min(B, T, S, H, E, N) == 0:
-        raise ValueError(f"dot_product_attention: zero-size dimension in query {list(qs)}, key {list(ks)} or "
-                         f"value {list(vs)}")
-    target = (B, N, T, S)
-    bias_shape = bias_dtype = mask_shape = None
+    S, K = ks[1], ks[2]
     args = [query, key, value]
     if bias is not None:
-        bias_shape, bias_dtype = _shape_dtype(bias, "bias")
-        if bias_dtype.name not in _FLOATS:
-            raise TypeError(f"dot_product_attention: bias dtype must be floating, got {bias_dtype.name}")
-        _check_broadcast("bias", bias_shape, target if batched or len(bias_shape) == 4 else target[1:])
-        bias_shape = (1,) * (4 - len(bias_shape)) + bias_shape  # rank 4: one kernel per pattern
         args.append(jnp.reshape(bias, bias_shape))
     if mask is not None:
-        mask_shape, mask_dtype = _shape_dtype(mask, "mask")
-        if mask_dtype != np.bool_:
-            raise TypeError(f"dot_product_attention: mask must be a bool array (True = keep), got {mask_dtype.name}")
-        _check_broadcast("mask", mask_shape, target if batched or len(mask_shape) == 4 else target[1:])
-        mask_shape = (1,) * (4 - len(mask_shape)) + mask_shape  # rank 4: one kernel per pattern
         args.append(jnp.reshape(mask, mask_shape))
-    if scale is not None:
-        if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
-            raise TypeError(f"dot_product_attention: scale must be a static Python number, got {type(scale).__name__}")
-        if not math.isfinite(float(scale)):
-            raise ValueError(f"dot_product_attention: scale must be finite, got {scale}")
-    for flag, given in (("is_causal", is_causal), ("return_residual", return_residual)):
-        if not isinstance(given, (bool, np.bool_)):
-            raise TypeError(f"dot_product_attention: {flag} must be a static bool, got {type(given).__name__}")
+    runtime.check_scale(scale, "dot_product_attention")
+    _check_flags("dot_product_attention", is_causal=is_causal, return_residual=return_residual)
     window = _check_window(local_window_size)
     if window is not None:
         # a side wider than the sequences keeps every key, as max(T, S) does: the kernel's
@@ -232,6 +239,12 @@ def _backward_plan(onf, with_bias: bool, consts=()):
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 
 
+def _check_flags(who: str, **flags) -> None:
+    for flag, given in flags.items():
+        if not isinstance(given, (bool, np.bool_)):
+            raise TypeError(f"{who}: {flag} must be a static bool, got {type(given).__name__}")
+
+
 def _check_window(w):
     """jax.nn's local_window_size: None, an int w (= (w, w)) or (left, right), each ≥ 0."""
     if w is None:
@@ -309,18 +322,12 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
     ``return_residual``: of the kernel that also outputs lse)."""
     from moajax.kernels.attention import mha_dnf
 
-    qs, qd = _shape_dtype(query, "query")
-    ks, _ = _shape_dtype(key, "key")
-    vs, _ = _shape_dtype(value, "value")
-    if len(qs) == 3:
-        qs, ks, vs = (1,) + qs, (1,) + ks, (1,) + vs
-    bs = bd = ms = None
-    if bias is not None:
-        bs, bd = _shape_dtype(bias, "bias")
-        bs = (1,) * (4 - len(bs)) + bs
-    if mask is not None:
-        ms, _ = _shape_dtype(mask, "mask")
-        ms = (1,) * (4 - len(ms)) + ms
+    who = "attention_onf"
+    qs, ks, vs, qd, _, bs, bd, ms = _attention_shapes(query, key, value, bias, mask, who)
+    runtime.check_scale(scale, who)
+    _check_flags(who, is_causal=is_causal, return_residual=return_residual)
+    if preset is not None and not isinstance(preset, Preset):
+        raise TypeError(f"{who}: preset must be a moajax.Preset or None, got {type(preset).__name__}")
     dnf = mha_dnf(qs, ks, vs, qd, bs, bd, ms, None if scale is None else float(scale), bool(is_causal),
                   residual=bool(return_residual))
     m = machine if machine is not None else machines.local()
@@ -406,6 +413,8 @@ def gated_mlp(x, w_gate, w_up, w_down, *, onf=None, implementation=None, residua
     for name, w, want in (("w_up", w_up, (D, F)), ("w_down", w_down, (F, D))):
         if tuple(w.shape) != want:
             raise ValueError(f"{who}: {name} has shape {list(w.shape)}, expected {list(want)} (w_gate is [{D}, {F}])")
+    if D == 0 or F == 0:
+        raise ValueError(f"{who}: zero-size dimension: x's last axis D = {D}, w_gate [{D}, {F}]")
     runtime.check_onf_argument(onf, who)
     runtime.check_implementation(implementation, who)
     runtime.check_residuals(residuals, who)
@@ -446,6 +455,9 @@ def decode_attention(query, k_cache, v_cache, lengths=None, *, scale=None, onf=N
         raise ValueError(f"{who}: {N} query heads are not a multiple of the cache's {ks[2]} kv heads")
     if lengths is not None:
         _batch_ints(who, "lengths", lengths, B, ks[1], "the cache length")
+    runtime.check_scale(scale, who)
+    runtime.check_onf_argument(onf, who)
+    runtime.check_implementation(implementation, who)
     out = dot_product_attention(query[:, None], k_cache, v_cache, scale=scale, key_value_seq_lengths=lengths,
                                 onf=onf, implementation=implementation)
     return out[:, 0]
@@ -473,6 +485,9 @@ def kv_append(cache, new, positions):
         raise ValueError(f"{who}: new has shape {list(ns)}, expected [{cs[0]}, T_new, {', '.join(map(str, cs[2:]))}] "
                          f"(cache is {list(cs)})")
     B, S_max, T = cs[0], cs[1], ns[1]
+    if T > S_max:
+        raise ValueError(f"{who}: new holds {T} entries a batch element, more than the cache's {S_max} (new "
+                         f"{list(ns)}, cache {list(cs)})")
     _batch_ints(who, "positions", positions, B, S_max - T, f"the new {T} entries within the cache's {S_max}")
     # clamped in the positions' own width first (an int64 2**32 cast to int32 is 0, the front),
     # then a row below 0 sent past the end: .at[].set(mode="drop") wraps a negative index once

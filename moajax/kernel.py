@@ -247,7 +247,7 @@ class Kernel:
         the forward saves for the backward ("auto" or "none", see ``compiled``)."""
         fn = self.compiled(*arrays, onf=onf, implementation=implementation, residuals=residuals, **options)
         dnf = self._build(arrays, options)[2]
-        shard.check(dnf, arrays, self.name, self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift else None)
+        arrays = shard.conform(dnf, arrays, self.name, self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift else None)
         return fn(*arrays)
 
     def onf(self, *arrays, onf=None, implementation=None, **options):

@@ -552,7 +552,7 @@ class _Lifted:
     def check_split(self, axis_name: str, devices: int, shapes) -> None:
         """Raise the ValueError of a split this ring cannot take (``shapes``: the inputs' global
         shapes, query first): each device's queries divide into its chunks and their pieces.
-        ``moajax.shard.check`` asks it while tracing, where the split is visible, so that the
+        ``moajax.shard.conform`` asks it while tracing, where the split is visible, so that the
         error is named there and not wrapped by XLA's partitioner."""
         ring = self._ring(axis_name, devices)
         T = shapes[0][1] // devices
@@ -715,6 +715,16 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
     for flag, given in (("is_causal", is_causal), ("return_residual", return_residual)):
         if not isinstance(given, (bool, np.bool_)):
             raise TypeError(f"{who}: {flag} must be a static bool, got {type(given).__name__}")
+    from jax.sharding import Mesh
+
+    from moajax import runtime
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if min(B, T, N, H, K, value.shape[3]) == 0:
+        raise ValueError(f"{who}: zero-size dimension in query {query.shape}, key {key.shape} or value {value.shape}")
+    runtime.check_scale(scale, who)
+    runtime.check_implementation(implementation, who)
     if axis_name not in mesh.shape:
         raise ValueError(f"{who}: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     for name, ax in (("batch_axis", batch_axis), ("head_axis", head_axis)):

@@ -13,6 +13,7 @@ cotangents must come from kernels of our own (the compiled tangent and adjoint k
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -65,6 +66,15 @@ def residual_policy(residuals, onf, who: str) -> str:
     if residuals not in ("auto", chosen):
         raise ValueError(f"{who}: residuals={residuals!r} contradicts the onf Preset's residuals={chosen!r}")
     return chosen
+
+
+def check_scale(scale, who: str) -> None:
+    """An attention's softmax scale: None or a finite static Python (or NumPy) number."""
+    if scale is not None:
+        if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
+            raise TypeError(f"{who}: scale must be a static Python number, got {type(scale).__name__}")
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"{who}: scale must be finite, got {scale}")
 
 
 def check_implementation(implementation, who: str) -> None:

@@ -33,7 +33,7 @@ from moajax import dnf as D
 from moajax import rewrites as W
 from moajax.cost import check_fits, estimate, onchip_bytes
 from moajax.machines import Machine
-from moajax.onf import ONF, Axis, ONFError, Stage, initial, next_pow2
+from moajax.onf import ONF, Axis, Knobs, ONFError, Stage, initial, next_pow2
 
 
 # the orders of a sequence split's blocks on a ring of devices (``moajax.ring.Ring``)
@@ -88,6 +88,14 @@ class Preset:
 
         if target not in (None, "cpu", "gpu"):
             raise ValueError(f"Preset: target must be None, 'cpu' or 'gpu', got {target!r}")
+        for name, d in (("tiles", tiles), ("roles", roles), ("gamma", gamma), ("store", store), ("split", split)):
+            if d is not None and not isinstance(d, dict):
+                raise TypeError(f"Preset: {name} must be a dict (an axis or operand name → its choice), "
+                                f"got {type(d).__name__}")
+        unknown = sorted(set(knobs) - {f.name for f in dataclasses.fields(Knobs)})
+        if unknown:
+            raise TypeError(f"Preset: unknown option(s) {unknown}; the knobs are "
+                            f"{sorted(f.name for f in dataclasses.fields(Knobs))}")
         if residuals is not None:
             residuals = residual_choice(residuals, "Preset")
         for name, flag in (("skip", skip), ("fuse_sums", fuse_sums), ("unmask_interior", unmask_interior)):

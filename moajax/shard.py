@@ -17,7 +17,9 @@ honoured by a plain split: the key axis of attention is lifted by a ring instead
 (``moajax.ring``). ``rule`` derives the classes from a DNF; ``partitioned`` wraps a kernel's
 compiled function in ``jax.experimental.custom_partitioning`` so that under ``jax.jit`` with
 sharded inputs each device runs the kernel on its own block (no all-gather of a map axis),
-and an input split along an axis the kernel cannot honour raises a ValueError naming it.
+and an input split along an axis the kernel cannot honour is gathered along it, as XLA's
+partitioner gathers for jax.nn (logged once, naming the axis and the splits that would run
+without the gather).
 """
 
 from __future__ import annotations
@@ -242,11 +244,16 @@ def _spec_axes(entry) -> tuple:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def assignment(r: Rule, mesh, arg_specs, who: str) -> dict:
-    """class → mesh axes, read off the inputs' partition specs; an input split along an axis
-    the kernel cannot honour, or by a mesh size its extent does not divide, raises a
-    ValueError naming both."""
+def assignment(r: Rule, mesh, arg_specs, who: str) -> tuple[dict, list]:
+    """(class → mesh axes, the splits gathered): read off the inputs' partition specs, in
+    order. A split the kernel cannot honour — along an axis no class of which a split runs
+    without communication (a contracted head dim, a softmax's key axis, a causal query axis),
+    by a mesh size the class's extent does not divide, over other mesh axes than an earlier
+    input splits the class by, or by a mesh axis an earlier class took — is not assigned: the
+    input is gathered along it (XLA's partitioner inserts the all-gather, as it does for
+    jax.nn), and the second list says why: (input, axis, its dim, mesh axes, the reason)."""
     out: dict = {}
+    gathered: list = []
     for (name, dims, axs), spec in zip(r.inputs, arg_specs):
         if name in r.unread:
             continue
@@ -254,24 +261,44 @@ def assignment(r: Rule, mesh, arg_specs, who: str) -> dict:
             m = _spec_axes(entry)
             if not m:
                 continue
+            where = (name, j, dims[j], "×".join(m))
             if ax.cls is None or not r.shardable(ax.cls):
                 why = ax.why if ax.cls is None else f"{r.names[ax.cls]} is {r.kinds[ax.cls]}"
-                raise ValueError(
-                    f"{who}: {name} is split along axis {j} ({dims[j]}) over mesh axis {'×'.join(m)}, which this "
-                    f"kernel cannot honour: {why}. Split only its axes {_shardable_dims(r)}"
-                    + (" (the key/sequence axis of attention: moajax.ring_attention)" if dims[j] in ("s", "t") else ""))
+                gathered.append(where + (f"this kernel cannot honour it: {why}",))
+                continue
             size = _mesh_size(mesh, m)
+            taken = [a for c, ms in out.items() if c != ax.cls for a in ms]
             if r.extents[ax.cls] % size:
-                raise ValueError(
-                    f"{who}: {name} axis {j} ({dims[j]}) is split over {'×'.join(m)} of size {size}, which does not "
-                    f"divide its class's extent {r.extents[ax.cls]} ({r.names[ax.cls]})")
-            if out.get(ax.cls, m) != m:
-                raise ValueError(f"{who}: {r.names[ax.cls]} is split over {out[ax.cls]} in one input and {m} in {name}")
-            out[ax.cls] = m
-    used = [a for m in out.values() for a in m]
-    if len(used) != len(set(used)):
-        raise ValueError(f"{who}: one mesh axis splits two different axes of the kernel: {out}")
-    return out
+                gathered.append(where + (f"its {size} devices do not divide {r.names[ax.cls]}'s extent "
+                                         f"{r.extents[ax.cls]}",))
+            elif out.get(ax.cls, m) != m:
+                gathered.append(where + (f"an earlier input splits {r.names[ax.cls]} over {'×'.join(out[ax.cls])}",))
+            elif set(m) & set(taken):
+                gathered.append(where + ("the mesh axis splits another axis of the kernel already",))
+            else:
+                out[ax.cls] = m
+    return out, gathered
+
+
+_GATHER_LOGGED: set = set()
+
+
+def _log_gathered(r: Rule, gathered, who: str) -> None:
+    """One warning per kernel and set of gathered splits: a gather moves each such input whole
+    to every device (the call runs, as jax.nn's does; a split the kernel honours moves nothing)."""
+    if not gathered or (who, tuple(gathered)) in _GATHER_LOGGED:
+        return
+    _GATHER_LOGGED.add((who, tuple(gathered)))
+    import logging
+
+    by_reason: dict = {}
+    for name, axis, dim, mesh_axes, why in gathered:
+        by_reason.setdefault((mesh_axes, why), []).append(f"{name} axis {axis} ({dim})")
+    logging.getLogger("moajax").warning(
+        "moajax: %s gathers what it cannot run split (an all-gather, as XLA's partitioner does for jax.nn): %s. "
+        "Splits it runs as they are: its axes %s", who,
+        "; ".join(f"{', '.join(names)} over mesh axis {m}: {why}" for (m, why), names in by_reason.items()),
+        _shardable_dims(r))
 
 
 def visible(arrays) -> tuple | None:
@@ -294,19 +321,39 @@ def visible(arrays) -> tuple | None:
     return None if mesh is None else (mesh, specs)
 
 
-def check(dnf, arrays, who: str, lift=None) -> None:
-    """Raise the ValueError of ``assignment`` now (while tracing) where the inputs' split is
-    visible; under ``jax.jit`` with automatic axes the split is known only when XLA
-    partitions, which raises the same message from ``partitioned``. ``lift``: as there."""
+def conform(dnf, arrays, who: str, lift=None) -> tuple:
+    """``arrays``, each gathered where it is split in a way the kernel cannot honour, when the
+    split is visible while tracing (concrete arrays, an explicit-axes mesh); a ValueError now
+    for a split a Preset's ring was asked for and cannot take. Gathering here, before the
+    kernel's partitioning, is what lets XLA run a split of a class by more devices than its
+    extent (GQA's 8 query heads over 8 devices, 2 kv heads): Shardy would split the class over
+    a part of the mesh axis, which JAX's partitioning callback cannot name. Under ``jax.jit``
+    with automatic axes the split is known only when XLA partitions, and ``partitioned`` asks
+    for the same gathers there. ``lift``: as there."""
     seen = visible(arrays)
-    if seen is not None:
-        r = rule(dnf)
-        specs = seen[1]
-        if lift is not None:
-            specs, lifted = _lifted_axis(r, specs, lift.classes(r), seen[0], who)
-            if lifted is not None:  # the lift's own conditions, named before XLA wraps them
-                lift.check_split(lifted, int(seen[0].shape[lifted]), [tuple(a.shape) for a in arrays])
-        assignment(r, seen[0], specs, who)
+    if seen is None:
+        return tuple(arrays)
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    r = rule(dnf)
+    mesh, specs = seen
+    lifted_specs, _ = _lifted_axis(r, specs, lift, mesh, who, [tuple(a.shape) for a in arrays])
+    gathered = assignment(r, mesh, lifted_specs, who)[1]
+    _log_gathered(r, gathered, who)
+    drop: dict = {}
+    for name, axis, _, _, _ in gathered:
+        drop.setdefault(name, set()).add(axis)
+    out = []
+    for (name, _, _), x, spec in zip(r.inputs, arrays, specs):
+        if name in drop:
+            spec = tuple(None if j in drop[name] else e for j, e in enumerate(spec))
+            sharding = NamedSharding(mesh, P(*spec))
+            x = jax.lax.with_sharding_constraint(x, sharding) if isinstance(x, jax.core.Tracer) else \
+                jax.device_put(x, sharding)
+        out.append(x)
+    return tuple(out)
 
 
 def _shardable_dims(r: Rule) -> list:
@@ -364,8 +411,16 @@ def sdy_rule(r: Rule, in_shapes, out_shapes):
     return text, sizes, tuple(repl), red
 
 
-def _sequence_axis(r: Rule, specs, seq, who: str):
-    """The mesh axis splitting the ``seq`` classes (the lifted axis), and the specs without it."""
+def _lifted_axis(r: Rule, specs, lift, mesh, who: str, shapes):
+    """(the specs without the sequence split, the mesh axis the lift's classes are lifted over)
+    where its ring takes the split: one mesh axis of more than one device (XLA's partitioner
+    does not lift a mesh axis of one), the same for queries, keys and values, dividing the
+    sequence evenly and into the ring's chunks (``lift.check_split``; ``shapes``: the inputs'
+    global shapes). Else (the specs, None): ``assignment`` gathers the sequence — but a ring
+    a Preset asked for (its ``ring``) that cannot take the split raises the ValueError."""
+    if lift is None:
+        return specs, None
+    seq = lift.classes(r)
     found, rest = set(), []
     for (name, dims, axs), spec in zip(r.inputs, specs):
         spec = list(tuple(spec) + (None,) * (len(axs) - len(tuple(spec))))
@@ -376,30 +431,24 @@ def _sequence_axis(r: Rule, specs, seq, who: str):
         rest.append(tuple(spec))
     if not found:
         return specs, None
-    if len(found) > 1 or len(next(iter(found))) != 1:
-        raise ValueError(f"{who}: the sequence is split over {sorted(found)}; the ring takes one mesh axis, the same "
-                         "for queries, keys and values")
-    return rest, next(iter(found))[0]
-
-
-def _lifted_axis(r: Rule, specs, seq, mesh, who: str):
-    """(the specs without the sequence split, the mesh axis the ``seq`` classes are lifted over
-    or None): ``_sequence_axis``, where a mesh axis of one device splits nothing (no ring, as
-    XLA's partitioner does not lift it), and a split one divides the sequence evenly."""
-    specs, lifted = _sequence_axis(r, specs, seq, who)
-    if lifted is None or int(mesh.shape[lifted]) == 1:
+    try:
+        if len(found) > 1 or len(next(iter(found))) != 1:
+            raise ValueError(f"{who}: the sequence is split over {sorted(found)}; the ring takes one mesh axis, the "
+                             "same for queries, keys and values")
+        lifted = next(iter(found))[0]
+        devices = int(mesh.shape[lifted])
+        if devices == 1:
+            return rest, None
+        for c in seq:
+            if r.extents[c] % devices:
+                raise ValueError(f"{who}: the sequence ({r.names[c]}, {r.extents[c]}) is split over mesh axis "
+                                 f"{lifted!r} of {devices} devices, which does not divide it")
+        lift.check_split(lifted, devices, shapes)
+    except ValueError:
+        if getattr(lift, "balance", None) is not None:  # the user's own ring: refused, not replaced
+            raise
         return specs, None
-    _check_sequence_split(r, seq, lifted, int(mesh.shape[lifted]), who)
-    return specs, lifted
-
-
-def _check_sequence_split(r: Rule, seq, mesh_axis: str, size: int, who: str):
-    """A split sequence divides evenly over the ring's devices (as a plain split's class must):
-    named here, not as the IndivisibleError of the blocks' shapes."""
-    for c in seq:
-        if r.extents[c] % size:
-            raise ValueError(f"{who}: the sequence ({r.names[c]}, {r.extents[c]}) is split over mesh axis "
-                             f"{mesh_axis!r} of {size} devices, which does not divide it")
+    return rest, lifted
 
 
 def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
@@ -425,18 +474,22 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
 
     def plan(mesh, arg_shapes):
         specs = [getattr(getattr(a, "sharding", None), "spec", ()) or () for a in arg_shapes]
-        lifted = None
-        if seq:
-            specs, lifted = _lifted_axis(r, specs, seq, mesh, who)
-        assign = assignment(r, mesh, specs, who)
+        specs, lifted = _lifted_axis(r, specs, lift, mesh, who, [tuple(a.shape) for a in arg_shapes])
+        assign, gathered = assignment(r, mesh, specs, who)
+        _log_gathered(r, gathered, who)
         if lifted is not None:
             assign.update({c: (lifted,) for c in seq})
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        # an input the kernel never reads keeps its split (nothing moves for it)
-        args = tuple(NamedSharding(mesh, P(*spec) if name in r.unread else _pspec(axs, assign))
-                     for (name, _, axs), spec in zip(r.inputs, specs))
+        # an input the kernel never reads (its axes have no class) is split as the arrays it
+        # shares a dim with: its block's shape is one the per-device kernel is derived for
+        # (kept as it came, an unread Out split along a gathered sequence gave the kernel 4 of
+        # its rows beside the query's 16)
+        read = [(dims, _pspec(axs, assign)) for name, dims, axs in r.inputs + r.outputs if name not in r.unread]
+        by_dim = {d: entry for dims, spec in read for d, entry in zip(dims, tuple(spec)) if entry is not None}
+        args = tuple(NamedSharding(mesh, P(*(by_dim.get(d) for d in dims)) if name in r.unread else _pspec(axs, assign))
+                     for name, dims, axs in r.inputs)
         outs = tuple(NamedSharding(mesh, _pspec(axs, assign)) for _, _, axs in r.outputs)
         return assign, args, outs, lifted
 
@@ -492,4 +545,4 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
     return g
 
 
-__all__ = ["Rule", "rule", "partitioned", "assignment", "check", "visible"]
+__all__ = ["Rule", "rule", "partitioned", "assignment", "conform", "visible"]

@@ -220,6 +220,14 @@ def _op(name, prim, eqn, xs):
                              "element at a time: table[h, k], not a row, table[h][k] (a dynamic_slice of "
                              f"{list(eqn.params['slice_sizes'])})")
         return _one_hot_read(table, index[0] if len(shape) == 1 else _flat_index(index, shape))
+    if prim == "slice":  # table[2] (or table[h, 0] at a constant index): ⟨flat⟩ψ table, as one element
+        shape = tuple(eqn.invars[0].aval.shape)
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        if any(b - a != 1 for a, b in zip(start, limit)) or xs[0].rank != 1 or xs[0].shape[0] != int(np.prod(shape)):
+            raise TraceError(f"{name}: reads more than one element of a table of shape {list(shape)}; read one "
+                             f"element at a time (a slice {list(start)} … {list(limit)})")
+        flat = int(np.ravel_multi_index(tuple(start), shape))
+        return moa.reshape(moa.psi((flat,), xs[0]), (1,) * len(shape), dims=tuple(f"one{d}" for d in range(len(shape))))
     if prim == "squeeze":  # of a table read's trailing axis of 1
         return _squeeze_table_read(name, xs[0])
     raise TraceError(f"{name}: the operation {prim!r} has no counterpart in the algebra")
@@ -254,6 +262,8 @@ def _one_hot_read(table: moa.Array, index: moa.Array) -> moa.Array:
 
 
 def _squeeze_table_read(name, x: moa.Array) -> moa.Array:
+    if x.rank and all(n == 1 for n in x.shape):  # one element read at a constant index: a scalar
+        return moa.psi((0,) * x.rank, x)
     if not x.rank or x.shape[-1] != 1:
         raise TraceError(f"{name}: squeeze of shape {list(x.shape)}")
     return moa.omega(lambda c: moa.psi((0,), c), 1)(x) if x.rank > 1 else moa.psi((0,), x)

@@ -176,6 +176,29 @@ def test_bad_arguments_name_the_argument(args, kw, exc, msg):
         moajax.dot_product_attention(*args(q, k, v), **kw)
 
 
+def test_attention_onf_and_preset_name_bad_arguments():
+    """attention_onf checks its arguments as dot_product_attention does (it skipped them: a
+    rank-2 query gave an IndexError, an int query a MoATypeError, a float mask passed); Preset.of
+    refuses what no field takes (a bad knob passed, to fail as Knobs.__init__'s TypeError at the
+    call; tiles="x" failed as "'str' object has no attribute 'items'")."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="attention_onf: query must have rank 4"):
+        moajax.attention_onf(q[0, 0], k[0, 0], v[0, 0])
+    with pytest.raises(TypeError, match="attention_onf: query dtype must be one of"):
+        moajax.attention_onf(*(x.astype(jnp.int32) for x in (q, k, v)))
+    with pytest.raises(TypeError, match="attention_onf: mask must be a bool array"):
+        moajax.attention_onf(q, k, v, mask=jnp.ones((2, 4, 9, 11), jnp.float32))
+    with pytest.raises(TypeError, match="attention_onf: preset must be a moajax.Preset"):
+        moajax.attention_onf(q, k, v, preset="x")
+    with pytest.raises(ValueError, match="attention_onf: scale must be finite"):
+        moajax.attention_onf(q, k, v, scale=float("inf"))
+    for field in ("tiles", "gamma", "store", "roles", "split"):
+        with pytest.raises(TypeError, match=f"Preset: {field} must be a dict"):
+            moajax.Preset.of(**{field: "x"})
+    with pytest.raises(TypeError, match=r"Preset: unknown option\(s\) \['bogus'\]; the knobs are .*num_warps"):
+        moajax.Preset.of(bogus=1)
+
+
 def test_grad_runs_the_derived_adjoint_with_linear_temp_memory():
     # the gradient is the compiled adjoint kernel (moajax.adjoint), never autodiff of the
     # forward's loops (which keeps every score: temp ∝ S²). Quadrupling S must grow jit(grad)'s

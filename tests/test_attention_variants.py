@@ -770,6 +770,39 @@ def test_bad_score_mods_are_named():
         attn(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[qi - ki + S])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_constant_score_and_a_table_read_at_a_constant_index(impl):
+    """score_mod → 1.0 (a score that reads no argument: uniform attention over the kept keys,
+    here the causal running mean of V) and s · c[0] + t[1, 2] (elements of a table at
+    constant indices, a static slice): float64 against references written apart, with the
+    tables' gradients. The constant once failed as a shape error from the softmax
+    ("axis -1 is out of range for an array of shape []", naming no score_mod), the constant
+    index as "the operation 'slice' has no counterpart" (a helper's review)."""
+    q, k, v, g = _qkv(2, 21)
+    kw = dict(is_causal=True, implementation=impl)
+    running_mean = np.cumsum(np.repeat(v, N // 2, axis=2), axis=1)[:, :T] / np.arange(1, T + 1)[None, :, None, None]
+    got = moajax.dot_product_attention(q, k, v, score_mod=lambda s, b, h, i, j: 1.0, **kw)
+    assert rel_err(got, running_mean) <= F64
+    dv = jax.grad(lambda v: jnp.sum(moajax.dot_product_attention(
+        q, k, v, score_mod=lambda s, b, h, i, j: 1.0, **kw) * g))(v)
+    want_dv = np.zeros_like(v)
+    for t in range(T):  # Out[t] = mean of V[:t+1] over the query heads of each kv head
+        want_dv[:, : t + 1] += (g[:, t].reshape(B, 2, N // 2, H).sum(2) / (t + 1))[:, None]
+    assert rel_err(dv, want_dv) <= F64
+    c, tab = jnp.asarray([0.75, 2.0]), jnp.asarray(np.random.default_rng(22).standard_normal((2, 3)))
+
+    def loss(c, tab):
+        mod = lambda s, b, h, i, j: s * c[0] + tab[1, 2]  # noqa: E731
+        return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, **kw) * g)
+
+    ref = lambda c0: np.sum(R.mha_variants(q, k, v, scale=c0 / np.sqrt(H), is_causal=True) * g)  # noqa: E731
+    assert rel_err(loss(c, tab), ref(0.75)) <= F64  # a constant added to every score changes nothing
+    dc, dtab = jax.grad(loss, argnums=(0, 1))(c, tab)
+    eps = 1e-6  # central difference of the float64 reference: truncation O(eps²), rounding ≈ 1e-16/eps = 1e-10
+    assert abs(float(dc[0]) - (ref(0.75 + eps) - ref(0.75 - eps)) / (2 * eps)) <= 1e-7 * abs(float(dc[0]))
+    assert float(dc[1]) == 0.0 and abs(float(dtab[1, 2])) <= 1e-12 and float(jnp.abs(dtab).max()) <= 1e-12
+
+
 def test_a_table_read_is_a_gather_not_a_one_hot_sum():
     """table[clip(q_idx − kv_idx)] ψ-reduces to Σ_j ((j = i) ? table[j] : 0) (its meaning);
     ``dnf.selection`` reads it as the gather it is: the XLA lowering gathers from the table

@@ -206,3 +206,5 @@ def test_kv_append_bad_input_is_named():
         moajax.kv_append(cache, new[:, :, :1], np.array([0, 0], np.int32))
     with pytest.raises(TypeError, match="kv_append: new has dtype float32"):
         moajax.kv_append(cache, new.astype(np.float32), np.array([0, 0], np.int32))
+    with pytest.raises(ValueError, match=r"kv_append: new holds 10 entries a batch element, more than the cache's 8"):
+        moajax.kv_append(cache, np.ones((2, 10, 2, 4)), np.array([0, 0], np.int32))  # (blamed the positions)

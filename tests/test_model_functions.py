@@ -95,6 +95,8 @@ def test_bad_input_is_named():
     xm, wg, wu, wd, _ = _mlp_args()
     with pytest.raises(ValueError, match="gated_mlp: w_down has shape"):
         moajax.gated_mlp(xm, wg, wu, wd.T)
+    with pytest.raises(ValueError, match=r"gated_mlp: zero-size dimension: x's last axis D = 0"):  # (named 'z')
+        moajax.gated_mlp(xm[..., :0], wg[:0], wu[:0], wd[:, :0])
     with pytest.raises(ValueError, match="residuals names the label 'nope'"):  # at the call, not first under grad
         moajax.gated_mlp(xm, wg, wu, wd, residuals=("nope",))
     with pytest.raises(ValueError, match="gated_mlp: w_gate has shape"):

@@ -53,6 +53,8 @@ def scored(score: moa.Array, score_mod, batch, head) -> moa.Array:
         moa.iota(t, dt), moa.iota(s, ds))
     kv_idx = moa.omega(lambda _, row: row, (0, 1))(moa.iota(t, dt), moa.iota(s, ds))
     out = fn.apply([score, batch, head, q_idx, kv_idx], consts)
+    if out.shape != score.shape:  # a constant score (uniform attention), read in every cell
+        out = moa.omega(lambda _, c: c, (0, 0))(score, out)
     return out if out.dtype == score.dtype else moa.cast(out, score.dtype)
 
 
