@@ -313,7 +313,9 @@ def _check_lengths(name, x, B, n, batched):
     import jax.numpy as jnp
 
     _batch_ints("dot_product_attention", name, x, B, n, "the sequence length", () if batched else ((), (1,)))
-    return jnp.reshape(jnp.asarray(x, jnp.int32), (B,))
+    # clamped to 0 … n in its own width first, as kv_append clamps its positions: cast to
+    # int32 first, a traced int64 2**32 was 0 (no key kept) where n was meant
+    return jnp.reshape(jnp.clip(jnp.asarray(x), 0, n).astype(jnp.int32), (B,))
 
 
 def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, machine=None,
@@ -604,7 +606,8 @@ def transformer_stack(stacked_params, x, **options):
                             f"got {type(v).__name__}")
     layers = {int(v.shape[0]) for v in stacked_params.values()}
     if len(layers) != 1:
-        raise ValueError(f"{who}: the params' leading (layer) axes differ: {sorted(layers)}")
+        raise ValueError(f"{who}: the params' leading (layer) axes differ: {sorted(layers)} (each entry is the "
+                         "block's param with a leading layer axis, [L, ...])")
 
     def layer(h, p):
         return transformer_block(p, h, **options), None

@@ -102,9 +102,11 @@ class PallasBackend(Backend):
     walks_parts = True
     joint_sums = True
 
-    def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict, origins: dict | None = None):
+    def __init__(self, onf: ONF, refs: dict, shapes: dict, perms: dict, origins: dict | None = None,
+                 interpret: bool = False):
         super().__init__(onf, perms)
         self.refs = refs
+        self.interpret = interpret
         self.shapes = shapes
         # per input, per physical axis, where its position 0 is stored: zeros before it for a
         # window shifted back (``operands.input_origins``), every index into it moved by as much
@@ -205,6 +207,11 @@ class PallasBackend(Backend):
         from jax import lax
 
         prec = self.precision if np.dtype(x.dtype).itemsize >= 4 else None
+        if self.interpret and np.dtype(x.dtype).itemsize < np.dtype(out_dtype).itemsize:
+            # interpreted on a CPU, whose XLA runs no 16-bit × 16-bit → float32 dot (DotThunk's
+            # "Unsupported element type"): the operands widened first, as exact (a product of
+            # two 16-bit floats fits float32's 24 bits), the sums float32 as the GPU's
+            x, y, prec = x.astype(out_dtype), y.astype(out_dtype), lax.Precision.HIGHEST
         return lax.dot_general(x, y, (((cx,), (cy,)), ((), ())), precision=prec, preferred_element_type=out_dtype)
 
     def contract_joint(self, a: Named, b: Named, vs: tuple, out_dtype):
@@ -365,7 +372,7 @@ def lower(onf: ONF, *, interpret: bool = False, debug: bool = False) -> Callable
             in_refs = dict(zip(names, refs[: len(names)]))
             mem_refs = refs[len(names): len(names) + len(mem_names)]
             o_refs = refs[len(names) + len(mem_names) + len(zeros):]
-            backend = PallasBackend(onf, in_refs, shapes, perms, origins)
+            backend = PallasBackend(onf, in_refs, shapes, perms, origins, interpret)
             values = {m: S.InMemory(Named(ref, memory[m][0]), {}) for m, ref in zip(mem_names, mem_refs)}
             state = ProgramState(onf, backend, {n: st for n, st in defs.items() if n not in memory}, values)
             ev = TileEval(state, _ranges_for(onf, own_vars, pl.program_id(0)))

@@ -49,6 +49,17 @@ def test_ragged_decode_matches_the_reference(impl):
     assert rel_err(got, _ref(q, kc, vc, lengths)) <= 1e-12
 
 
+def test_lengths_under_jit_clamp_in_their_own_width():
+    """Lengths are not checked under jit (their values are unknown); past the ends they act as
+    the nearest end, in whatever integer width they come: an int64 2**32 is the whole cache,
+    and −2**32 none of it. It was cast to int32 first, where 2**32 is 0: no key kept (a
+    helper's fuzz)."""
+    q, kc, vc = _case()
+    step = jax.jit(moajax.decode_attention)
+    got = step(q, kc, vc, jnp.asarray([2**32, 17, -(2**32)], jnp.int64))
+    assert rel_err(got, _ref(q, kc, vc, np.array([40, 17, 0]))) <= 1e-12
+
+
 def test_a_step_is_the_last_row_of_causal_attention_over_the_prefix():
     r = np.random.default_rng(1)
     T, N, K, H = 9, 4, 1, 8  # MQA

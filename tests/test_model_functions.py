@@ -62,6 +62,26 @@ def test_gated_mlp_float64_forward_and_gradients(impl):
         assert rel_err(a, b) <= 1e-11
 
 
+@pytest.mark.parametrize("residuals", ["none", ("gate",)])
+def test_gated_mlp_bfloat16_gradients_interpreted(residuals):
+    """bfloat16 at tiles of 16 and more (T, D, F = 9, 25, 31: the weight gradients' dots are
+    tl.dot-sized), interpreted on the CPU: the kernels' 16-bit × 16-bit → float32 dots once
+    failed there ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32", a
+    helper's fuzz). Against the float64 reference on the same rounded inputs, at 2⁻⁶: each
+    stored bfloat16 value (U, V, G_H and the result) rounds at 2⁻⁹ relative, and a gradient
+    chains four of them (a few ulps of bfloat16)."""
+    r = np.random.default_rng(3)
+    T_, D_, F_ = 9, 25, 31
+    x, wg, wu, wd, g = (r.standard_normal(s) * c for s, c in (
+        ((T_, D_), 1.0), ((D_, F_), D_ ** -0.5), ((D_, F_), D_ ** -0.5), ((F_, D_), F_ ** -0.5), ((T_, D_), 1.0)))
+    x, wg, wu, wd, g = (jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wd, g))
+    f = lambda *a: moajax.gated_mlp(*a, implementation="pallas_interpret", residuals=residuals)  # noqa: E731
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum((f(*a) * g).astype(jnp.float32)), (0, 1, 2, 3)))(x, wg, wu, wd)
+    f64 = [np.asarray(a, np.float64) for a in (x, wg, wu, wd, g)]
+    for a, b in zip(grads, R.swiglu_backward(*f64)):
+        assert rel_err(np.asarray(a, np.float64), b) <= 2.0 ** -6
+
+
 def test_float32_and_one_row():
     x, w, _ = _norm_args(np.float32, lead=())
     assert rel_err(moajax.rms_norm(x, w), R.rmsnorm(x[None], w)[0]) <= 1e-5
