@@ -74,7 +74,7 @@ def _attention_shapes(query, key, value, bias, mask, who: str = "dot_product_att
         raise ValueError(f"{who}: value shape {list(vs)} does not match key shape {list(ks)} in S and K")
     if K == 0 or N % K:
         raise ValueError(f"{who}: query has {N} heads, not a multiple of the {K} key/value heads")
-    if min(B, T, S, H, E, N) == 0:
+    if min(H, E, N) == 0 or (min(B, T, S) == 0 and who != "dot_product_attention"):
         raise ValueError(f"{who}: zero-size dimension in query {list(qs)}, key {list(ks)} or "
                          f"value {list(vs)}")
     target = (B, N, T, S)
@@ -106,7 +106,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     ``key_value_seq_lengths`` (int [B]) keep t < its query length and s < its key length (the
     rows past the query length are 0); ``local_window_size`` (an int w, or (left, right)) keeps
     t − left ≤ s ≤ t + right. A row with no key kept averages V (jax.nn's result; its
-    gradients are finite). ``return_residual``: also return the rows' log-sum-exp of the
+    gradients are finite). B, T or S = 0 gives jax.nn's result too: an empty Out, or zeros
+    over no keys. ``return_residual``: also return the rows' log-sum-exp of the
     masked scores, lse [B, T, N] (or [T, N]) in the inputs' dtype, held constant under
     differentiation (jax.nn's residual: FlashAttention-2's L; a row with no key kept gives
     jax.nn's fill −0.7·max(float32) + log S, −inf in float16); the kernel computes it in the
@@ -154,6 +155,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         # int32 index arithmetic (s − t + left) never wraps (2**31 − 1 masked every key)
         window = tuple(min(x, max(T, S)) for x in window)
     mod = _check_score_mod(score_mod, qd)
+    if min(B, T, S) == 0:
+        # no query, or no key: jax.nn's result, an empty Out, or zeros where no key is kept
+        # (its fully masked rows average V, but over no keys there is nothing to average)
+        if return_residual and S == 0 and B * T:
+            raise ValueError("dot_product_attention: return_residual with no keys (S = 0): the rows' "
+                             "log-sum-exp over no scores is not defined")
+        out = jnp.zeros((B, T, N, vs[3]) if batched else (T, N, vs[3]), qd)
+        if return_residual:
+            return out, jnp.zeros((B, T, N) if batched else (T, N), qd)
+        return out
     lengths = [_check_lengths(name, x, B, n, batched) for name, x, n in (
         ("query_seq_lengths", query_seq_lengths, T), ("key_value_seq_lengths", key_value_seq_lengths, S))]
     # in the kernel's order (``mha_kernel``): the lengths, then the arrays score_mod closes over

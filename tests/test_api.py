@@ -168,12 +168,29 @@ def test_gpu_onf_for_a_cpu_machine_is_derived_from_a_gpu_profile():
     (lambda q, k, v: (q, k, v), dict(onf="fast"), TypeError, "onf must be a moajax ONF or a Preset"),
     (lambda q, k, v: (q, k, v), dict(implementation="cudnn"), ValueError, "implementation must be"),
     (lambda q, k, v: ("q", k, v), {}, TypeError, "query must be an array"),
-    (lambda q, k, v: (q[:0], k[:0], v[:0]), {}, ValueError, r"zero-size dimension in query \[0, 9, 4, 72\]"),
+    (lambda q, k, v: (q[..., :0], k[..., :0], v), {}, ValueError, r"zero-size dimension in query \[2, 9, 4, 0\]"),
 ])
 def test_bad_arguments_name_the_argument(args, kw, exc, msg):
     q, k, v = qkv()
     with pytest.raises(exc, match=msg):
         moajax.dot_product_attention(*args(q, k, v), **kw)
+
+
+def test_an_empty_batch_query_or_key_axis_gives_jax_nns_result():
+    """B = 0, T = 0 or S = 0, as jax.nn takes them (they were refused): an empty Out, or zeros
+    where there is no key; gradients of the same shapes, zeros; the residual empty, and
+    refused over no keys (the log-sum-exp of no scores)."""
+    q, k, v = qkv()
+    for a, b, c in ((q[:0], k[:0], v[:0]), (q[:, :0], k, v), (q, k[:, :0], v[:, :0])):
+        want = jax.nn.dot_product_attention(a, b, c)
+        got = moajax.dot_product_attention(a, b, c)
+        assert got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got, want)
+        grads = jax.grad(lambda *x: jnp.sum(moajax.dot_product_attention(*x)), argnums=(0, 1, 2))(a, b, c)
+        assert all(g.shape == x.shape and not np.any(g) for g, x in zip(grads, (a, b, c)))
+    out, lse = moajax.dot_product_attention(q[:, :0], k, v, return_residual=True)
+    assert out.shape == (2, 0, 4, 72) and lse.shape == (2, 0, 4)
+    with pytest.raises(ValueError, match="return_residual with no keys"):
+        moajax.dot_product_attention(q, k[:, :0], v[:, :0], return_residual=True)
 
 
 def test_attention_onf_and_preset_name_bad_arguments():
