@@ -102,7 +102,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     query [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] / [B, S, K, E] with
     N % K == 0 (grouped-query attention: query head n reads kv head ⌊n·K/N⌋); bias
     (added to the logits) and mask (bool, True = keep) broadcast to [B, N, T, S];
-    ``scale`` defaults to 1/√H; ``is_causal`` keeps s ≤ t; ``query_seq_lengths`` and
+    ``scale`` defaults to 1/√H (a number, or an array known only when the call runs: then the
+    query is multiplied by scale·√H, once more rounded in a 16-bit dtype); ``is_causal`` keeps s ≤ t; ``query_seq_lengths`` and
     ``key_value_seq_lengths`` (int [B]) keep t < its query length and s < its key length (the
     rows past the query length are 0); ``local_window_size`` (an int w, or (left, right)) keeps
     t − left ≤ s ≤ t + right. A row with no key kept averages V (jax.nn's result; its
@@ -135,6 +136,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     It is a thin wrapper: the arguments are checked here, then ``moajax.kernels.mha_kernel``
     (the DSL definition for this bias/mask broadcast pattern) runs like any ``@kernel``.
     """
+    import jax
     import jax.numpy as jnp
 
     from moajax.kernels.attention import broadcast_dims, mha_kernel
@@ -147,7 +149,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         args.append(jnp.reshape(bias, bias_shape))
     if mask is not None:
         args.append(jnp.reshape(mask, mask_shape))
-    runtime.check_scale(scale, "dot_product_attention")
+    scale = runtime.check_scale(scale, "dot_product_attention", traced_ok=True)
+    if isinstance(scale, jax.core.Tracer):
+        # a scale known only when the call runs (a jit argument, 1/jnp.sqrt(d) under jit): the
+        # query multiplied by scale·√H beside the kernel's default scale 1/√H — the same
+        # softmax(scale · Q Kᵀ), differentiable in scale through the product (a 16-bit query
+        # is rounded once more, as the product is stored in its dtype)
+        from moajax.kernels.common import accumulation_dtype
+
+        acc = accumulation_dtype(qd)
+        args[0] = (args[0].astype(acc) * (scale.astype(acc) * math.sqrt(H))).astype(qd)
+        scale = None
     _check_flags("dot_product_attention", is_causal=is_causal, return_residual=return_residual)
     window = _check_window(local_window_size)
     if window is not None:
@@ -202,9 +214,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         # masked fill — a kernel of its own (``as_infinite``: the select is a mask on data, with
         # the row guard's checks). Without it, a row the table masks whole gave NaN or another
         # row's weights, where the same concrete table gives jax.nn's masked row
-        import jax
-        import jax.numpy as jnp
-
         from moajax import compat
 
         first = len(args) - len(mod.consts)
@@ -337,7 +346,7 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
 
     who = "attention_onf"
     qs, ks, vs, qd, _, bs, bd, ms = _attention_shapes(query, key, value, bias, mask, who)
-    runtime.check_scale(scale, who)
+    scale = runtime.check_scale(scale, who)
     _check_flags(who, is_causal=is_causal, return_residual=return_residual)
     if preset is not None and not isinstance(preset, Preset):
         raise TypeError(f"{who}: preset must be a moajax.Preset or None, got {type(preset).__name__}")
@@ -468,7 +477,7 @@ def decode_attention(query, k_cache, v_cache, lengths=None, *, scale=None, onf=N
         raise ValueError(f"{who}: {N} query heads are not a multiple of the cache's {ks[2]} kv heads")
     if lengths is not None:
         _batch_ints(who, "lengths", lengths, B, ks[1], "the cache length")
-    runtime.check_scale(scale, who)
+    scale = runtime.check_scale(scale, who, traced_ok=True)
     runtime.check_onf_argument(onf, who)
     runtime.check_implementation(implementation, who)
     out = dot_product_attention(query[:, None], k_cache, v_cache, scale=scale, key_value_seq_lengths=lengths,

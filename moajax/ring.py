@@ -723,7 +723,7 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
         raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if min(B, T, N, H, K, value.shape[3]) == 0:
         raise ValueError(f"{who}: zero-size dimension in query {query.shape}, key {key.shape} or value {value.shape}")
-    runtime.check_scale(scale, who)
+    scale = runtime.check_scale(scale, who)
     runtime.check_implementation(implementation, who)
     if axis_name not in mesh.shape:
         raise ValueError(f"{who}: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")

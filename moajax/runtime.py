@@ -68,13 +68,31 @@ def residual_policy(residuals, onf, who: str) -> str:
     return chosen
 
 
-def check_scale(scale, who: str) -> None:
-    """An attention's softmax scale: None or a finite static Python (or NumPy) number."""
-    if scale is not None:
-        if not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
-            raise TypeError(f"{who}: scale must be a static Python number, got {type(scale).__name__}")
-        if not math.isfinite(float(scale)):
-            raise ValueError(f"{who}: scale must be finite, got {scale}")
+def check_scale(scale, who: str, traced_ok: bool = False):
+    """An attention's softmax scale: None, or a finite number — Python's, NumPy's or a
+    concrete 0-d array's — returned as a float; with ``traced_ok``, a real 0-d array known
+    only when the call runs (a jit argument, ``1 / jnp.sqrt(d)`` under jit) is returned as it
+    is (its value unchecked: a call applies it as a product, ``api.dot_product_attention``)."""
+    if scale is None:
+        return None
+    import jax
+
+    dtype = np.dtype(getattr(scale, "dtype", np.float64))
+    if isinstance(scale, bool) or dtype == np.bool_ or dtype.kind not in "iuf" and dtype.name != "bfloat16":
+        raise TypeError(f"{who}: scale must be a real number, got {type(scale).__name__}")
+    if np.ndim(scale) != 0:
+        raise ValueError(f"{who}: scale must be a scalar, got shape {list(np.shape(scale))}")
+    if isinstance(scale, jax.core.Tracer):
+        if traced_ok:
+            return scale
+        raise TypeError(f"{who}: scale must be known while tracing (a Python number or a concrete array), "
+                        f"got a traced {dtype.name} value")
+    if not isinstance(scale, (int, float, np.floating, np.integer, np.ndarray, jax.Array)):
+        raise TypeError(f"{who}: scale must be a real number, got {type(scale).__name__}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"{who}: scale must be finite, got {value}")
+    return value
 
 
 def check_implementation(implementation, who: str) -> None:

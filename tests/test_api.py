@@ -162,7 +162,9 @@ def test_gpu_onf_for_a_cpu_machine_is_derived_from_a_gpu_profile():
     (lambda q, k, v: (q, k, v), dict(mask=jnp.ones((2, 4, 9, 11), jnp.float32)), TypeError, "mask must be a bool array"),
     (lambda q, k, v: (q, k, v), dict(bias=jnp.ones((3, 4, 9, 11))), ValueError, "bias shape .* does not broadcast"),
     (lambda q, k, v: (q, k, v), dict(bias=jnp.ones((1, 1, 1, 1, 1))), ValueError, "bias has rank 5"),
-    (lambda q, k, v: (q, k, v), dict(scale=jnp.float32(0.1)), TypeError, "scale must be a static Python number"),
+    (lambda q, k, v: (q, k, v), dict(scale=jnp.ones(2)), ValueError, r"scale must be a scalar, got shape \[2\]"),
+    (lambda q, k, v: (q, k, v), dict(scale="a"), TypeError, "scale must be a real number, got str"),
+    (lambda q, k, v: (q, k, v), dict(scale=True), TypeError, "scale must be a real number, got bool"),
     (lambda q, k, v: (q, k, v), dict(scale=float("nan")), ValueError, "scale must be finite"),
     (lambda q, k, v: (q, k, v), dict(is_causal=1), TypeError, "is_causal must be a static bool"),
     (lambda q, k, v: (q, k, v), dict(onf="fast"), TypeError, "onf must be a moajax ONF or a Preset"),
@@ -174,6 +176,29 @@ def test_bad_arguments_name_the_argument(args, kw, exc, msg):
     q, k, v = qkv()
     with pytest.raises(exc, match=msg):
         moajax.dot_product_attention(*args(q, k, v), **kw)
+
+
+def test_a_scale_known_only_when_the_call_runs():
+    """scale as jax.nn takes it: a concrete array (1 / jnp.sqrt(d)) is a number, a traced one
+    (a jit argument, 1 / jnp.sqrt(d) under jit, a learned temperature) scales the query by
+    scale·√H beside the kernel's default 1/√H — float64 as the static scale, and its gradient
+    the float64 reference's central difference (truncation O(eps²), rounding ≈ 1e-16/eps). It
+    was refused ("scale must be a static Python number", a helper's review). Where a scale
+    must be known while tracing (an ONF's DNF), a traced one is refused by name."""
+    r = np.random.default_rng(4)
+    q, k, v, g = (jnp.asarray(r.standard_normal(s)) for s in ((2, 7, 4, 8), (2, 9, 2, 8), (2, 9, 2, 8), (2, 7, 4, 8)))
+    f = jax.jit(lambda q, k, v, s: moajax.dot_product_attention(q, k, v, scale=s, is_causal=True))
+    want = R.mha_variants(q, k, v, scale=0.3, is_causal=True)
+    assert rel_err(f(q, k, v, jnp.float64(0.3)), want) <= 1e-12
+    assert rel_err(moajax.dot_product_attention(q, k, v, scale=1 / jnp.sqrt(64.0)), R.mha_variants(q, k, v, scale=0.125)) <= 1e-12
+    inside = jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, scale=1 / jnp.sqrt(64.0)))
+    assert rel_err(inside(q, k, v), R.mha_variants(q, k, v, scale=0.125)) <= 1e-12
+    ds = jax.grad(lambda s: jnp.sum(f(q, k, v, s) * g))(0.3)
+    loss = lambda s: np.sum(R.mha_variants(q, k, v, scale=s, is_causal=True) * np.asarray(g))  # noqa: E731
+    eps = 1e-6
+    assert abs(float(ds) - (loss(0.3 + eps) - loss(0.3 - eps)) / (2 * eps)) <= 1e-7 * abs(float(ds))
+    with pytest.raises(TypeError, match="attention_onf: scale must be known while tracing"):
+        jax.jit(lambda s: moajax.attention_onf(q, k, v, scale=s).dnf.name)(0.3)
 
 
 def test_an_empty_batch_query_or_key_axis_gives_jax_nns_result():

@@ -704,7 +704,7 @@ def test_ring_arguments_and_a_presets_ring_that_cannot_take_the_split():
         ring_attention(q, k, v, mesh=None, axis_name="seq")
     with pytest.raises(ValueError, match="ring_attention: scale must be finite, got nan"):
         ring_attention(q, k, v, mesh=mesh, axis_name="seq", scale=float("nan"))
-    with pytest.raises(TypeError, match="ring_attention: scale must be a static Python number, got str"):
+    with pytest.raises(TypeError, match="ring_attention: scale must be a real number, got str"):
         ring_attention(q, k, v, mesh=mesh, axis_name="seq", scale="a")
     with pytest.raises(ValueError, match="ring_attention: implementation must be"):
         ring_attention(q, k, v, mesh=mesh, axis_name="seq", implementation="bogus")
