@@ -141,6 +141,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
     from moajax.kernels.attention import broadcast_dims, mha_kernel
 
+    # a bias or mask given as Python values (a float, nested lists of bools), as jax.nn takes them
+    bias, mask = (x if x is None or hasattr(x, "dtype") or not isinstance(x, (bool, int, float, list, tuple))
+                  else jnp.asarray(x) for x in (bias, mask))
     qs, ks, vs, qd, batched, bias_shape, bias_dtype, mask_shape = _attention_shapes(query, key, value, bias, mask)
     B, T, N, H = qs
     S, K = ks[1], ks[2]
@@ -160,7 +163,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         acc = accumulation_dtype(qd)
         args[0] = (args[0].astype(acc) * (scale.astype(acc) * math.sqrt(H))).astype(qd)
         scale = None
-    _check_flags("dot_product_attention", is_causal=is_causal, return_residual=return_residual)
+    flags = _check_flags("dot_product_attention", is_causal=is_causal, return_residual=return_residual)
+    is_causal, return_residual = flags["is_causal"], flags["return_residual"]
     window = _check_window(local_window_size)
     if window is not None:
         # a side wider than the sequences keeps every key, as max(T, S) does: the kernel's
@@ -259,10 +263,20 @@ def _backward_plan(onf, with_bias: bool, consts=()):
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 
 
-def _check_flags(who: str, **flags) -> None:
+def _check_flags(who: str, **flags) -> dict:
+    """Each flag a bool known while tracing (a Python or NumPy bool, or a concrete 0-d bool
+    array, as jax.nn takes is_causal): their values, else a named TypeError."""
+    import jax
+
+    out = {}
     for flag, given in flags.items():
+        if isinstance(given, jax.Array) and not isinstance(given, jax.core.Tracer) and given.dtype == np.bool_ \
+                and given.ndim == 0:
+            given = bool(given)
         if not isinstance(given, (bool, np.bool_)):
             raise TypeError(f"{who}: {flag} must be a static bool, got {type(given).__name__}")
+        out[flag] = bool(given)
+    return out
 
 
 def _check_window(w):
@@ -347,7 +361,8 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
     who = "attention_onf"
     qs, ks, vs, qd, _, bs, bd, ms = _attention_shapes(query, key, value, bias, mask, who)
     scale = runtime.check_scale(scale, who)
-    _check_flags(who, is_causal=is_causal, return_residual=return_residual)
+    flags = _check_flags(who, is_causal=is_causal, return_residual=return_residual)
+    is_causal, return_residual = flags["is_causal"], flags["return_residual"]
     if preset is not None and not isinstance(preset, Preset):
         raise TypeError(f"{who}: preset must be a moajax.Preset or None, got {type(preset).__name__}")
     dnf = mha_dnf(qs, ks, vs, qd, bs, bd, ms, None if scale is None else float(scale), bool(is_causal),

@@ -201,6 +201,18 @@ def test_a_scale_known_only_when_the_call_runs():
         jax.jit(lambda s: moajax.attention_onf(q, k, v, scale=s).dnf.name)(0.3)
 
 
+def test_python_values_for_bias_mask_and_flags_as_jax_nn_takes_them():
+    """A Python float bias, a mask of nested lists and a concrete jnp bool is_causal, as jax.nn
+    takes them (each was refused: "must be an array", "must be a static bool"): the same
+    result as the arrays they stand for, float64."""
+    r = np.random.default_rng(8)
+    q, k, v = (jnp.asarray(r.standard_normal((1, 3, 2, 4))) for _ in range(3))
+    mask = [[True, False, True], [True, True, False], [False, True, True]]
+    got = moajax.dot_product_attention(q, k, v, bias=0.5, mask=mask, is_causal=jnp.bool_(True))
+    want = moajax.dot_product_attention(q, k, v, bias=jnp.full((3, 3), 0.5), mask=jnp.asarray(mask), is_causal=True)
+    assert rel_err(got, want) <= 1e-12
+
+
 def test_an_empty_batch_query_or_key_axis_gives_jax_nns_result():
     """B = 0, T = 0 or S = 0, as jax.nn takes them (they were refused): an empty Out, or zeros
     where there is no key; gradients of the same shapes, zeros; the residual empty, and
