@@ -192,6 +192,29 @@ def enable_x64_context(enabled: bool = True):
         return enable_x64() if enabled else disable_x64()
 
 
+def partition_spec(sharding, mesh, ndim: int):
+    """The PartitionSpec, in ``mesh``'s axes, of a sharding XLA's partitioner hands a custom
+    partitioning that decodes its own (``decode_shardings=False``: JAX passes the HLO sharding
+    as a GSPMDSharding); None where no PartitionSpec names it — Shardy splits a dim over a
+    part of a mesh axis (GQA's 2 kv heads over 2 of 8 devices), where JAX's own decoding
+    raised an IndivisibleError before the partitioning callback ran. JAX has no public
+    decoder (``sharding_impls.parse_flatten_op_sharding``)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if sharding is None:
+        return PartitionSpec()
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    from jax._src import sharding as jsharding
+    from jax._src import sharding_impls
+
+    try:
+        spec = sharding_impls.parse_flatten_op_sharding(sharding._to_xla_hlo_sharding(ndim), mesh)[0]
+    except (jsharding.IndivisibleError, ValueError, StopIteration):
+        return None
+    return PartitionSpec(*spec, *((None,) * (ndim - len(spec))))
+
+
 def is_batched(x) -> bool:
     """Whether ``x`` is being vmapped here (a batching tracer on top): ``lax.cond`` on it would
     run both branches. JAX exports no public name for the tracer's type."""

@@ -293,11 +293,12 @@ def _log_gathered(r: Rule, gathered, who: str) -> None:
 
     by_reason: dict = {}
     for name, axis, dim, mesh_axes, why in gathered:
-        by_reason.setdefault((mesh_axes, why), []).append(f"{name} axis {axis} ({dim})")
+        by_reason.setdefault((mesh_axes, why), []).append(name if axis is None else f"{name} axis {axis} ({dim})")
     logging.getLogger("moajax").warning(
         "moajax: %s gathers what it cannot run split (an all-gather, as XLA's partitioner does for jax.nn): %s. "
         "Splits it runs as they are: its axes %s", who,
-        "; ".join(f"{', '.join(names)} over mesh axis {m}: {why}" for (m, why), names in by_reason.items()),
+        "; ".join(f"{', '.join(names)} over {m if m.startswith('a part') else 'mesh axis ' + m}: {why}"
+                  for (m, why), names in by_reason.items()),
         _shardable_dims(r))
 
 
@@ -473,9 +474,14 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
     seq = lift.classes(r) if lift is not None else frozenset()
 
     def plan(mesh, arg_shapes):
-        specs = [getattr(getattr(a, "sharding", None), "spec", ()) or () for a in arg_shapes]
+        specs = [compat.partition_spec(getattr(a, "sharding", None), mesh, len(a.shape)) for a in arg_shapes]
+        # a split no PartitionSpec names (over part of a mesh axis): that input gathered whole
+        unnamed = [(name, None, None, "a part of a mesh axis", "no PartitionSpec names the split")
+                   for (name, _, _), spec in zip(r.inputs, specs) if spec is None]
+        specs = [tuple(spec or ()) for spec in specs]
         specs, lifted = _lifted_axis(r, specs, lift, mesh, who, [tuple(a.shape) for a in arg_shapes])
         assign, gathered = assignment(r, mesh, specs, who)
+        gathered = unnamed + gathered
         _log_gathered(r, gathered, who)
         if lifted is not None:
             assign.update({c: (lifted,) for c in seq})
@@ -528,7 +534,9 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
         return run(*args)
 
     f = custom_partitioning(call)
-    f.def_partition(partition=partition, infer_sharding_from_operands=infer,
+    # the shardings decoded here (compat.partition_spec), not by JAX, whose decoding raises
+    # on a split over part of a mesh axis before ``partition`` could gather it
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer, decode_shardings=False,
                     sharding_rule=text, need_replication_factors=tuple(repl), reduction_factors=red, **sizes)
     # custom_partitioning has no batching rule: under jax.vmap the kernel's own code is batched
     # (a kernel's compiled function catches vmap earlier, ``Kernel._batchable``; this is for
