@@ -192,6 +192,17 @@ def enable_x64_context(enabled: bool = True):
         return enable_x64() if enabled else disable_x64()
 
 
+def decodes_shardings() -> bool:
+    """Whether ``partition_spec`` can decode a partitioner's HLO sharding on this JAX (else
+    the kernels let JAX decode them, as before: a split over part of a mesh axis fails)."""
+    try:
+        from jax._src import sharding as jsharding
+        from jax._src import sharding_impls
+    except ImportError:  # pragma: no cover - a JAX that moved them
+        return False
+    return hasattr(sharding_impls, "parse_flatten_op_sharding") and hasattr(jsharding, "IndivisibleError")
+
+
 def partition_spec(sharding, mesh, ndim: int):
     """The PartitionSpec, in ``mesh``'s axes, of a sharding XLA's partitioner hands a custom
     partitioning that decodes its own (``decode_shardings=False``: JAX passes the HLO sharding

@@ -536,7 +536,8 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
     f = custom_partitioning(call)
     # the shardings decoded here (compat.partition_spec), not by JAX, whose decoding raises
     # on a split over part of a mesh axis before ``partition`` could gather it
-    f.def_partition(partition=partition, infer_sharding_from_operands=infer, decode_shardings=False,
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                    decode_shardings=not compat.decodes_shardings(),
                     sharding_rule=text, need_replication_factors=tuple(repl), reduction_factors=red, **sizes)
     # custom_partitioning has no batching rule: under jax.vmap the kernel's own code is batched
     # (a kernel's compiled function catches vmap earlier, ``Kernel._batchable``; this is for
