@@ -390,6 +390,14 @@ def _same_float_dtype(who: str, arrays: dict):
     return first[1]
 
 
+def _check_eps(eps, who: str) -> None:
+    """RMSNorm's ε: a positive finite static number."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{who}: eps must be a number, got {type(eps).__name__}")
+    if not (float(eps) > 0 and math.isfinite(float(eps))):
+        raise ValueError(f"{who}: eps must be a positive finite number, got {eps}")
+
+
 def _rows(who: str, x):
     """x [..., D] as [n, D] rows (n the product of the leading axes), and a way back."""
     import jax.numpy as jnp
@@ -416,10 +424,7 @@ def rms_norm(x, weight, *, eps=1e-6, onf=None, implementation=None, residuals="a
     D = rows.shape[1]
     if tuple(weight.shape) != (D,):
         raise ValueError(f"{who}: weight has shape {list(weight.shape)}, expected [{D}] (x's last axis)")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{who}: eps must be a number, got {type(eps).__name__}")
-    if not (float(eps) > 0 and math.isfinite(float(eps))):
-        raise ValueError(f"{who}: eps must be a positive finite number, got {eps}")
+    _check_eps(eps, who)
     runtime.check_onf_argument(onf, who)
     runtime.check_implementation(implementation, who)
     runtime.check_residuals(residuals, who)
@@ -606,6 +611,10 @@ def transformer_block(params, x, *, is_causal=True, eps=1e-6, rope_theta=None, o
 
     who = "transformer_block"
     dims = _block_dims(who, params, x)
+    _check_eps(eps, who)
+    is_causal = _check_flags(who, is_causal=is_causal)["is_causal"]
+    runtime.check_onf_argument(onf, who)
+    runtime.check_implementation(implementation, who)
     if rope_theta is not None:
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float, np.integer, np.floating)):
             raise TypeError(f"{who}: rope_theta must be a static Python number, got {type(rope_theta).__name__}")

@@ -136,6 +136,13 @@ def test_bad_params_are_named():
         moajax.transformer_block(p, x, rope_theta="1e4")
     with pytest.raises(TypeError, match="params must be a dict"):
         moajax.transformer_block([p], x)
+    # named as the block's (they named rms_norm and dot_product_attention: a helper's fuzz)
+    with pytest.raises(ValueError, match="transformer_block: eps must be a positive finite number"):
+        moajax.transformer_block(p, x, eps=0.0)
+    with pytest.raises(TypeError, match="transformer_block: is_causal must be a static bool"):
+        moajax.transformer_block(p, x, is_causal=1)
+    with pytest.raises(ValueError, match="transformer_block: implementation must be"):
+        moajax.transformer_block(p, x, implementation="cudnn")
     with pytest.raises(ValueError, match="transformer_block: zero-size dimension K"):  # (was a ZeroDivisionError)
         moajax.transformer_block({**p, "wk": p["wk"][:, :0], "wv": p["wv"][:, :0]}, x)
     with pytest.raises(ValueError, match="transformer_block: zero-size dimension B"):
