@@ -221,7 +221,7 @@ def partition_spec(sharding, mesh, ndim: int):
 
     try:
         spec = sharding_impls.parse_flatten_op_sharding(sharding._to_xla_hlo_sharding(ndim), mesh)[0]
-    except (jsharding.IndivisibleError, ValueError, StopIteration):
+    except (jsharding.IndivisibleError, ValueError, KeyError, StopIteration):
         return None
     return PartitionSpec(*spec, *((None,) * (ndim - len(spec))))
 

@@ -559,12 +559,18 @@ class _Lifted:
         if T % (ring.chunks // devices * ring.rounds):
             raise ValueError(f"dot_product_attention: each device's {T} queries do not split into the "
                              f"{ring.chunks // devices} chunks of {ring}, {ring.rounds} pieces each")
+        if self.role in ("adjoint", "adjoint_saved") and shapes[1][1] // (ring.chunks * ring.rounds) < 2:
+            # a block's adjoint reads Δ from the whole row's Out only over 2 keys or more
+            # (``_local_attention``'s refusal, here before the partitioner asks for it)
+            raise ValueError(f"dot_product_attention: the gradient of a ring block of "
+                             f"{shapes[1][1] // (ring.chunks * ring.rounds)} key(s) cannot read the whole row's output")
 
     def per_device(self, axis_name: str, devices: int, local_in, local_out):
         import jax.numpy as jnp
 
         causal = bool(self.options.get("is_causal", False))
-        self.check_split(axis_name, devices, [(s[0], s[1] * devices) + tuple(s[2:]) for s in local_in])
+        # the query's and the key's global shapes (a statistic's block may have dropped axes)
+        self.check_split(axis_name, devices, [(s[0], s[1] * devices) + tuple(s[2:]) for s in local_in[:2]])
         ring = self._ring(axis_name, devices)
         scale = self.options.get("scale")
         scale = 1.0 / math.sqrt(local_in[0][-1]) if scale is None else float(scale)

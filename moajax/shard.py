@@ -271,6 +271,13 @@ def assignment(r: Rule, mesh, arg_specs, who: str) -> tuple[dict, list]:
             if r.extents[ax.cls] % size:
                 gathered.append(where + (f"its {size} devices do not divide {r.names[ax.cls]}'s extent "
                                          f"{r.extents[ax.cls]}",))
+            elif r.kinds[ax.cls] == "monoid" and r.extents[ax.cls] // size < 2 <= r.extents[ax.cls]:
+                # a block of one element of a class the outputs sum over: the per-device
+                # kernel's derivation drops its sum of one term, and with it the identities
+                # that read whole rows (attention's Δ = +/(dO × Out) for dQ = Σ_s dS K):
+                # dQ and dK were wrong with one key a device
+                gathered.append(where + (f"its {size} devices would hold one element each of {r.names[ax.cls]}, "
+                                         "which the outputs sum over",))
             elif out.get(ax.cls, m) != m:
                 gathered.append(where + (f"an earlier input splits {r.names[ax.cls]} over {'×'.join(out[ax.cls])}",))
             elif set(m) & set(taken):

@@ -691,6 +691,43 @@ def test_splits_jax_nn_takes_run_gathered_as_one_device(monkeypatch, caplog):
     assert rel_err(jax.jit(moajax.dot_product_attention)(split, kh, vh), want) <= 1e-12
 
 
+def test_one_key_a_device_and_uneven_splits_under_jit():
+    """Found by a helper's fuzz of the gather (float64, against one device, 1e-12):
+    - a mask split along S with one key a device: the adjoint's key class is a monoid class
+      (dQ = Σ_s …), and the per-device kernel, derived over one key, dropped that sum and with
+      it Δ read from the whole row's Out — jit(grad) gave dQ and dK 0.6–1.3 off, silently. A
+      monoid class is now split only where each device holds 2 elements or more;
+    - the ring's gradient over blocks of one key (4 keys over 4 devices; causal over 2, zigzag's
+      chunks of one): an INTERNAL error inside XLA's partitioner; now gathered;
+    - uneven splits under jit (2 batch elements, 2 kv heads, over 4 devices): INTERNAL errors
+      from JAX's decoding of the partitioner's shardings before compat.partition_spec."""
+    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))  # noqa: E731
+    r = np.random.default_rng(12)
+    for S in (4, 8):
+        mesh = _mesh((S,), ("x",))
+        q, k, v = (jnp.asarray(r.standard_normal((1, S, 1, 2))) for _ in range(3))
+        m = jnp.asarray(r.random((1, 1, S, S)) < 0.7)
+        f = loss(lambda q, k, v, m: moajax.dot_product_attention(q, k, v, mask=m))
+        want = jax.grad(f, argnums=(0, 1, 2))(q, k, v, m)
+        for a, b in zip(jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v, _put(m, mesh, None, None, None, "x")), want):
+            assert rel_err(a, b) <= 1e-12
+    for devices, causal in ((4, False), (2, True)):
+        mesh = _mesh((devices,), ("x",))
+        q, k, v = (jnp.asarray(r.standard_normal((1, 4, 1, 2))) for _ in range(3))
+        f = loss(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=causal))
+        want = jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+        got = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(*(_put(x, mesh, None, "x") for x in (q, k, v)))
+        for a, b in zip(got, want):
+            assert rel_err(a, b) <= 1e-12
+    mesh = _mesh((4,), ("x",))
+    c = lambda x, *spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    x, w = jnp.asarray(r.standard_normal((2, 8, 16))), jnp.asarray(1 + 0.1 * r.standard_normal(16))
+    assert rel_err(jax.jit(lambda x, w: moajax.rms_norm(c(x, "x"), w))(x, w), moajax.rms_norm(x, w)) <= 1e-12
+    q, k = jnp.asarray(r.standard_normal((1, 4, 4, 2))), jnp.asarray(r.standard_normal((1, 4, 2, 2)))
+    got = jax.jit(lambda q, k: moajax.dot_product_attention(q, c(k, None, None, "x"), c(k, None, None, "x")))(q, k)
+    assert rel_err(got, moajax.dot_product_attention(q, k, k)) <= 1e-12
+
+
 def test_ring_arguments_and_a_presets_ring_that_cannot_take_the_split():
     mesh = _mesh((8,), ("seq",))
     q, k, v = _attn_inputs(np.float32, B=1, T=64)
