@@ -728,6 +728,39 @@ def test_one_key_a_device_and_uneven_splits_under_jit():
     assert rel_err(got, moajax.dot_product_attention(q, k, k)) <= 1e-12
 
 
+def test_splits_a_second_fuzz_found_wrong_or_failing():
+    """A second fuzz of the gather (float64 against one device, 1e-12), each wrong or failing
+    before: (A) a query split over two mesh axes at once, ("data", "seq"), where no ring runs:
+    the adjoint's query-row class, summed over for dK and dV, is a class the ring would lift,
+    and its psum was skipped as if the ring had run — dK and dV came back one device's part,
+    0.6-1.1 off, silently; (B) keys split over one axis and 2 kv heads over 2 devices of the
+    other (one head a device): dQ and dK 0.2-0.9 off, silently — beside a split monoid class,
+    a class split to one element a device is gathered (the cause is not found); (C) keys split
+    along the sequence and values along the batch over one mesh axis: the ring's axis named
+    twice in a PartitionSpec (DuplicateSpecError inside XLA) — the ring yields to the batch."""
+    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))  # noqa: E731
+    f = loss(lambda q, k, v: moajax.dot_product_attention(q, k, v))
+    grad = jax.grad(f, argnums=(0, 1, 2))
+    r = np.random.default_rng(13)
+    mesh = _mesh((2, 2), ("data", "seq"))
+    q, k, v = (jnp.asarray(r.standard_normal((1, 8, 1, 2))) for _ in range(3))
+    for got in (jax.jit(grad)(*(_put(x, mesh, None, ("data", "seq")) for x in (q, k, v))),
+                jax.jit(grad)(_put(q, mesh, None, ("data", "seq")), k, v)):
+        for a, b in zip(got, grad(q, k, v)):
+            assert rel_err(a, b) <= 1e-12
+    for T, B in ((1, 1), (2, 1), (1, 2)):
+        q = jnp.asarray(r.standard_normal((B, T, 2, 2)))
+        k, v = (jnp.asarray(r.standard_normal((B, 4, 2, 2))) for _ in range(2))
+        spec = ("data", "seq") if B == 2 else (None, "seq", "data")
+        for a, b in zip(jax.jit(grad)(q, _put(k, mesh, *spec), _put(v, mesh, *spec)), grad(q, k, v)):
+            assert rel_err(a, b) <= 1e-12
+    mesh = _mesh((2,), ("x",))
+    q, k, v = (jnp.asarray(r.standard_normal((2, 4, 1, 2))) for _ in range(3))
+    want = moajax.dot_product_attention(q, k, v)
+    assert rel_err(moajax.dot_product_attention(q, _put(k, mesh, None, "x"), _put(v, mesh, "x")), want) <= 1e-12
+    assert rel_err(jax.jit(moajax.dot_product_attention)(q, _put(k, mesh, None, "x"), _put(v, mesh, "x")), want) <= 1e-12
+
+
 def test_ring_arguments_and_a_presets_ring_that_cannot_take_the_split():
     mesh = _mesh((8,), ("seq",))
     q, k, v = _attn_inputs(np.float32, B=1, T=64)
