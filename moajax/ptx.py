@@ -101,6 +101,13 @@ def compiler_available() -> str | None:
 
 
 
+def offline_or_exit() -> None:
+    """For the offline scripts: a SystemExit that says why Triton → PTX cannot compile here."""
+    reason = compiler_available()
+    if reason:
+        raise SystemExit(f"cannot compile offline: {reason}")
+
+
 def jaxlib_version_text() -> str:
     """The installed jaxlib's version ("0.10.2"): its Triton is what compiles offline."""
     import jaxlib

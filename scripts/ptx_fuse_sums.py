@@ -34,8 +34,7 @@ def main(argv):
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
 
-    if ptx.compiler_available():
-        raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
+    ptx.offline_or_exit()
     # the profiles as loaded (no spill check): the tables' tilings, with fuse_sums off and on
     gpus = [m for m in machines.available().values() if m.is_gpu]
     cases = [c for c in gpu_report.training_cases(("bfloat16", "float32"), targets=gpus)

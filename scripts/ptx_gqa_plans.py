@@ -33,8 +33,7 @@ def main(argv):
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
 
-    if ptx.compiler_available():
-        raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
+    ptx.offline_or_exit()
     # derived as a GPU derives them: each profile's spill check on
     gpus = gpu_report.gpus()
     lines = [f"# GQA's backward ONFs on the GPU profiles, offline PTX ({machine_line()}; ptxas {ptx.ptxas_version()}; "

@@ -35,8 +35,7 @@ def main(argv):
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
 
-    if ptx.compiler_available():
-        raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
+    ptx.offline_or_exit()
     mods = {name: fn for name, fn in gpu_report.score_mods().items() if name in ("alibi", "relpos")}
     gpus = gpu_report.gpus()  # derived as a GPU derives them: each profile's spill check on
     lines = [f"# The seed's backward ONFs with a score_mod array, offline PTX ({machine_line()}; ptxas "

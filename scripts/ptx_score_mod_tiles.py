@@ -40,8 +40,7 @@ def main(argv):
     from moajax.schedule import Preset
     from moajax.timing import machine_line, write_results
 
-    if ptx.compiler_available():
-        raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
+    ptx.offline_or_exit()
     # the profiles as loaded (no spill check): 'default' is the tables' tiling
     gpus = [m for m in machines.available().values() if m.is_gpu]
     lines = [f"# score_mod table gradients on the GPU: programs, nested-walk tiles and spills, offline PTX "

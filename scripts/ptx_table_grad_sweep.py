@@ -50,8 +50,7 @@ def main(argv):
     from moajax.kernels.attention import mha_kernel
     from moajax.timing import machine_line
 
-    if ptx.compiler_available():
-        raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
+    ptx.offline_or_exit()
     src = Path(moajax.__file__).resolve().parents[1]
     commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"

@@ -36,8 +36,7 @@ def main(argv):
     from moajax.onf import ONFError
     from moajax.timing import machine_line, write_results
 
-    if ptx.compiler_available():
-        raise SystemExit(f"cannot compile offline: {ptx.compiler_available()}")
+    ptx.offline_or_exit()
     gpus = [m for m in gpu_report.gpus() if m.name in PROFILES.value]
     if not gpus:
         raise SystemExit(f"no GPU profile named {PROFILES.value}")
