@@ -38,11 +38,12 @@ def _check_broadcast(name, shape, target, who: str = "dot_product_attention"):
             )
 
 
-def _attention_shapes(query, key, value, bias, mask, who: str = "dot_product_attention"):
+def _attention_shapes(query, key, value, bias, mask, who: str = "dot_product_attention", empty_ok: bool = False):
     """jax.nn.dot_product_attention's arguments checked (named TypeError/ValueError): the
     shapes of query, key and value (rank 4, or 3 without a batch), their one float dtype, and
     bias and mask broadcasting to [B, N, T, S]. Returns (qs, ks, vs, dtype, batched, bias
-    shape, bias dtype, mask shape), the shapes of rank 4 (a batch of 1 where none was given)."""
+    shape, bias dtype, mask shape), the shapes of rank 4 (a batch of 1 where none was given).
+    ``empty_ok``: B, T or S may be 0 (the call's result is then jax.nn's, without a kernel)."""
     qs, qd = _shape_dtype(query, "query", who)
     ks, kd = _shape_dtype(key, "key", who)
     vs, vd = _shape_dtype(value, "value", who)
@@ -74,7 +75,7 @@ def _attention_shapes(query, key, value, bias, mask, who: str = "dot_product_att
         raise ValueError(f"{who}: value shape {list(vs)} does not match key shape {list(ks)} in S and K")
     if K == 0 or N % K:
         raise ValueError(f"{who}: query has {N} heads, not a multiple of the {K} key/value heads")
-    if min(H, E, N) == 0 or (min(B, T, S) == 0 and who != "dot_product_attention"):
+    if min(H, E, N) == 0 or (min(B, T, S) == 0 and not empty_ok):
         raise ValueError(f"{who}: zero-size dimension in query {list(qs)}, key {list(ks)} or "
                          f"value {list(vs)}")
     target = (B, N, T, S)
@@ -144,7 +145,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     # a bias or mask given as Python values (a float, nested lists of bools), as jax.nn takes them
     bias, mask = (x if x is None or hasattr(x, "dtype") or not isinstance(x, (bool, int, float, list, tuple))
                   else jnp.asarray(x) for x in (bias, mask))
-    qs, ks, vs, qd, batched, bias_shape, bias_dtype, mask_shape = _attention_shapes(query, key, value, bias, mask)
+    qs, ks, vs, qd, batched, bias_shape, bias_dtype, mask_shape = _attention_shapes(query, key, value, bias, mask,
+                                                                                     empty_ok=True)
     B, T, N, H = qs
     S, K = ks[1], ks[2]
     args = [query, key, value]
@@ -163,7 +165,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         acc = accumulation_dtype(qd)
         args[0] = (args[0].astype(acc) * (scale.astype(acc) * math.sqrt(H))).astype(qd)
         scale = None
-    flags = _check_flags("dot_product_attention", is_causal=is_causal, return_residual=return_residual)
+    flags = runtime.check_flags("dot_product_attention", is_causal=is_causal, return_residual=return_residual)
     is_causal, return_residual = flags["is_causal"], flags["return_residual"]
     window = _check_window(local_window_size)
     if window is not None:
@@ -263,22 +265,6 @@ def _backward_plan(onf, with_bias: bool, consts=()):
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 
 
-def _check_flags(who: str, **flags) -> dict:
-    """Each flag a bool known while tracing (a Python or NumPy bool, or a concrete 0-d bool
-    array, as jax.nn takes is_causal): their values, else a named TypeError."""
-    import jax
-
-    out = {}
-    for flag, given in flags.items():
-        if isinstance(given, jax.Array) and not isinstance(given, jax.core.Tracer) and given.dtype == np.bool_ \
-                and given.ndim == 0:
-            given = bool(given)
-        if not isinstance(given, (bool, np.bool_)):
-            raise TypeError(f"{who}: {flag} must be a static bool, got {type(given).__name__}")
-        out[flag] = bool(given)
-    return out
-
-
 def _check_window(w):
     """jax.nn's local_window_size: None, an int w (= (w, w)) or (left, right), each ≥ 0."""
     if w is None:
@@ -361,7 +347,7 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
     who = "attention_onf"
     qs, ks, vs, qd, _, bs, bd, ms = _attention_shapes(query, key, value, bias, mask, who)
     scale = runtime.check_scale(scale, who)
-    flags = _check_flags(who, is_causal=is_causal, return_residual=return_residual)
+    flags = runtime.check_flags(who, is_causal=is_causal, return_residual=return_residual)
     is_causal, return_residual = flags["is_causal"], flags["return_residual"]
     if preset is not None and not isinstance(preset, Preset):
         raise TypeError(f"{who}: preset must be a moajax.Preset or None, got {type(preset).__name__}")
@@ -612,7 +598,7 @@ def transformer_block(params, x, *, is_causal=True, eps=1e-6, rope_theta=None, o
     who = "transformer_block"
     dims = _block_dims(who, params, x)
     _check_eps(eps, who)
-    is_causal = _check_flags(who, is_causal=is_causal)["is_causal"]
+    is_causal = runtime.check_flags(who, is_causal=is_causal)["is_causal"]
     runtime.check_onf_argument(onf, who)
     runtime.check_implementation(implementation, who)
     if rope_theta is not None:

@@ -33,8 +33,6 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
-
 from moajax import compat
 from moajax import dnf as D
 from moajax.schedule import RING_BALANCES as BALANCES  # (a Preset names them too)
@@ -718,12 +716,12 @@ def ring_attention(query, key, value, *, mesh, axis_name: str, is_causal: bool =
         raise ValueError(f"{who}: the ring splits one sequence: query length {T} must equal key length {S}")
     if N % K:
         raise ValueError(f"{who}: query has {N} heads, not a multiple of the {K} key/value heads")
-    for flag, given in (("is_causal", is_causal), ("return_residual", return_residual)):
-        if not isinstance(given, (bool, np.bool_)):
-            raise TypeError(f"{who}: {flag} must be a static bool, got {type(given).__name__}")
     from jax.sharding import Mesh
 
     from moajax import runtime
+
+    flags = runtime.check_flags(who, is_causal=is_causal, return_residual=return_residual)
+    is_causal, return_residual = flags["is_causal"], flags["return_residual"]
 
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")

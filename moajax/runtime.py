@@ -95,6 +95,22 @@ def check_scale(scale, who: str, traced_ok: bool = False):
     return value
 
 
+def check_flags(who: str, **flags) -> dict:
+    """Each flag a bool known while tracing (a Python or NumPy bool, or a concrete 0-d bool
+    array, as jax.nn takes is_causal): their values, else a named TypeError."""
+    import jax
+
+    out = {}
+    for flag, given in flags.items():
+        if isinstance(given, jax.Array) and not isinstance(given, jax.core.Tracer) and given.dtype == np.bool_ \
+                and given.ndim == 0:
+            given = bool(given)
+        if not isinstance(given, (bool, np.bool_)):
+            raise TypeError(f"{who}: {flag} must be a static bool, got {type(given).__name__}")
+        out[flag] = bool(given)
+    return out
+
+
 def check_implementation(implementation, who: str) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{who}: implementation must be None, 'xla', 'pallas', 'pallas_interpret', 'triton' "

@@ -251,51 +251,53 @@ def assignment(r: Rule, mesh, arg_specs, who: str) -> tuple[dict, list]:
     by a mesh size the class's extent does not divide, over other mesh axes than an earlier
     input splits the class by, or by a mesh axis an earlier class took — is not assigned: the
     input is gathered along it (XLA's partitioner inserts the all-gather, as it does for
-    jax.nn), and the second list says why: (input, axis, its dim, mesh axes, the reason)."""
+    jax.nn), and the second list says why: (input, axis, its dim, over what, the reason)."""
     out: dict = {}
     gathered: list = []
-    for (name, dims, axs), spec in zip(r.inputs, arg_specs):
-        if name in r.unread:
+    for name, j, dim, ax, m in _split_axes(r, arg_specs):
+        where = (name, j, dim, f"mesh axis {'×'.join(m)}")
+        if ax.cls is None or not r.shardable(ax.cls):
+            why = ax.why if ax.cls is None else f"{r.names[ax.cls]} is {r.kinds[ax.cls]}"
+            gathered.append(where + (f"this kernel cannot honour it: {why}",))
             continue
-        for j, (ax, entry) in enumerate(zip(axs, tuple(spec) + (None,) * (len(axs) - len(tuple(spec))))):
-            m = _spec_axes(entry)
-            if not m:
-                continue
-            where = (name, j, dims[j], "×".join(m))
-            if ax.cls is None or not r.shardable(ax.cls):
-                why = ax.why if ax.cls is None else f"{r.names[ax.cls]} is {r.kinds[ax.cls]}"
-                gathered.append(where + (f"this kernel cannot honour it: {why}",))
-                continue
-            size = _mesh_size(mesh, m)
-            taken = [a for c, ms in out.items() if c != ax.cls for a in ms]
-            if r.extents[ax.cls] % size:
-                gathered.append(where + (f"its {size} devices do not divide {r.names[ax.cls]}'s extent "
-                                         f"{r.extents[ax.cls]}",))
-            elif r.kinds[ax.cls] == "monoid" and r.extents[ax.cls] // size < 2 <= r.extents[ax.cls]:
-                # a block of one element of a class the outputs sum over: the per-device
-                # kernel's derivation drops its sum of one term, and with it the identities
-                # that read whole rows (attention's Δ = +/(dO × Out) for dQ = Σ_s dS K):
-                # dQ and dK were wrong with one key a device
-                gathered.append(where + (f"its {size} devices would hold one element each of {r.names[ax.cls]}, "
-                                         "which the outputs sum over",))
-            elif out.get(ax.cls, m) != m:
-                gathered.append(where + (f"an earlier input splits {r.names[ax.cls]} over {'×'.join(out[ax.cls])}",))
-            elif set(m) & set(taken):
-                gathered.append(where + ("the mesh axis splits another axis of the kernel already",))
-            else:
-                out[ax.cls] = m
+        size = _mesh_size(mesh, m)
+        taken = [a for c, ms in out.items() if c != ax.cls for a in ms]
+        if r.extents[ax.cls] % size:
+            gathered.append(where + (f"its {size} devices do not divide {r.names[ax.cls]}'s extent "
+                                     f"{r.extents[ax.cls]}",))
+        elif r.kinds[ax.cls] == "monoid" and r.extents[ax.cls] // size < 2 <= r.extents[ax.cls]:
+            # a block of one element of a class the outputs sum over: the per-device
+            # kernel's derivation drops its sum of one term, and with it the identities
+            # that read whole rows (attention's Δ = +/(dO × Out) for dQ = Σ_s dS K):
+            # dQ and dK were wrong with one key a device
+            gathered.append(where + (f"its {size} devices would hold one element each of {r.names[ax.cls]}, "
+                                     "which the outputs sum over",))
+        elif out.get(ax.cls, m) != m:
+            gathered.append(where + (f"an earlier input splits {r.names[ax.cls]} over {'×'.join(out[ax.cls])}",))
+        elif set(m) & set(taken):
+            gathered.append(where + ("the mesh axis splits another axis of the kernel already",))
+        else:
+            out[ax.cls] = m
     if any(r.kinds[c] == "monoid" for c in out):
         # beside a split monoid class, a class split to one element a device (2 heads over 2
         # devices, the keys split over another mesh axis, one query) gave dQ and dK 0.2-0.9
         # off, silently (a fuzz; the cause is not found, the psum is not it): gathered
         for c in [c for c, m in out.items() if r.extents[c] // _mesh_size(mesh, m) < 2 <= r.extents[c]]:
-            for (name, dims, axs), spec in zip(r.inputs, arg_specs):
-                for j, (ax, entry) in enumerate(zip(axs, tuple(spec) + (None,) * (len(axs) - len(tuple(spec))))):
-                    if ax.cls == c and _spec_axes(entry) and name not in r.unread:
-                        gathered.append((name, j, dims[j], "×".join(_spec_axes(entry)),
-                                         f"one element of {r.names[c]} a device, beside a split sum"))
+            gathered += [(name, j, dim, f"mesh axis {'×'.join(m)}", f"one element of {r.names[c]} a device, "
+                          "beside a split sum") for name, j, dim, ax, m in _split_axes(r, arg_specs) if ax.cls == c]
             del out[c]
     return out, gathered
+
+
+def _split_axes(r: Rule, arg_specs):
+    """(input, axis, its dim, its Axis, mesh axes) of every split axis of the inputs the DNF
+    reads, in order."""
+    for (name, dims, axs), spec in zip(r.inputs, arg_specs):
+        if name in r.unread:
+            continue
+        for j, (ax, entry) in enumerate(zip(axs, tuple(spec) + (None,) * (len(axs) - len(tuple(spec))))):
+            if _spec_axes(entry):
+                yield name, j, dims[j], ax, _spec_axes(entry)
 
 
 _GATHER_LOGGED: set = set()
@@ -310,13 +312,12 @@ def _log_gathered(r: Rule, gathered, who: str) -> None:
     import logging
 
     by_reason: dict = {}
-    for name, axis, dim, mesh_axes, why in gathered:
-        by_reason.setdefault((mesh_axes, why), []).append(name if axis is None else f"{name} axis {axis} ({dim})")
+    for name, axis, dim, over, why in gathered:
+        by_reason.setdefault((over, why), []).append(name if axis is None else f"{name} axis {axis} ({dim})")
     logging.getLogger("moajax").warning(
         "moajax: %s gathers what it cannot run split (an all-gather, as XLA's partitioner does for jax.nn): %s. "
         "Splits it runs as they are: its axes %s", who,
-        "; ".join(f"{', '.join(names)} over {m if m.startswith('a part') else 'mesh axis ' + m}: {why}"
-                  for (m, why), names in by_reason.items()),
+        "; ".join(f"{', '.join(names)} over {over}: {why}" for (over, why), names in by_reason.items()),
         _shardable_dims(r))
 
 
