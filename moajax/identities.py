@@ -93,10 +93,29 @@ def _cancel(num: list, den: list) -> tuple[list, list]:
     return num, den
 
 
-def read_statistics(e: D.Expr, statistics: list) -> D.Expr:
+def _held_read(name: str, out: D.Output, index, shapes: Mapping) -> D.Read:
+    """⟨index⟩ψ name: the element of the forward's ``out`` at ``index`` (one Ix per out.vars)
+    in the input ``name`` that holds it, whose shape (``shapes``; absent: out's own) may keep
+    axes of extent 1 that out, derived for these shapes, has not: a device's block of a
+    statistic saved as [t n] with one head a device is (T, 1), where the forward derived for
+    the block's shapes drops n. Those axes are read at 0, as the adjoint reads them — read
+    at out's rank, no identity matched, and the per-device adjoint summed Δ over its own keys."""
+    index = tuple(index)
+    shape = tuple(shapes.get(name, out.shape))
+    if shape == tuple(out.shape):
+        return D.Read(name, index, out.dtype)
+    kept = [i for i, n in zip(index, out.shape) if n != 1]
+    if [n for n in shape if n != 1] != [n for n in out.shape if n != 1]:
+        return D.Read(name, index, out.dtype)  # not the same elements: no identity will match
+    it = iter(kept)
+    return D.Read(name, tuple(Ix.of(0) if n == 1 else next(it) for n in shape), out.dtype)
+
+
+def read_statistics(e: D.Expr, statistics: list, shapes: Mapping = {}) -> D.Expr:
     """e with each occurrence of a statistic's body replaced by a read of the input that holds
     it. ``statistics``: (input name, forward Output) in the forward's order, so that a later
-    statistic (a softmax's denominator) is matched with the earlier ones (its max) read."""
+    statistic (a softmax's denominator) is matched with the earlier ones (its max) read;
+    ``shapes``: the holding inputs' shapes, where they differ from the outputs' (``_held_read``)."""
     patterns: list = []
 
     def replace(x: D.Expr, pats) -> D.Expr:
@@ -106,7 +125,7 @@ def read_statistics(e: D.Expr, statistics: list) -> D.Expr:
             for name, out, pat in pats:
                 env = D.match(pat, y, out.vars)
                 if env is not None and set(env) == set(out.vars):
-                    return D.Read(name, tuple(env[v] for v in out.vars), out.dtype)
+                    return _held_read(name, out, (env[v] for v in out.vars), shapes)
             return None
 
         return D.transform(x, fn)
@@ -145,6 +164,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
     DNF and what was applied (each distinct rewrite once)."""
     outs = {o.name: o for o in forward.outputs}
     stats = [(saved[o.name], o) for o in forward.outputs if o.name in saved]
+    shapes = {i.name: i.shape for i in adjoint.inputs}
     forms = {}  # forward output name → (Output, adjoint input holding it, its form)
     for yname, y_in in value_of.items():
         y = own = outs[yname]
@@ -158,7 +178,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
             if not held:
                 continue
             y, y_in = held[0], saved[held[0].name]
-        form = _form(read_statistics(y.body, [st for st in stats if st[1].name != y.name]))
+        form = _form(read_statistics(y.body, [st for st in stats if st[1].name != y.name], shapes))
         if form is not None:
             forms[yname] = (y, y_in, form, own.vars)
     of_cotangent = {ct: forms[y] for ct, y in cotangent_of.items() if y in forms}
@@ -175,7 +195,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
             env = None if env is None else _match_factors(fg_d, g_d, y.vars, env, {sf: Ix.of(s)})
             if env is None or set(env) != set(y.vars):
                 continue
-            yread = D.Read(y_in, tuple(env[v] for v in y.vars), y.dtype)
+            yread = _held_read(y_in, y, (env[v] for v in y.vars), shapes)
             at = lambda fs: [D.substitute(f, env) for f in fs]  # noqa: E731 - c at the element σ
             return D.quotient(*_cancel([yread] + a_n + at(c_d), a_d + at(c_n)), dtype)
         return None

@@ -377,7 +377,8 @@ class Kernel:
                                                   implementation, names), dnf,
                                  compat.at_matmul_precision(functools.partial(
                                      self._local_run, options=options, onf=onf, implementation=implementation,
-                                     names=names), precision), self.name, lift, precision=precision)
+                                     names=names), precision), self.name, lift, precision=precision,
+                                 local_dnf=lambda specs: self._build(specs, options)[2])
 
     def _local_run(self, specs, *, options, onf, implementation, names):
         """The kernel's compiled function for one device's block of the arrays (``specs``): its

@@ -278,14 +278,6 @@ def assignment(r: Rule, mesh, arg_specs, who: str) -> tuple[dict, list]:
             gathered.append(where + ("the mesh axis splits another axis of the kernel already",))
         else:
             out[ax.cls] = m
-    if any(r.kinds[c] == "monoid" for c in out):
-        # beside a split monoid class, a class split to one element a device (2 heads over 2
-        # devices, the keys split over another mesh axis, one query) gave dQ and dK 0.2-0.9
-        # off, silently (a fuzz; the cause is not found, the psum is not it): gathered
-        for c in [c for c, m in out.items() if r.extents[c] // _mesh_size(mesh, m) < 2 <= r.extents[c]]:
-            gathered += [(name, j, dim, f"mesh axis {'×'.join(m)}", f"one element of {r.names[c]} a device, "
-                          "beside a split sum") for name, j, dim, ax, m in _split_axes(r, arg_specs) if ax.cls == c]
-            del out[c]
     return out, gathered
 
 
@@ -483,7 +475,32 @@ def _lifted_axis(r: Rule, specs, lift, mesh, who: str, shapes):
     return rest, lifted
 
 
-def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
+def _block_disagrees(r: Rule, assign: dict, local: Rule, local_shapes: dict) -> dict:
+    """{class: why} for each split class of ``assign`` that the rule of the kernel derived for
+    a device's block (``local``; ``local_shapes``: its arrays' shapes by name) does not run
+    split as the whole kernel's rule (``r``) does. The per-device kernel is derived afresh
+    for its block's shapes, and its derivation may differ where an axis has extent 1 (ψ
+    reads it at 0, an identity may not match): an adjoint that reads Δ from Out as a whole
+    but sums it over its own keys as a block summed it over one device's keys — dQ and dK
+    wrong, silently. A class whose block holds one element has nothing to compare."""
+    axes = {name: axs for name, _, axs in local.inputs + local.outputs}
+    out: dict = {}
+    for name, _, axs in r.inputs + r.outputs:
+        if name in r.unread or name not in axes:
+            continue
+        for j, ax in enumerate(axs):
+            if ax.cls is None or ax.cls not in assign or ax.cls in out:
+                continue
+            if local_shapes[name][j] // ax.minor < 2:
+                continue
+            lax = axes[name][j]
+            kind = lax.why if lax.cls is None else local.kinds[lax.cls]
+            if kind != r.kinds[ax.cls]:
+                out[ax.cls] = f"the kernel derived for a device's block has it {kind}, the whole kernel {r.kinds[ax.cls]}"
+    return out
+
+
+def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dnf=None):
     """``run`` (the kernel's compiled function of its inputs) partitioned over a device mesh:
     under ``jax.jit`` with sharded inputs, each device runs ``relower(local input specs)`` on
     its block, and an output missing a monoid class that is split is finished by its
@@ -492,7 +509,9 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
     shapes)``: attention's sequence, the ring). On one device (or inside ``shard_map``) it
     is ``run`` itself. ``precision``: the matmul precision config of the call (None: JAX's
     default), under which the per-device kernels are derived and traced — XLA's partitioner
-    asks for them when it compiles, outside the block the call was made in."""
+    asks for them when it compiles, outside the block the call was made in. ``local_dnf``
+    (local input specs → the DNF of a device's block): where given, a split whose per-device
+    kernel would not run it as the whole kernel's rule says (``_block_disagrees``) is gathered."""
 
     import jax
     from jax.experimental.custom_partitioning import custom_partitioning
@@ -512,9 +531,26 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
         specs = [tuple(spec or ()) for spec in specs]
         assign, gathered, lifted = _splits(r, specs, lift, mesh, who, [tuple(a.shape) for a in arg_shapes])
         gathered = unnamed + gathered
-        _log_gathered(r, gathered, who)
         if lifted is not None:
             assign.update({c: (lifted,) for c in seq})
+        args, outs = shardings(mesh, assign)
+        while lifted is None and local_dnf is not None and assign:
+            local = {name: sh.shard_shape(s) for (name, _, _), sh, s in zip(r.inputs, args, in_shapes)}
+            local.update({name: sh.shard_shape(s) for (name, _, _), sh, s in zip(r.outputs, outs, out_shapes)})
+            block = local_dnf(tuple(jax.ShapeDtypeStruct(local[name], a.dtype)
+                                    for (name, _, _), a in zip(r.inputs, arg_shapes)))
+            wrong = _block_disagrees(r, assign, rule(block), local)
+            if not wrong:
+                break
+            gathered += [(name, j, dim, f"mesh axis {'×'.join(m)}", wrong[ax.cls])
+                         for name, j, dim, ax, m in _split_axes(r, specs) if ax.cls in wrong]
+            assign = {c: m for c, m in assign.items() if c not in wrong}
+            args, outs = shardings(mesh, assign)
+        _log_gathered(r, gathered, who)
+        return assign, args, outs, lifted
+
+    def shardings(mesh, assign):
+        """(the inputs', the outputs' NamedShardings) of a class → mesh axes assignment."""
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
@@ -527,7 +563,7 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None):
         args = tuple(NamedSharding(mesh, P(*(by_dim.get(d) for d in dims)) if name in r.unread else _pspec(axs, assign))
                      for name, dims, axs in r.inputs)
         outs = tuple(NamedSharding(mesh, _pspec(axs, assign)) for _, _, axs in r.outputs)
-        return assign, args, outs, lifted
+        return args, outs
 
     def infer(mesh, arg_shapes, result_shape):
         outs = plan(mesh, arg_shapes)[2]

@@ -734,8 +734,8 @@ def test_splits_a_second_fuzz_found_wrong_or_failing():
     the adjoint's query-row class, summed over for dK and dV, is a class the ring would lift,
     and its psum was skipped as if the ring had run — dK and dV came back one device's part,
     0.6-1.1 off, silently; (B) keys split over one axis and 2 kv heads over 2 devices of the
-    other (one head a device): dQ and dK 0.2-0.9 off, silently — beside a split monoid class,
-    a class split to one element a device is gathered (the cause is not found); (C) keys split
+    other (one head a device): dQ and dK 0.2-0.9 off, silently — gathered at first, the
+    cause found since (``test_a_blocks_adjoint_reads_delta_from_out``) and the split run; (C) keys split
     along the sequence and values along the batch over one mesh axis: the ring's axis named
     twice in a PartitionSpec (DuplicateSpecError inside XLA) — the ring yields to the batch."""
     loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))  # noqa: E731
@@ -759,6 +759,67 @@ def test_splits_a_second_fuzz_found_wrong_or_failing():
     want = moajax.dot_product_attention(q, k, v)
     assert rel_err(moajax.dot_product_attention(q, _put(k, mesh, None, "x"), _put(v, mesh, "x")), want) <= 1e-12
     assert rel_err(jax.jit(moajax.dot_product_attention)(q, _put(k, mesh, None, "x"), _put(v, mesh, "x")), want) <= 1e-12
+
+
+def _one_head_a_device_adjoint():
+    """The saved adjoint of plain attention, B=1, T=2, S=4, N=2 (f64): (its DNF's rule, its
+    class of the keys and of the heads, the kernel and its call's options, the shapes of a
+    device's block with the keys over 2 devices and one head a device)."""
+    opts = dict(scale=None, is_causal=False)
+    kern = mha_kernel(None, None, False)
+    adj, specs = kern.saved_adjoint(*(_spec(*s, dtype=np.float64) for s in ((1, 2, 2, 2), (1, 4, 2, 2), (1, 4, 2, 2))),
+                                    **opts)
+    r = shard.rule(adj.dnf(*specs, **opts))
+    block = [_spec(*s, dtype=np.float64) for s in ((1, 2, 1, 2),) + ((1, 2, 1, 2),) * 3 + ((2, 1),) * 2 + ((1, 2, 1, 2),)]
+    return r, r.names.index("s"), r.names.index("n"), kern, adj, opts, block
+
+
+def test_a_blocks_adjoint_reads_delta_from_out():
+    """The cause of the second fuzz's (B): each device's kernel is derived afresh for its
+    block's shapes. With one head a device, the block of a row statistic saved as [t n] is
+    (T, 1), while the forward derived for the block drops n (extent 1): matched at the
+    forward's rank, Δ-from-output did not apply, and the block's adjoint summed Δ = Σ_s P dP
+    over its own keys, the split key class a monoid for the whole kernel — dQ and dK wrong.
+    Now a saved value is matched at the shape of the input that holds it: the block's
+    adjoint reads Out, and its rule agrees with the whole kernel's."""
+    r, s, n, _, adj, opts, block = _one_head_a_device_adjoint()
+    assert r.kinds[s] == "monoid" and r.kinds[n] == "map"
+    d = adj.dnf(*block, **opts)
+    assert "out" in d.arrays_read()
+    shapes = {i.name: i.shape for i in d.inputs} | {o.name: o.shape for o in d.outputs}
+    assert shard._block_disagrees(r, {s: ("seq",), n: ("data",)}, shard.rule(d), shapes) == {}
+
+
+def test_a_split_the_blocks_kernel_would_not_run_is_gathered(monkeypatch, caplog):
+    """The net under the cause: before a split runs, the rule of the kernel derived for a
+    device's block must agree with the whole kernel's. (1) The adjoint that recomputes Δ
+    (no saved values), derived for a block, sums over the keys inside: disagrees. (2) With
+    Δ-from-output matched at the forward's rank again (the bug put back), jit(grad) of the
+    second fuzz's (B) gathers the keys (logged, naming the block) and is right, float64 at
+    1e-12 against one device; it was 0.2-1.8 off."""
+    from moajax import dnf as D
+    from moajax import identities
+
+    r, s, n, kern, _, opts, block = _one_head_a_device_adjoint()
+    plain = kern.adjoint(*(_spec(*x.shape, dtype=np.float64) for x in block[:3]), **opts).dnf(*block[:4], **opts)
+    shapes = {i.name: i.shape for i in plain.inputs} | {o.name: o.shape for o in plain.outputs}
+    wrong = shard._block_disagrees(r, {s: ("seq",), n: ("data",)}, shard.rule(plain), shapes)
+    assert list(wrong) == [s] and "reduced inside the kernel" in wrong[s]
+
+    logged = _gathers_logged(monkeypatch, caplog)
+    monkeypatch.setattr(identities, "_held_read", lambda name, out, index, shapes: D.Read(name, tuple(index), out.dtype))
+    f = lambda q, k, v: jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v)))  # noqa: E731
+    grad = jax.grad(f, argnums=(0, 1, 2))
+    rng = np.random.default_rng(17)
+    # shapes of this test's own (the kernels cache what they derive): T=3, H=3
+    q = jnp.asarray(rng.standard_normal((1, 3, 2, 3)))
+    k, v = (jnp.asarray(rng.standard_normal((1, 4, 2, 3))) for _ in range(2))
+    mesh = _mesh((2, 2), ("data", "seq"))
+    got = jax.jit(grad)(q, _put(k, mesh, None, "seq", "data"), _put(v, mesh, None, "seq", "data"))
+    for a, b in zip(got, grad(q, k, v)):
+        assert rel_err(a, b) <= 1e-12
+    assert re.search(r"adjoint\S* gathers .*key axis 1 \(s\).*the kernel derived for a device's block has it "
+                     r"reduced inside the kernel, the whole kernel monoid", logged())
 
 
 def test_ring_arguments_and_a_presets_ring_that_cannot_take_the_split():
