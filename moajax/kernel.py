@@ -213,6 +213,21 @@ class Kernel:
             self._cache[key] = hit
         return hit
 
+    def dnf_before_identities(self, *specs, **options):
+        """The DNF for these argument shapes before the papers' identities rewrite it
+        (``moajax.identities``; the same DNF for a kernel that has none): what ψ-reduction
+        alone derives, whatever the extents."""
+        if self._identities is None:
+            return self.dnf(*specs, **options)
+        key = ("before identities", self._key(specs, options))
+        hit = self._cache.get(key)
+        if hit is None:
+            inputs, expr = self._build(specs, options)[:2]
+            outs = expr if isinstance(expr, tuple) else (expr,)
+            names = self.cell_names(self._key(specs, options)) or self._names_for(outs)
+            hit = self._cache[key] = _psi.reduce_to_dnf(self.name, inputs, outs, names, record=False)[0]
+        return hit
+
     def expression(self, *specs, **options) -> moa.Array:
         """The un-reduced array expression for these argument shapes."""
         return self._build(specs or self.example_specs(), options)[1]
@@ -247,7 +262,8 @@ class Kernel:
         the forward saves for the backward ("auto" or "none", see ``compiled``)."""
         fn = self.compiled(*arrays, onf=onf, implementation=implementation, residuals=residuals, **options)
         dnf = self._build(arrays, options)[2]
-        arrays = shard.conform(dnf, arrays, self.name, self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift else None)
+        arrays = shard.conform(dnf, arrays, self.name, self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift else None,
+                               functools.partial(self.dnf_before_identities, *arrays, **options))
         return fn(*arrays)
 
     def onf(self, *arrays, onf=None, implementation=None, **options):
@@ -378,7 +394,8 @@ class Kernel:
                                  compat.at_matmul_precision(functools.partial(
                                      self._local_run, options=options, onf=onf, implementation=implementation,
                                      names=names), precision), self.name, lift, precision=precision,
-                                 local_dnf=lambda specs: self._build(specs, options)[2])
+                                 local_dnf=lambda specs: self._build(specs, options)[2],
+                                 plain_dnf=lambda: self.dnf_before_identities(*dnf.inputs, **options))
 
     def _local_run(self, specs, *, options, onf, implementation, names):
         """The kernel's compiled function for one device's block of the arrays (``specs``): its

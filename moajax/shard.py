@@ -244,14 +244,16 @@ def _spec_axes(entry) -> tuple:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def assignment(r: Rule, mesh, arg_specs, who: str) -> tuple[dict, list]:
+def assignment(r: Rule, mesh, arg_specs, who: str, plain=None) -> tuple[dict, list]:
     """(class → mesh axes, the splits gathered): read off the inputs' partition specs, in
     order. A split the kernel cannot honour — along an axis no class of which a split runs
     without communication (a contracted head dim, a softmax's key axis, a causal query axis),
     by a mesh size the class's extent does not divide, over other mesh axes than an earlier
     input splits the class by, or by a mesh axis an earlier class took — is not assigned: the
     input is gathered along it (XLA's partitioner inserts the all-gather, as it does for
-    jax.nn), and the second list says why: (input, axis, its dim, over what, the reason)."""
+    jax.nn), and the second list says why: (input, axis, its dim, over what, the reason).
+    ``plain`` (or None): a function giving the rule of the kernel's DNF before its identities
+    (``_exact_at_one``)."""
     out: dict = {}
     gathered: list = []
     for name, j, dim, ax, m in _split_axes(r, arg_specs):
@@ -265,11 +267,13 @@ def assignment(r: Rule, mesh, arg_specs, who: str) -> tuple[dict, list]:
         if r.extents[ax.cls] % size:
             gathered.append(where + (f"its {size} devices do not divide {r.names[ax.cls]}'s extent "
                                      f"{r.extents[ax.cls]}",))
-        elif r.kinds[ax.cls] == "monoid" and r.extents[ax.cls] // size < 2 <= r.extents[ax.cls]:
-            # a block of one element of a class the outputs sum over: the per-device
-            # kernel's derivation drops its sum of one term, and with it the identities
-            # that read whole rows (attention's Δ = +/(dO × Out) for dQ = Σ_s dS K):
-            # dQ and dK were wrong with one key a device
+        elif (r.kinds[ax.cls] == "monoid" and r.extents[ax.cls] // size < 2 <= r.extents[ax.cls]
+              and not _exact_at_one(r, ax.cls, plain)):
+            # a block of one element of a class the outputs sum over, which only an identity
+            # made a monoid: the per-device kernel's derivation drops its sum of one term, and
+            # with it the identity (attention's Δ = +/(dO × Out) for dQ = Σ_s dS K): dQ and
+            # dK were wrong with one key a device. A check of the block's own rule
+            # (``_block_disagrees``) cannot see a class of one element
             gathered.append(where + (f"its {size} devices would hold one element each of {r.names[ax.cls]}, "
                                      "which the outputs sum over",))
         elif out.get(ax.cls, m) != m:
@@ -279,6 +283,21 @@ def assignment(r: Rule, mesh, arg_specs, who: str) -> tuple[dict, list]:
         else:
             out[ax.cls] = m
     return out, gathered
+
+
+def _exact_at_one(r: Rule, c: int, plain) -> bool:
+    """Is class ``c`` a monoid (or a map) in ``plain()``, the rule of the kernel's DNF before
+    the papers' identities (``moajax.identities``), too? Then no rewrite that matches a sum
+    over it makes it one, and a device's kernel derived for a block of one of its elements
+    is the whole kernel's restricted (a bias's gradient Σ_b with one sequence a device);
+    else (or no ``plain``) it is not known to be."""
+    if plain is None:
+        return False
+    p = plain()
+    # (an input only an identity reads, Out, has no class there)
+    axes = [pa for (name, _, axs), (_, _, paxs) in zip(r.inputs + r.outputs, p.inputs + p.outputs)
+            if name not in p.unread for ax, pa in zip(axs, paxs) if ax.cls == c]
+    return bool(axes) and all(pa.cls is not None and p.shardable(pa.cls) for pa in axes)
 
 
 def _split_axes(r: Rule, arg_specs):
@@ -333,7 +352,7 @@ def visible(arrays) -> tuple | None:
     return None if mesh is None else (mesh, specs)
 
 
-def conform(dnf, arrays, who: str, lift=None) -> tuple:
+def conform(dnf, arrays, who: str, lift=None, plain_dnf=None) -> tuple:
     """``arrays``, each gathered where it is split in a way the kernel cannot honour, when the
     split is visible while tracing (concrete arrays, an explicit-axes mesh); a ValueError now
     for a split a Preset's ring was asked for and cannot take. Gathering here, before the
@@ -341,7 +360,7 @@ def conform(dnf, arrays, who: str, lift=None) -> tuple:
     extent (GQA's 8 query heads over 8 devices, 2 kv heads): Shardy would split the class over
     a part of the mesh axis, which JAX's partitioning callback cannot name. Under ``jax.jit``
     with automatic axes the split is known only when XLA partitions, and ``partitioned`` asks
-    for the same gathers there. ``lift``: as there."""
+    for the same gathers there. ``lift`` and ``plain_dnf``: as there."""
     seen = visible(arrays)
     if seen is None:
         return tuple(arrays)
@@ -351,7 +370,7 @@ def conform(dnf, arrays, who: str, lift=None) -> tuple:
 
     r = rule(dnf)
     mesh, specs = seen
-    gathered = _splits(r, specs, lift, mesh, who, [tuple(a.shape) for a in arrays])[1]
+    gathered = _splits(r, specs, lift, mesh, who, [tuple(a.shape) for a in arrays], _memo(plain_dnf))[1]
     _log_gathered(r, gathered, who)
     drop: dict = {}
     for name, axis, _, _, _ in gathered:
@@ -367,16 +386,16 @@ def conform(dnf, arrays, who: str, lift=None) -> tuple:
     return tuple(out)
 
 
-def _splits(r: Rule, specs, lift, mesh, who: str, shapes) -> tuple:
+def _splits(r: Rule, specs, lift, mesh, who: str, shapes, plain=None) -> tuple:
     """(class → mesh axes, the splits gathered, the ring's mesh axis or None): the ring where
     it takes the sequence's split and no other class is split over its mesh axis (a batch
     split over the ring's axis gave a PartitionSpec naming it twice), else the plain
     split's ``assignment`` of every input's split."""
     lifted_specs, lifted = _lifted_axis(r, specs, lift, mesh, who, shapes)
-    assign, gathered = assignment(r, mesh, lifted_specs, who)
+    assign, gathered = assignment(r, mesh, lifted_specs, who, plain)
     if lifted is not None and any(lifted in m for m in assign.values()):
         lifted = None
-        assign, gathered = assignment(r, mesh, specs, who)
+        assign, gathered = assignment(r, mesh, specs, who, plain)
     return assign, gathered, lifted
 
 
@@ -500,7 +519,14 @@ def _block_disagrees(r: Rule, assign: dict, local: Rule, local_shapes: dict) -> 
     return out
 
 
-def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dnf=None):
+def _memo(dnf_of):
+    """The rule of ``dnf_of()``, derived once, when first asked (None for no ``dnf_of``)."""
+    if dnf_of is None:
+        return None
+    return functools.cache(lambda: rule(dnf_of()))
+
+
+def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dnf=None, plain_dnf=None):
     """``run`` (the kernel's compiled function of its inputs) partitioned over a device mesh:
     under ``jax.jit`` with sharded inputs, each device runs ``relower(local input specs)`` on
     its block, and an output missing a monoid class that is split is finished by its
@@ -511,7 +537,9 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dn
     default), under which the per-device kernels are derived and traced — XLA's partitioner
     asks for them when it compiles, outside the block the call was made in. ``local_dnf``
     (local input specs → the DNF of a device's block): where given, a split whose per-device
-    kernel would not run it as the whole kernel's rule says (``_block_disagrees``) is gathered."""
+    kernel would not run it as the whole kernel's rule says (``_block_disagrees``) is gathered.
+    ``plain_dnf`` (→ the whole DNF before the identities): where given, a monoid class split
+    to one element a device runs split if it is a monoid there too (``_exact_at_one``)."""
 
     import jax
     from jax.experimental.custom_partitioning import custom_partitioning
@@ -522,6 +550,7 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dn
     n_out = len(dnf.outputs)
 
     seq = lift.classes(r) if lift is not None else frozenset()
+    plain = _memo(plain_dnf)
 
     def plan(mesh, arg_shapes):
         specs = [compat.partition_spec(getattr(a, "sharding", None), mesh, len(a.shape)) for a in arg_shapes]
@@ -529,7 +558,7 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dn
         unnamed = [(name, None, None, "a part of a mesh axis", "no PartitionSpec names the split")
                    for (name, _, _), spec in zip(r.inputs, specs) if spec is None]
         specs = [tuple(spec or ()) for spec in specs]
-        assign, gathered, lifted = _splits(r, specs, lift, mesh, who, [tuple(a.shape) for a in arg_shapes])
+        assign, gathered, lifted = _splits(r, specs, lift, mesh, who, [tuple(a.shape) for a in arg_shapes], plain)
         gathered = unnamed + gathered
         if lifted is not None:
             assign.update({c: (lifted,) for c in seq})
