@@ -220,17 +220,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         # masked fill — a kernel of its own (``as_infinite``: the select is a mask on data, with
         # the row guard's checks). Without it, a row the table masks whole gave NaN or another
         # row's weights, where the same concrete table gives jax.nn's masked row
-        from moajax import compat
-
         first = len(args) - len(mod.consts)
-        infinite = jnp.any(jnp.stack([jnp.any(jnp.isinf(args[first + i])) for i in tables]))
+        # (vmapped over a table, one flag for the whole batch: a cond on a batched flag, or
+        # under vmap(jit), where the flag is traced unbatched and batched later, ran both kernels)
+        infinite = runtime.any_over_batch(jnp.stack([jnp.any(jnp.isinf(args[first + i])) for i in tables]))
         masked = kernel(mod.as_infinite())
         if not isinstance(infinite, jax.core.Tracer):
             # known now (an eager call, jax.grad's too: a bool has no tangent): the one kernel
             # it needs. A cond built afresh in each eager call compiled both again in each
             out = (masked if bool(infinite) else kern)(*args, **options)
-        elif compat.is_batched(infinite):  # vmapped over the table: a cond would run both kernels
-            out = masked(*args, **options)
         else:
             out = jax.lax.cond(infinite, lambda a: masked(*a, **options), lambda a: kern(*a, **options), args)
     else:

@@ -226,16 +226,6 @@ def partition_spec(sharding, mesh, ndim: int):
     return PartitionSpec(*spec, *((None,) * (ndim - len(spec))))
 
 
-def is_batched(x) -> bool:
-    """Whether ``x`` is being vmapped here (a batching tracer on top): ``lax.cond`` on it would
-    run both branches. JAX exports no public name for the tracer's type."""
-    try:
-        from jax._src.interpreters.batching import BatchTracer
-    except ImportError:  # pragma: no cover - a JAX that moved it: take it as unbatched
-        return False
-    return isinstance(x, BatchTracer)
-
-
 def linear_call(fun, fun_transpose, residual_args, linear_args):
     """``jax.custom_derivatives.linear_call`` (a linear function with its own transpose), with
     what JAX 0.10 lacks: a ``vmap`` rule (the batched call is a ``linear_call`` of the

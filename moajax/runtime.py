@@ -285,6 +285,27 @@ def _first_order_only(run, name: str, hint: str):
     return g
 
 
+def any_over_batch(flags):
+    """∨/ flags, and under ``jax.vmap`` ∨/ over the whole batch too, unbatched: a
+    ``lax.cond`` on it runs one branch (on a batched predicate it runs both, a select), under
+    ``vmap(jit(…))`` as well, where the predicate is traced inside the jit unbatched and
+    batched afterwards. The branch it picks must hold for every element where any needs it.
+    ``flags``: booleans (held constant: a custom_vmap has no derivative rule)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import custom_batching
+
+    @custom_batching.custom_vmap
+    def any_of(x):
+        return jnp.any(x)
+
+    @any_of.def_vmap
+    def _(axis_size, in_batched, x):
+        return any_of(x), False
+
+    return any_of(jax.lax.stop_gradient(flags))
+
+
 def zero_cotangent(x):
     """The cotangent of a non-differentiable input: float0 zeros for ints and bools, as JAX gives."""
     import jax

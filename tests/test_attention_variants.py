@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import moajax
 import references as R
-from helpers import rel_err, scaled_err
+from helpers import rel_err, scaled_err, walk_eqns
 
 F64, F32 = 1e-12, 1e-5
 IMPLS = ["xla", "pallas_interpret"]
@@ -428,14 +428,17 @@ def test_which_score_mods_can_give_infinity():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("how", ["jit", "vmap over the table"])
+@pytest.mark.parametrize("how", ["jit", "vmap over the table", "vmap of jit over the table"])
 def test_a_minus_infinity_in_a_table_passed_to_jit_masks_as_the_concrete_one(impl, how):
     """A float table the score_mod closes over as a jit argument, ``s + tab[i] + tab[j]`` with
     −∞ entries (rows 1 and 4 masked whole, causal, in tiles of 2): forward, dQ, dK, dV and
     d tab equal the bias tab[i] + tab[j] with the bool mask of its finite entries (jax.nn's
     masked rows: V averaged over every key), float64. ``may_be_infinite`` cannot see a traced
     table's values; before, such a row was NaN in Pallas and, on XLA, not the eager call's
-    (the concrete table's) — the run-time test now picks the kernel with the masked fill. Under vmap over the table, the tables' rows each; the finite table still matches."""
+    (the concrete table's) — the run-time test now picks the kernel with the masked fill. Under vmap over the table, the tables' rows each; the finite table still matches.
+    Under vmap of jit, the flag traced inside the jit is batched afterwards: it is one flag
+    for the whole batch, so the program holds a cond (one kernel runs), not a select of
+    both kernels' results (both ran, until 2026-12-05)."""
     q, k, v, g = _qkv(2, 41, T=6, S=6)
     tabs = np.array([[0.3, -np.inf, 0.5, -0.2, -np.inf, 1.0], [0.3, 0.1, 0.5, -0.2, 0.7, 1.0]])
 
@@ -448,8 +451,12 @@ def test_a_minus_infinity_in_a_table_passed_to_jit_masks_as_the_concrete_one(imp
         return out, pullback(g)
 
     run = jax.jit(value_and_grads)
-    if how == "vmap over the table":
+    if how != "jit":
         run = jax.jit(jax.vmap(value_and_grads, (None, None, None, 0)))
+        if how == "vmap of jit over the table":
+            run = jax.vmap(jax.jit(value_and_grads), (None, None, None, 0))
+            prims = {e.primitive.name for e, _ in walk_eqns(jax.make_jaxpr(run)(q, k, v, jnp.asarray(tabs)).jaxpr)}
+            assert "cond" in prims
         results = run(q, k, v, jnp.asarray(tabs))
         results = [jax.tree.map(lambda x, i=i: x[i], results) for i in range(len(tabs))]
     else:
