@@ -494,10 +494,11 @@ def _lifted_axis(r: Rule, specs, lift, mesh, who: str, shapes):
     return rest, lifted
 
 
-def _block_disagrees(r: Rule, assign: dict, local: Rule, local_shapes: dict) -> dict:
+def _block_disagrees(r: Rule, assign: dict, local: Rule, local_shapes: dict, own_shapes: dict) -> dict:
     """{class: why} for each split class of ``assign`` that the rule of the kernel derived for
-    a device's block (``local``; ``local_shapes``: its arrays' shapes by name) does not run
-    split as the whole kernel's rule (``r``) does. The per-device kernel is derived afresh
+    a device's block (``local``) does not run split as the whole kernel's rule (``r``) does.
+    ``local_shapes``: the blocks' shapes by array name; ``own_shapes``: the shapes the block's
+    kernel gives them, which may drop axes of extent 1 (a statistic's layout). The per-device kernel is derived afresh
     for its block's shapes, and its derivation may differ where an axis has extent 1 (ψ
     reads it at 0, an identity may not match): an adjoint that reads Δ from Out as a whole
     but sums it over its own keys as a block summed it over one device's keys — dQ and dK
@@ -507,12 +508,13 @@ def _block_disagrees(r: Rule, assign: dict, local: Rule, local_shapes: dict) -> 
     for name, _, axs in r.inputs + r.outputs:
         if name in r.unread or name not in axes:
             continue
+        at = _squeezed_axes(local_shapes[name], own_shapes[name])
         for j, ax in enumerate(axs):
-            if ax.cls is None or ax.cls not in assign or ax.cls in out:
+            if ax.cls is None or ax.cls not in assign or ax.cls in out or at is None:
                 continue
             if local_shapes[name][j] // ax.minor < 2:
                 continue
-            lax = axes[name][j]
+            lax = axes[name][at[j]]
             kind = lax.why if lax.cls is None else local.kinds[lax.cls]
             if kind != r.kinds[ax.cls]:
                 out[ax.cls] = f"the kernel derived for a device's block has it {kind}, the whole kernel {r.kinds[ax.cls]}"
@@ -524,6 +526,16 @@ def _memo(dnf_of):
     if dnf_of is None:
         return None
     return functools.cache(lambda: rule(dnf_of()))
+
+
+def _squeezed_axes(shape, own) -> dict | None:
+    """{axis of ``shape``: its axis in ``own``} for the axes of extent > 1, where ``own`` is
+    ``shape`` without (some of) its axes of extent 1; None where it is not."""
+    big = [j for j, n in enumerate(shape) if n != 1]
+    kept = [j for j, n in enumerate(own) if n != 1]
+    if [shape[j] for j in big] != [own[j] for j in kept]:
+        return None
+    return dict(zip(big, kept))
 
 
 def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dnf=None, plain_dnf=None):
@@ -568,7 +580,8 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dn
             local.update({name: sh.shard_shape(s) for (name, _, _), sh, s in zip(r.outputs, outs, out_shapes)})
             block = local_dnf(tuple(jax.ShapeDtypeStruct(local[name], a.dtype)
                                     for (name, _, _), a in zip(r.inputs, arg_shapes)))
-            wrong = _block_disagrees(r, assign, rule(block), local)
+            own = {a.name: a.shape for a in block.inputs + block.outputs}
+            wrong = _block_disagrees(r, assign, rule(block), local, own)
             if not wrong:
                 break
             gathered += [(name, j, dim, f"mesh axis {'×'.join(m)}", wrong[ax.cls])
