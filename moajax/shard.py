@@ -117,10 +117,37 @@ def _major(ix: Ix):
     return atom, tuple(a for a, _ in rest.terms)
 
 
+# the scalar ops through which a monoid's reductions at the top stay at the top: op_v a ∘ op_v b
+# = op_v (a ∘ b) for ∘ the monoid's own op (and − for +), so a device reducing its block of v
+# in each term and one collective finish the whole
+_THROUGH = {"add": ("add", "sub"), "max": ("max",), "min": ("min",)}
+
+
 def _top_reduction(body: D.Expr):
-    """op_v e at the top of an output's body (through labels and conversions): (op, v) or None."""
+    """The monoid reductions at the top of an output's body (through labels and conversions
+    around it): (op, the reductions' nodes, the variables every term reduces at its top) or
+    None. op's a monoid's, commutative: op_b op_n e = op_n op_b e, and Σ_n a + Σ_n b = Σ_n (a +
+    b), so each such variable can be split over devices, each device reducing its block, one
+    collective finishing — a bias shared by the heads has dBias = Σ_b (Σ_n … + Σ_n …), and a
+    head split (tensor parallel) gathered the heads when only the outermost sum counted."""
     body = _strip(body)
-    return (body.monoid, body.var) if isinstance(body, D.Red) else None
+    if not isinstance(body, D.Red):
+        return None
+    monoid = body.monoid
+
+    def tops(e):
+        while isinstance(e, D.Tag):
+            e = e.body
+        if isinstance(e, D.Red) and e.monoid == monoid:
+            nodes, vs = tops(e.body)
+            return [e] + nodes, vs | {e.var}
+        if isinstance(e, D.Call) and e.op in _THROUGH.get(monoid, ()):
+            parts = [tops(c) for c in e.children]
+            return [n for p, _ in parts for n in p], frozenset.intersection(*(frozenset(v) for _, v in parts))
+        return [], frozenset()
+
+    nodes, vs = tops(body)
+    return monoid, tuple(nodes), frozenset(vs)
 
 
 def rule(dnf) -> Rule:
@@ -155,7 +182,7 @@ def rule(dnf) -> Rule:
                     banned.setdefault(v, "in index arithmetic (ι, a mask or a window)")
             elif isinstance(e, D.Red):
                 uf.find(e.var)
-                if top is None or e is not _strip(o.body) or e.var != top[1]:
+                if top is None or e.var not in top[2] or not any(e is t for t in top[1]):
                     banned.setdefault(e.var, "reduced inside the kernel")
     for key, vs in positions.items():
         if vs:
@@ -206,7 +233,7 @@ def rule(dnf) -> Rule:
             if has:
                 continue
             top = tops[i]
-            if top is None or cls(top[1]) != c or top[0] not in _COLLECTIVE:
+            if top is None or all(cls(v) != c for v in top[2]) or top[0] not in _COLLECTIVE:
                 why = why or f"output {o.name} neither has it nor ends in a monoid reduction over it"
             else:
                 reducers.append((i, top[0]))

@@ -822,6 +822,36 @@ def test_a_split_the_blocks_kernel_would_not_run_is_gathered(monkeypatch, caplog
                      r"reduced inside the kernel, the whole kernel monoid", logged())
 
 
+def test_heads_split_beside_a_bias_or_table_the_heads_share():
+    """Tensor parallel (the heads split) with a bias or a score_mod table the heads share: its
+    gradient is Σ_b (Σ_n … + Σ_n …), a sum of sums at the top, and a monoid in every split
+    variable of them (each device sums its block of each, one all-reduce). Only the outermost
+    Σ counted before: the heads were gathered for the whole backward, every device computing
+    every head. Also the batch and the heads over a 2-D mesh. No all-gather; float64 at 1e-12."""
+    rng = np.random.default_rng(29)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 6, 8, 2))) for _ in range(3))
+    bias = jnp.asarray(rng.standard_normal((1, 1, 6, 6)))
+    tab = jnp.asarray(rng.standard_normal(11))
+
+    def with_bias(q, k, v, b):
+        return jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v, bias=b)))
+
+    def with_table(q, k, v, t):
+        att = moajax.dot_product_attention(q, k, v, score_mod=lambda sc, b, h, i, j: sc + t[i - j + 5])
+        return jnp.sum(jnp.sin(att))
+
+    for mesh, spec in ((_mesh((4,), ("model",)), (None, None, "model")),
+                       (_mesh((2, 4), ("data", "model")), ("data", None, "model"))):
+        for f, extra in ((with_bias, bias), (with_table, tab)):
+            grad = jax.grad(f, argnums=(0, 1, 2, 3))
+            args = [_put(x, mesh, *spec) for x in (q, k, v)] + [extra]
+            run = jax.jit(grad)
+            for a, b in zip(run(*args), grad(q, k, v, extra)):
+                assert rel_err(a, b) <= 1e-12
+            hlo = _hlo(run, *args)
+            assert "all-gather" not in hlo and "all-reduce" in hlo, (f.__name__, spec)
+
+
 def test_one_batch_element_a_device_beside_a_head_split():
     """(A third fuzz.) The batch split one element a device over one mesh axis, the heads over
     the other: the kernels derived for a block give a statistic without its axes of extent 1
