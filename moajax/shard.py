@@ -417,8 +417,16 @@ def _splits(r: Rule, specs, lift, mesh, who: str, shapes, plain=None) -> tuple:
     """(class → mesh axes, the splits gathered, the ring's mesh axis or None): the ring where
     it takes the sequence's split and no other class is split over its mesh axis (a batch
     split over the ring's axis gave a PartitionSpec naming it twice), else the plain
-    split's ``assignment`` of every input's split."""
+    split's ``assignment`` of every input's split — which also wins over the default ring
+    where it runs every split as it is."""
     lifted_specs, lifted = _lifted_axis(r, specs, lift, mesh, who, shapes)
+    if lifted is not None and getattr(lift, "balance", None) is None:
+        whole, gathered = assignment(r, mesh, specs, who, plain)
+        if not gathered:
+            # no communication inside the kernel (the query's rows split, the keys whole: a
+            # map class forward, dK and dV one psum backward), where the ring permuted the
+            # keys around and gathered its outputs back to the callers' layout (a fuzz)
+            return whole, [], None
     assign, gathered = assignment(r, mesh, lifted_specs, who, plain)
     if lifted is not None and any(lifted in m for m in assign.values()):
         lifted = None

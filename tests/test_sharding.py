@@ -852,6 +852,23 @@ def test_heads_split_beside_a_bias_or_table_the_heads_share():
             assert "all-gather" not in hlo and "all-reduce" in hlo, (f.__name__, spec)
 
 
+def test_the_query_rows_split_and_the_keys_whole_run_without_the_ring():
+    """(A third fuzz.) The query's rows split, the keys and values whole, not causal: every
+    split runs as it is (the rows a map class forward; dK and dV one psum backward), with no
+    communication inside the kernel. The default ring took it before: it permuted the keys
+    around and gathered its outputs back to the layout of the callers' arrays. Float64 at 1e-12."""
+    mesh = _mesh((2,), ("x",))
+    rng = np.random.default_rng(31)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 4, 2, 2))) for _ in range(3))
+    f = lambda q, k, v: jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v)))  # noqa: E731
+    grad = jax.grad(f, argnums=(0, 1, 2))
+    run, args = jax.jit(grad), (_put(q, mesh, None, "x"), k, v)
+    for a, b in zip(run(*args), grad(q, k, v)):
+        assert rel_err(a, b) <= 1e-12
+    hlo = _hlo(run, *args)
+    assert "all-gather" not in hlo and "collective-permute" not in hlo and "all-reduce" in hlo
+
+
 def test_one_batch_element_a_device_beside_a_head_split():
     """(A third fuzz.) The batch split one element a device over one mesh axis, the heads over
     the other: the kernels derived for a block give a statistic without its axes of extent 1
