@@ -501,6 +501,18 @@ def untagged(e: Expr) -> Expr:
     return transform(e, lambda x: x.body if isinstance(x, Tag) else None)
 
 
+def squeezed_axes(shape, own) -> dict | None:
+    """{axis of ``shape``: its axis in ``own``} for the axes of extent > 1, where ``own`` is
+    ``shape`` without (some of) its axes of extent 1 — the same elements, as a kernel derived
+    for a device's block lays out a statistic whose axes of extent 1 ψ-reduction drops; None
+    where it is not."""
+    big = [j for j, n in enumerate(shape) if n != 1]
+    kept = [j for j, n in enumerate(own) if n != 1]
+    if [shape[j] for j in big] != [own[j] for j in kept]:
+        return None
+    return dict(zip(big, kept))
+
+
 def unlabelled(e: Expr) -> Expr:
     """e without the labels around it (its subexpressions keep theirs): the node it names."""
     while isinstance(e, Tag):

@@ -102,13 +102,10 @@ def _held_read(name: str, out: D.Output, index, shapes: Mapping) -> D.Read:
     at out's rank, no identity matched, and the per-device adjoint summed Δ over its own keys."""
     index = tuple(index)
     shape = tuple(shapes.get(name, out.shape))
-    if shape == tuple(out.shape):
+    at = D.squeezed_axes(shape, out.shape)
+    if shape == tuple(out.shape) or at is None:  # (not the same elements: no identity will match)
         return D.Read(name, index, out.dtype)
-    kept = [i for i, n in zip(index, out.shape) if n != 1]
-    if [n for n in shape if n != 1] != [n for n in out.shape if n != 1]:
-        return D.Read(name, index, out.dtype)  # not the same elements: no identity will match
-    it = iter(kept)
-    return D.Read(name, tuple(Ix.of(0) if n == 1 else next(it) for n in shape), out.dtype)
+    return D.Read(name, tuple(index[at[j]] if j in at else Ix.of(0) for j in range(len(shape))), out.dtype)
 
 
 def read_statistics(e: D.Expr, statistics: list, shapes: Mapping = {}) -> D.Expr:

@@ -206,6 +206,7 @@ class Kernel:
             dnf, _ = _psi.reduce_to_dnf(self.name, inputs, outs, names, record=False)
             applied = ()
             if self._identities is not None:
+                self._cache[("before identities", key)] = dnf
                 dnf, applied = self._identities(dnf, specs, options)
 
             hit = (inputs, expr, dnf, functools.partial(_recorded, self.name, inputs, outs, names, applied),
@@ -217,16 +218,9 @@ class Kernel:
         """The DNF for these argument shapes before the papers' identities rewrite it
         (``moajax.identities``; the same DNF for a kernel that has none): what ψ-reduction
         alone derives, whatever the extents."""
-        if self._identities is None:
-            return self.dnf(*specs, **options)
-        key = ("before identities", self._key(specs, options))
-        hit = self._cache.get(key)
-        if hit is None:
-            inputs, expr = self._build(specs, options)[:2]
-            outs = expr if isinstance(expr, tuple) else (expr,)
-            names = self.cell_names(self._key(specs, options)) or self._names_for(outs)
-            hit = self._cache[key] = _psi.reduce_to_dnf(self.name, inputs, outs, names, record=False)[0]
-        return hit
+        specs = specs or self.example_specs()
+        dnf = self._build(specs, options)[2]
+        return self._cache.get(("before identities", self._key(specs, options)), dnf)
 
     def expression(self, *specs, **options) -> moa.Array:
         """The un-reduced array expression for these argument shapes."""
@@ -394,7 +388,7 @@ class Kernel:
                                  compat.at_matmul_precision(functools.partial(
                                      self._local_run, options=options, onf=onf, implementation=implementation,
                                      names=names), precision), self.name, lift, precision=precision,
-                                 local_dnf=lambda specs: self._build(specs, options)[2],
+                                 local_dnf=lambda specs: self.dnf(*specs, **options),
                                  plain_dnf=lambda: self.dnf_before_identities(*dnf.inputs, **options))
 
     def _local_run(self, specs, *, options, onf, implementation, names):

@@ -136,8 +136,7 @@ def _top_reduction(body: D.Expr):
     monoid = body.monoid
 
     def tops(e):
-        while isinstance(e, D.Tag):
-            e = e.body
+        e = D.unlabelled(e)
         if isinstance(e, D.Red) and e.monoid == monoid:
             nodes, vs = tops(e.body)
             return [e] + nodes, vs | {e.var}
@@ -543,7 +542,7 @@ def _block_disagrees(r: Rule, assign: dict, local: Rule, local_shapes: dict, own
     for name, _, axs in r.inputs + r.outputs:
         if name in r.unread or name not in axes:
             continue
-        at = _squeezed_axes(local_shapes[name], own_shapes[name])
+        at = D.squeezed_axes(local_shapes[name], own_shapes[name])
         for j, ax in enumerate(axs):
             if ax.cls is None or ax.cls not in assign or ax.cls in out or at is None:
                 continue
@@ -561,16 +560,6 @@ def _memo(dnf_of):
     if dnf_of is None:
         return None
     return functools.cache(lambda: rule(dnf_of()))
-
-
-def _squeezed_axes(shape, own) -> dict | None:
-    """{axis of ``shape``: its axis in ``own``} for the axes of extent > 1, where ``own`` is
-    ``shape`` without (some of) its axes of extent 1; None where it is not."""
-    big = [j for j, n in enumerate(shape) if n != 1]
-    kept = [j for j, n in enumerate(own) if n != 1]
-    if [shape[j] for j in big] != [own[j] for j in kept]:
-        return None
-    return dict(zip(big, kept))
 
 
 def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dnf=None, plain_dnf=None):
