@@ -704,6 +704,137 @@ class DNF:
     __str__ = pretty
 
 
+def collapsed(dnf: "DNF"):
+    """Two adjacent axes as one: ⟨… i j …⟩ψA = ⟨… i·J + j …⟩ψA′, A′ = A with ρ⟨… I J …⟩ as
+    ⟨… I·J …⟩ (row-major: the same bytes, a free reshape) — where every read, reduction and
+    output takes i and j together, in that order (a reduction: op_i op_j directly), and
+    nothing else reads them (no index arithmetic, no index value). A vmapped RMSNorm's batch
+    and rows are one axis of rows again. Applied while a pair is found.
+
+    Returns (DNF′, pairs) with ``pairs`` the merged dims in order, or None where no pair merges."""
+    merged: list = []
+    while True:
+        step = _collapse_once(dnf)
+        if step is None:
+            return (dnf, tuple(merged)) if merged else None
+        dnf, pair = step
+        merged.append(pair)
+
+
+def _collapse_once(dnf: "DNF"):
+    exprs = [o.body for o in dnf.outputs]
+    nodes = [x for e in exprs for x in walk(e)]
+    reads = [x for x in nodes if isinstance(x, Read)]
+    shapes = {i.name: i.shape for i in dnf.inputs}
+
+    def plain(ix):
+        return ix.as_var()
+
+    def closure(start):
+        """The (input, axis) pairs and the (i, j) variable pairs that must merge together, or None."""
+        todo, axes, pairs = [start], set(), set()
+        while todo:
+            name, k = todo.pop()
+            if (name, k) in axes:
+                continue
+            axes.add((name, k))
+            for r in reads:
+                if r.array != name:
+                    continue
+                a, b = plain(r.index[k]), plain(r.index[k + 1])
+                if a is None or b is None or a == b or (a.extent, b.extent) != shapes[name][k:k + 2]:
+                    return None
+                pairs.add((a, b))
+            for a, b in list(pairs):  # every other read of a or b: the same pair, adjacent
+                for r in reads:
+                    for k2, ix in enumerate(r.index):
+                        v = plain(ix)
+                        if v == a:
+                            if k2 + 1 >= len(r.index) or plain(r.index[k2 + 1]) != b:
+                                return None
+                            if (r.array, k2) not in axes:
+                                todo.append((r.array, k2))
+                        elif v == b and (k2 == 0 or plain(r.index[k2 - 1]) != a):
+                            return None
+                        elif v is None and ix.free_vars() & {a, b}:
+                            return None
+        return axes, pairs
+
+    def legal(pairs) -> bool:
+        vs = {v for p in pairs for v in p}
+        inner_of = dict(pairs)
+        outer_of = {b: a for a, b in pairs}
+        for x in nodes:
+            if isinstance(x, (IndexValue, Ref)) and x.free & vs:
+                return False
+            if isinstance(x, Red) and x.var in inner_of:  # op_i must hold op_j and nothing else
+                body = x.body
+                if not (isinstance(body, Red) and body.var == inner_of[x.var] and body.monoid == x.monoid):
+                    return False
+            if isinstance(x, Red) and x.var in outer_of:  # op_j only directly inside op_i
+                if not any(isinstance(y, Red) and y.var == outer_of[x.var] and y.body is x for y in nodes):
+                    return False
+        for o in dnf.outputs:
+            for k, v in enumerate(o.vars):
+                if v in inner_of and (k + 1 >= len(o.vars) or o.vars[k + 1] != inner_of[v]):
+                    return False
+                if v in outer_of and (k == 0 or o.vars[k - 1] != outer_of[v]):
+                    return False
+        return True
+
+    for inp in dnf.inputs:
+        for k in range(len(inp.shape) - 1):
+            found = closure((inp.name, k))
+            if found is None or not legal(found[1]):
+                continue
+            axes, pairs = found
+            gone = {v for p in pairs for v in p}  # (their names are free again: n, not n2)
+            taken = {v.name for x in nodes for v in x.free - gone}
+            taken |= {x.var.name for x in nodes if isinstance(x, Red) and x.var not in gone}
+            taken |= {v.name for o in dnf.outputs for v in o.vars if v not in gone}
+            new = {}
+            for a, b in sorted(pairs, key=lambda p: (p[0].name, p[1].name)):
+                name = fresh_name(b.name, taken)
+                taken.add(name)
+                new[a] = Var(name, a.extent * b.extent)
+            outer_of = {b: a for a, b in pairs}
+
+            def merged_index(index):
+                out = []
+                for ix in index:
+                    v = plain(ix)
+                    if v in outer_of:
+                        continue
+                    out.append(Ix.of(new[v]) if v in new else ix)
+                return out
+
+            def fn(x):
+                if isinstance(x, Read) and x.free & set(new):
+                    return Read(x.array, merged_index(x.index), x.dtype)
+                if isinstance(x, Red) and x.var in new:
+                    return Red(x.monoid, new[x.var], x.body.body)
+                return None
+
+            def dims_of(shape, dims, ks):
+                shape, dims = list(shape), list(dims)
+                for k2 in sorted(ks, reverse=True):
+                    shape[k2:k2 + 2] = [shape[k2] * shape[k2 + 1]]
+                    dims[k2:k2 + 2] = [dims[k2 + 1]]
+                return tuple(shape), tuple(dims)
+
+            inputs = tuple(dataclasses.replace(i, **dict(zip(("shape", "dims"), dims_of(
+                i.shape, i.dims, [k2 for n2, k2 in axes if n2 == i.name])))) for i in dnf.inputs)
+            outputs = []
+            for o in dnf.outputs:
+                ks = [k2 for k2, v in enumerate(o.vars) if v in new]
+                shape, dims = dims_of(o.shape, o.dims, ks)
+                outputs.append(Output(o.name, shape, dims, tuple(new.get(v, v) for v in o.vars if v not in outer_of),
+                                      transform(o.body, fn)))
+            pair = (inp.dims[k], inp.dims[k + 1])
+            return DNF(dnf.name, inputs, tuple(outputs)), pair
+    return None
+
+
 # ----------------------------------------------------------------------------- printing
 
 

@@ -65,13 +65,14 @@ def backward_cases(head_dims=(64, 128), dtypes=("bfloat16", "float32", "float64"
 
 def model_cases(dtypes=("bfloat16", "float32"), targets=None):
     """Kernels other than plain attention at realistic sizes: RMSNorm fused into a matmul and
-    the SwiGLU MLP at n=4096, d=1024, f=4096; a row log-sum-exp over 4096 × 32768; decode of one
+    the SwiGLU MLP at n=4096, d=1024, f=4096; RMSNorm alone over Llama's widths (d = 4096 and
+    8192: rows held whole, fewer than 16 a program); a row log-sum-exp over 4096 × 32768; decode of one
     query over a 32768-key cache (split-K: one program would walk it all); attention
     (jax.nn layout, B=1, T=S=1024, N=8, H=64) with a full [B N T S] bias, whose rows × keys
     tiles read 2-D blocks of the bias."""
     import jax
 
-    from moajax.kernels import decode, logsumexp, rmsnorm_matmul, swiglu
+    from moajax.kernels import decode, logsumexp, rmsnorm, rmsnorm_matmul, swiglu
     from moajax.kernels.attention import mha_dnf
 
     S = jax.ShapeDtypeStruct
@@ -80,6 +81,8 @@ def model_cases(dtypes=("bfloat16", "float32"), targets=None):
     return (
         _cases("rmsnorm→matmul", lambda dt, _: rmsnorm_matmul.dnf(S((n, d), dt), S((d,), dt), S((d, f), dt)),
                (mlp,), dtypes, size=str, targets=targets)
+        + _cases("rmsnorm", lambda dt, d: rmsnorm.dnf(S((n, d), dt), S((d,), dt)), (4096, 8192), dtypes,
+                 size=lambda d: f"n={n} d={d}", targets=targets)
         + _cases("swiglu", lambda dt, _: swiglu.dnf(S((n, d), dt), S((d, f), dt), S((d, f), dt), S((f, d), dt)),
                  (mlp,), dtypes, size=str, targets=targets)
         + _cases("logsumexp", lambda dt, _: logsumexp.dnf(S((4096, 32768), dt)), ("4096×32768",), dtypes,
@@ -107,7 +110,8 @@ def model_training_cases(dtypes=("float32",), targets=None):
     out = []
     for dt in dtypes:
         S = lambda *s: jax.ShapeDtypeStruct(s, np.dtype(dt))  # noqa: E731
-        cases = [("rmsnorm", rmsnorm, (1024, 64, None)), ("swiglu", swiglu, (1024, 64, 256)),
+        cases = [("rmsnorm", rmsnorm, (1024, 64, None)), ("rmsnorm", rmsnorm, (4096, 4096, None)),
+                 ("swiglu", swiglu, (1024, 64, 256)),
                  ("swiglu", swiglu, (4096, 1024, 4096))]
         for name, kern, (n, d, f) in cases:
             specs = [S(n, d), S(d)] if f is None else [S(n, d), S(d, f), S(d, f), S(f, d)]

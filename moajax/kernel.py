@@ -266,7 +266,8 @@ class Kernel:
 
         runtime.check_onf_argument(onf, self.name)
         runtime.check_implementation(implementation, self.name)
-        cpu, gpu = runtime.schedules(self._build(arrays, options)[2], onf, runtime.gpu_path(implementation))
+        dnf = self._build(arrays, options)[2]
+        cpu, gpu = runtime.schedules(runtime.run_dnf(dnf, onf), onf, runtime.gpu_path(implementation))
         if implementation in runtime.GPU_BACKENDS or (implementation is None and runtime.has_gpu()):
             if isinstance(gpu, Exception):  # no GPU ONF fits (``runtime.schedules``)
                 raise gpu
@@ -383,8 +384,7 @@ class Kernel:
 
         names = tuple(o.name for o in dnf.outputs)
         lift = self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift is not None else None
-        return shard.partitioned(runtime.dispatch(*runtime.schedules(dnf, onf, runtime.gpu_path(implementation)),
-                                                  implementation, names), dnf,
+        return shard.partitioned(runtime.compiled_run(dnf, onf, implementation, names), dnf,
                                  compat.at_matmul_precision(functools.partial(
                                      self._local_run, options=options, onf=onf, implementation=implementation,
                                      names=names), precision), self.name, lift, precision=precision,
@@ -401,7 +401,7 @@ class Kernel:
         if isinstance(onf, ONF) and tuple(i.shape for i in onf.dnf.inputs) != tuple(i.shape for i in dnf.inputs):
             raise ValueError(f"{self.name}: the onf argument is an ONF derived for the whole arrays; split over "
                              "devices, each block has other shapes: pass a moajax.schedule.Preset instead")
-        return runtime.dispatch(*runtime.schedules(dnf, onf, runtime.gpu_path(implementation)), implementation, names)
+        return runtime.compiled_run(dnf, onf, implementation, names)
 
     # ---- residuals
     @staticmethod

@@ -234,6 +234,48 @@ def lowered(onf, backend: str, order: tuple | None = None):
     return pallas_kernels.lower(onf, interpret=backend == "pallas_interpret")
 
 
+def run_dnf(dnf, onf_key=None):
+    """The DNF a call runs: ``dnf.collapsed`` where two adjacent axes merge (a vmapped
+    RMSNorm's batch and rows: one axis of rows, so a GPU's programs take the unbatched
+    kernel's row tiles, not rows of one batch element; the inputs and outputs reshaped, which
+    moves no byte), else ``dnf``. Not where ``onf_key`` is an ONF derived for ``dnf`` itself,
+    or a Preset tiling a merged dimension by name."""
+    flat = _collapsed(dnf)
+    if flat is None:
+        return dnf
+    merged = {d for pair in flat[1] for d in pair}
+    if isinstance(onf_key, ONF):
+        return flat[0] if onf_key.dnf.inputs == flat[0].inputs else dnf
+    if isinstance(onf_key, Preset) and merged & set(dict(onf_key.tiles)):
+        return dnf
+    return flat[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _collapsed(dnf):
+    from moajax import dnf as D
+
+    return D.collapsed(dnf)
+
+
+def compiled_run(dnf, onf_key=None, implementation=None, order: tuple | None = None):
+    """``dispatch`` of the ``schedules`` of the DNF a call runs (``run_dnf``), as a function of
+    ``dnf``'s own inputs returning its own outputs."""
+    flat = run_dnf(dnf, onf_key)
+    run = dispatch(*schedules(flat, onf_key, gpu_path(implementation)), implementation, order)
+    if flat is dnf:
+        return run
+
+    def call(*args):
+        import jax.numpy as jnp
+
+        out = run(*(jnp.reshape(a, i.shape) for a, i in zip(args, flat.inputs)))
+        outs = tuple(jnp.reshape(y, o.shape) for y, o in zip(out if isinstance(out, tuple) else (out,), dnf.outputs))
+        return outs if isinstance(out, tuple) else outs[0]
+
+    return call
+
+
 def dispatch(cpu_onf: ONF, gpu_onf: ONF, implementation=None, order: tuple | None = None):
     """One JAX function running ``cpu_onf`` through XLA on a CPU and ``gpu_onf`` through Pallas
     on CUDA (``implementation`` None), or one backend everywhere ("xla", "pallas",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -284,6 +285,15 @@ GPU_SCATTER_TILES = {
 # The widest axis a GPU program holds whole inside a contraction (the widest head dim the
 # tables above are calibrated for); a wider nested reduction is walked in tiles.
 GPU_WHOLE_MAX = 128
+# after the tilings at Triton's 16-row dot tiles, fewer rows a program, each held whole (for a
+# kernel with dots, only where none of those fits: tried first, a matmul's 2-row programs beat
+# its 128 × 128 GEMM tiles). RMSNorm's forward over d = 4096 in float32 (8192 in 16 bits) held
+# 16 rows of x, 272 KB, more than any configured GPU's shared memory: no GPU ONF fitted and the
+# CUDA lowering ran the CPU's XLA loops; in bfloat16 at d = 4096, 16 rows fitted and spilled
+# 808 B on sm_80 (ptxas), where 8 spill none. A row a program is the classical Triton norm
+# kernel (8 warps for a 4096-wide row: 16 values a thread); a dot in a tile under 16 rows is a
+# multiply-and-sum (pallas_kernels.lower)
+GPU_NARROW_ROWS = [(8, 16, 8, 1), (4, 16, 8, 1), (2, 16, 8, 1), (1, 16, 8, 1)]
 
 
 def _own_floating_outputs(onf: ONF) -> list:
@@ -452,7 +462,31 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: i
                 if (lt, it) != (0, 0) and (it == 0 or any(v.extent > it for v in inner)):
                     yield from attempt(onf, loops, out_vars, inner, rows, nested, lt, it)
 
-    return _ranked(structures(onf, loops, out_vars, inner, rows), machine, rank)
+    def narrow():  # the rows held whole, fewer a program than a dot takes
+        return _liftings(onf, GPU_NARROW_ROWS, lambda bt, bs: _apply_tiles(
+            onf, loops, out_vars, inner, rows, bt, bs, gpu=True))
+
+    if wide_walks(inner):
+        return _ranked(structures(onf, loops, out_vars, inner, rows), machine, rank)
+    if not _holds_dots(onf):  # nothing to lose: the spill check's tries go on to fewer rows
+        return _ranked(itertools.chain(structures(onf, loops, out_vars, inner, rows), narrow()), machine, rank)
+    best = _ranked(structures(onf, loops, out_vars, inner, rows), machine, rank)
+    # with dots, fewer rows only where no tiling fits: a dot's tensor cores are worth a spill
+    return best if onchip_bytes(best) <= machine.onchip_limit_bytes else _ranked(narrow(), machine, rank)
+
+
+def _holds_dots(onf: ONF) -> bool:
+    """Whether a contraction of the program is a matrix product, Σ_v a × b with each factor
+    reading an axis the other does not (Q·Kᵀ; not RMSNorm's Σ_d x × x): Triton's dot, which
+    takes tiles of 16 rows or more (under 16, ``pallas_kernels`` multiplies and sums)."""
+    for st in onf.program.stages:
+        for e in st.exprs():
+            for x in (D.walk(e) if e is not None else ()):
+                if isinstance(x, D.Red) and x.monoid == "add" and isinstance(x.body, D.Call) and x.body.op == "mul":
+                    a, b = x.body.args
+                    if (a.free - b.free - {x.var}) and (b.free - a.free - {x.var}):
+                        return True
+    return False
 
 
 def _enclosed(onf: ONF) -> list:

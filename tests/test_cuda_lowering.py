@@ -65,6 +65,18 @@ def test_one_call_lowers_per_platform():
     assert "__gpu$xla.gpu.triton" not in cpu and "stablehlo.dot_general" in cpu
 
 
+def test_rms_norm_over_a_wide_row_lowers_to_a_triton_kernel():
+    # d = 4096 in float32 (Llama's width): no GPU ONF fitted before, and the CUDA lowering
+    # carried the CPU's XLA loops with a RuntimeWarning saying so
+    import warnings
+
+    x, w = jax.ShapeDtypeStruct((64, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ks = triton_kernels(lambda x, w: moajax.rms_norm(x, w), x, w)
+    assert [k.name.startswith("moajax_rmsnorm") for k in ks] == [True]
+
+
 def test_vmap_adds_a_grid_axis_on_cuda():
     f = lambda a, b, c: moajax.dot_product_attention(a, b, c, implementation="pallas")
     q1 = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.float32)

@@ -152,3 +152,36 @@ def test_canonical_forms_are_alpha_invariant_and_keep_the_meaning(case, suffix):
     renamed = D.DNF("e", dnf.inputs, (dataclasses.replace(out, body=canon),))
     args = [values[x.name] for x in inputs]
     assert np.array_equal(np.asarray(reference.to_jax(renamed)(*args)), np.asarray(reference.to_jax(dnf)(*args)))
+
+
+def _spec(*shape):
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, np.float32)
+
+
+def test_collapsed_merges_a_vmapped_batch_into_the_rows():
+    """⟨b n d⟩ψx = ⟨b·N + n, d⟩ψx′: RMSNorm under Ω over a batch axis, and its derived adjoint
+    (dw = Σ_b Σ_n …), collapse to the unbatched kernel's DNF at [B·N, D] — the same hash-consed
+    bodies — with the merged axis named after the rows."""
+    bk = rmsnorm.batched((True, False))
+    flat, pairs = D.collapsed(bk.dnf(_spec(4, 8, 16), _spec(16)))
+    assert pairs == (("vmap0", "n"),)
+    want = rmsnorm.dnf(_spec(32, 16), _spec(16))
+    assert flat.inputs == want.inputs and [o.body for o in flat.outputs] == [o.body for o in want.outputs]
+    adj, = [bk.adjoint(_spec(4, 8, 16), _spec(16)).dnf(_spec(4, 8, 16), _spec(16), _spec(4, 8, 16))]
+    flat_adj, _ = D.collapsed(adj)
+    want_adj = rmsnorm.adjoint(_spec(32, 16), _spec(16)).dnf(_spec(32, 16), _spec(16), _spec(32, 16))
+    assert [o.body for o in flat_adj.outputs] == [o.body for o in want_adj.outputs]
+    assert [o.shape for o in flat_adj.outputs] == [(32, 16), (16,)]
+
+
+def test_collapsed_leaves_axes_read_apart_or_in_arithmetic():
+    # attention: the batch sits beside t in q but beside s in k; a causal mask reads t in
+    # index arithmetic; decode's cache axis is reduced alone — nothing merges
+    from moajax.kernels.attention import mha_kernel
+
+    q = _spec(2, 8, 2, 4)
+    assert D.collapsed(mha_kernel(None, None, False).dnf(q, q, q)) is None
+    assert D.collapsed(mha_kernel(None, None, False).dnf(q, q, q, is_causal=True)) is None
+    assert D.collapsed(rmsnorm.dnf(_spec(8, 16), _spec(16))) is None

@@ -85,13 +85,16 @@ def test_cli_gpu_report_smoke(capsys):
 def test_model_kernels_at_realistic_sizes_fit_without_spills(machine):
     """RMSNorm→matmul and SwiGLU at n=4096, d=1024, f=4096, log-sum-exp over 4096 × 32768,
     decode over a 32768-key cache, attention with a [B N T S] bias: the general scheduler tiles every axis (2-D rows × keys
-    tiles, the last output axis over the grid, nested reductions walked), 0 spill bytes."""
+    tiles, the last output axis over the grid, nested reductions walked), 0 spill bytes.
+    RMSNorm alone at d = 4096 and 8192: its rows held whole, fewer than 16 a program."""
     cases = [c for c in gpu_report.model_cases(("float32",), targets=[machine])]
-    assert len(cases) == 5
+    assert len(cases) == 7
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
         if label.startswith("decode"):  # one query: the cache walk is split over the grid
             assert any(a.role == "grid" and a.extent > 1 for a in onf.axes), (label, onf.axes)
+        elif label.startswith("rmsnorm "):  # a row is 16 or 32 KB: whole rows, a few a program
+            assert onf.axis("d").role == "whole" and onf.axis("n").tile < 16, (label, onf.axes)
         else:  # rows × columns tiles, not one row per program
             assert max(a.tile for a in onf.axes if a.role == "grid") >= 16, (label, onf.axes)
         for r in ptx.onf_reports(onf, machine.arch):
@@ -781,3 +784,20 @@ def test_causal_gqas_dk_dv_on_the_a100_compiles_clean_at_the_tables_first():
     assert ({a.name: a.tile for a in onf.axes if a.name in ("s", "t")}, onf.knobs.num_warps) == ({"s": 64, "t": 32}, 8)
     (r,) = ptx.onf_reports(onf, "sm_80")
     assert r.spill_stores == 0 and r.spill_loads == 0, r
+
+
+@needs_compiler
+def test_a_kernel_without_dots_steps_to_fewer_rows_where_16_spill():
+    """RMSNorm in bfloat16 at d = 4096 on sm_80: 16 rows a program fit shared memory (139 KB)
+    and spill (ptxas 12.9: 808 B); it was the only tiling that fitted, so it stayed. A kernel
+    without dots loses nothing to fewer rows: the spill check's next try is 8 rows, clean."""
+    from moajax.kernels import rmsnorm
+
+    bf16 = np.dtype("bfloat16")
+    S = jax.ShapeDtypeStruct
+    dnf = rmsnorm.dnf(S((4096, 4096), bf16), S((4096,), bf16))
+    a100 = machines.load("delta-a100")
+    first = schedule.derive(dnf, dataclasses.replace(a100, spill_check=False))
+    assert first.axis("n").tile == 16 and ptx.spill_bytes(first, "sm_80") > 0
+    checked = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True))
+    assert checked.axis("n").tile == 8 and ptx.spill_bytes(checked, "sm_80") == 0

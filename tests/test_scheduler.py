@@ -14,9 +14,9 @@ import pytest
 
 import references as R
 from helpers import rel_err
-from moajax import compat, machines, schedule
+from moajax import compat, cost, machines, schedule
 from moajax import dnf as D
-from moajax.kernels import logsumexp, rmsnorm_matmul, swiglu
+from moajax.kernels import logsumexp, rmsnorm, rmsnorm_matmul, swiglu
 from moajax.kernels.attention import mha_dnf
 
 # float64 end to end through tiled loops: a few ulps times the depth of the sum trees
@@ -71,6 +71,35 @@ def test_general_gpu_onfs_run_and_match_float64(name):
         xs = [np.random.default_rng(7).standard_normal(i.shape) for i in dnf.inputs]
         got = pallas_kernels.lower(onf, interpret=True)(*xs)
     assert rel_err(got, ref(*xs)) <= F64
+
+
+@pytest.mark.parametrize("profile", ["delta-a100", "delta-a40", "h200"])
+@pytest.mark.parametrize("dtype,d", [("float32", 4096), ("float32", 8192), ("bfloat16", 8192)])
+def test_a_wide_row_held_whole_takes_fewer_rows_a_program(profile, dtype, d):
+    """RMSNorm alone over Llama's widths holds each row whole (its Σ_d and the row it scales).
+    At 16 rows a program, Triton's dot minimum, x's tile alone is 256 KB at d = 4096 in float32:
+    no GPU ONF fitted any profile, and the CUDA lowering ran the CPU's XLA loops. Fewer rows a
+    program fit (``schedule.GPU_NARROW_ROWS``; ptxas: no spill, ``moajax gpu-report``)."""
+    m = machines.load(profile)
+    dt = np.dtype(dtype)
+    onf = schedule.derive(rmsnorm.dnf(S((4096, d), dt), S((d,), dt)), m)
+    ax = _axes(onf)
+    assert ax["d"] == (d, "whole") and ax["n"][1] == "grid" and ax["n"][0] < 16, ax
+    assert cost.onchip_bytes(onf) <= m.onchip_limit_bytes
+
+
+def test_a_narrow_row_tile_runs_and_matches_float64():
+    # 16 KiB: x's rows of 512 float64 (4 KiB each) beside the weight fit two a program; seven
+    # rows leave a tail tile of one
+    import pallas_kernels
+
+    with compat.enable_x64_context(True):
+        dnf = rmsnorm.dnf(S((7, 512), f64), S((512,), f64))
+        onf = schedule.derive(dnf, TINY_GPU)
+        assert _axes(onf)["n"] == (2, "grid")
+        xs = [np.random.default_rng(5).standard_normal(i.shape) for i in dnf.inputs]
+        got = pallas_kernels.lower(onf, interpret=True)(*xs)
+    assert rel_err(got, R.rmsnorm(*xs)) <= F64
 
 
 def test_a_wide_nested_reduction_is_walked_even_where_it_fits():
