@@ -313,6 +313,33 @@ def _linear_call_batched(axis_data, args, dims, *, callee, transpose_thunk, num_
     return out, [0] * len(out)
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (JAX's varying-manual-axes
+    type, ``{V:y}``); empty outside one, or where this JAX types no such thing."""
+    try:
+        aval = jax.typeof(x)
+    except Exception:  # noqa: BLE001 - a JAX without jax.typeof, or a value it cannot type
+        return frozenset()
+    # JAX 0.10 keeps it in the aval's manual-axes type (``mat.varying``); JAX 0.6–0.9 as ``vma``
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def varying_like(ct, like):
+    """``ct`` over the manual axes ``like`` varies over, no more, no fewer: summed (``psum``)
+    over those it varies over and ``like`` does not — the transpose of the implicit ``pvary``
+    that met an invariant input with a varying one in the forward (attention's K, replicated,
+    beside Q split over the manual axis: each device's dK is its part of the sum) — and cast
+    to varying over those ``like`` varies over and it does not."""
+    have, want = varying_axes(ct), varying_axes(like)
+    if have - want:
+        ct = jax.lax.psum(ct, tuple(sorted(have - want)))
+    if want - have:
+        axes = tuple(sorted(want - have))
+        ct = jax.lax.pcast(ct, axes, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(ct, axes)
+    return ct
+
+
 def shard_map(f, *, mesh, in_specs, out_specs, check: bool = False):
     """``jax.shard_map`` (JAX ≥ 0.7; ``jax.experimental.shard_map`` before, where the last
     argument was ``check_rep``)."""

@@ -411,7 +411,10 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
                 it = iter(cts)
                 full = [next(it) if fl else zero_cotangent(o) for o, fl in zip(tup, float_outputs)]
                 grads = backward(args, saved, outs, full)
-                return [grads[i] for i in moving]
+                # inside shard_map, each cotangent as varying as its input: an input replicated
+                # over a manual axis beside one split over it gets the sum of every device's part
+                # (``compat.varying_like``; its kernel's output varied, and JAX refused it)
+                return [compat.varying_like(grads[i], args[i]) for i in moving]
 
             flowing = iter(compat.linear_call(forward, transpose, res, [dots[i] for i in moving]))
         else:  # nothing moves, or nothing can: zero tangents

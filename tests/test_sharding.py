@@ -125,6 +125,39 @@ def test_mlp_and_norm_token_split_sum_weight_gradients():
     assert "all-gather" not in text and "all-reduce" in text
 
 
+def _attention_f64(q, k, v, bias=None):
+    """softmax(q·kᵀ/√H + bias)·v in jnp, float64 (independent of moajax's kernels)."""
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s if bias is None else s + bias, axis=-1), v)
+
+
+def test_gradients_inside_shard_map_of_inputs_replicated_over_the_manual_axis():
+    """Inside ``jax.shard_map`` (its varying-axes check on, JAX's default): q split over the
+    manual axis, k and v replicated; the batch split, a bias replicated. Each device's dK, dV
+    (dBias) is its part of the sum: the cotangent of an input invariant over the axis is summed
+    over it (``compat.varying_like``). JAX refused the kernel's cotangent, varying where its
+    input was not (a fuzz; jax.nn ran). Gradients and jvp against float64 jnp, 1e-12."""
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        pytest.skip("jax.shard_map (JAX ≥ 0.7) types varying manual axes; this JAX has none")
+    r = np.random.default_rng(11)
+    q, k, v = (jnp.asarray(r.standard_normal((2, 8, 4, 2))) for _ in range(3))
+    bias = jnp.asarray(r.standard_normal((1, 4, 8, 8)))
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    rows = shard_map(moajax.dot_product_attention, mesh=_mesh((4,), ("y",)), in_specs=(P(None, "y"), P(), P()),
+                     out_specs=P(None, "y"))
+    for a, b in zip(jax.jit(jax.grad(loss(rows), argnums=(0, 1, 2)))(q, k, v),
+                    jax.grad(loss(_attention_f64), argnums=(0, 1, 2))(q, k, v)):
+        assert rel_err(a, b) <= 1e-12
+    tangent = jax.jit(lambda *a: jax.jvp(rows, a, (v, q, k))[1])(q, k, v)
+    assert rel_err(tangent, jax.jvp(_attention_f64, (q, k, v), (v, q, k))[1]) <= 1e-12
+    batch = shard_map(lambda q, k, v, b: moajax.dot_product_attention(q, k, v, bias=b), mesh=_mesh((2,), ("x",)),
+                      in_specs=(P("x"), P("x"), P("x"), P()), out_specs=P("x"))
+    for a, b in zip(jax.jit(jax.grad(loss(batch), argnums=range(4)))(q, k, v, bias),
+                    jax.grad(loss(_attention_f64), argnums=range(4))(q, k, v, bias)):
+        assert rel_err(a, b) <= 1e-12
+
+
 def test_mlp_tensor_parallel():
     """d_ff split (Megatron): w_gate, w_up by columns, w_down by rows; out and dx summed."""
     mesh = _mesh((4,), ("model",))
