@@ -313,6 +313,27 @@ def _linear_call_batched(axis_data, args, dims, *, callee, transpose_thunk, num_
     return out, [0] * len(out)
 
 
+def has_explicit_axes(mesh) -> bool:
+    """Whether some axis of ``mesh`` is Explicit (sharding in types: ``jax.set_mesh`` with
+    ``AxisType.Explicit``), where a split is part of every traced value's type."""
+    return any(str(t).endswith("Explicit") for t in (getattr(mesh, "axis_types", None) or ()))
+
+
+def reshard(x, sharding):
+    """``x`` traced with ``sharding``: ``jax.sharding.reshard`` on a mesh of Explicit axes (where
+    ``with_sharding_constraint`` only asserts), ``with_sharding_constraint`` otherwise."""
+    if has_explicit_axes(sharding.mesh) and hasattr(jax.sharding, "reshard"):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def auto_axes(fn, out_sharding):
+    """``fn`` run with the mesh's Explicit axes made automatic (``jax.sharding.auto_axes``), its
+    outputs given ``out_sharding``: code whose own partitioning XLA decides (a kernel's
+    ``custom_partitioning``) inside a program of sharding in types."""
+    return jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+
+
 def varying_axes(x) -> frozenset:
     """The manual mesh axes ``x`` varies over inside ``shard_map`` (JAX's varying-manual-axes
     type, ``{V:y}``); empty outside one, or where this JAX types no such thing."""

@@ -256,8 +256,12 @@ class Kernel:
         the forward saves for the backward ("auto" or "none", see ``compiled``)."""
         fn = self.compiled(*arrays, onf=onf, implementation=implementation, residuals=residuals, **options)
         dnf = self._build(arrays, options)[2]
-        arrays = shard.conform(dnf, arrays, self.name, self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift else None,
-                               functools.partial(self.dnf_before_identities, *arrays, **options))
+        lift = self.mesh_lift.for_dnf(dnf, options, onf) if self.mesh_lift else None
+        plain = functools.partial(self.dnf_before_identities, *arrays, **options)
+        arrays = shard.conform(dnf, arrays, self.name, lift, plain)
+        explicit = shard.explicit_out_specs(dnf, arrays, self.name, lift, plain)
+        if explicit is not None:  # sharding in types: the kernel partitioned as under automatic axes
+            return compat.auto_axes(fn, explicit if len(explicit) > 1 else explicit[0])(*arrays)
         return fn(*arrays)
 
     def onf(self, *arrays, onf=None, implementation=None, **options):

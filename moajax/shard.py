@@ -406,10 +406,26 @@ def conform(dnf, arrays, who: str, lift=None, plain_dnf=None) -> tuple:
         if name in drop:
             spec = tuple(None if j in drop[name] else e for j, e in enumerate(spec))
             sharding = NamedSharding(mesh, P(*spec))
-            x = jax.lax.with_sharding_constraint(x, sharding) if isinstance(x, jax.core.Tracer) else \
-                jax.device_put(x, sharding)
+            x = compat.reshard(x, sharding) if isinstance(x, jax.core.Tracer) else jax.device_put(x, sharding)
         out.append(x)
     return tuple(out)
+
+
+def explicit_out_specs(dnf, arrays, who: str, lift=None, plain_dnf=None):
+    """On a mesh of Explicit axes (sharding in types), the PartitionSpec of each output as the
+    kernel's partitioning leaves it (the classes of its axes as the inputs split them: run
+    ``conform`` first); None where no input is split over an Explicit axis. The kernel then
+    runs under ``compat.auto_axes``: its lowering is traced before XLA partitions it, and a
+    contraction over a split class is ambiguous in a sharding-typed trace."""
+    seen = visible(arrays)
+    if seen is None or not compat.has_explicit_axes(seen[0]):
+        return None
+    r = rule(dnf)
+    mesh, specs = seen
+    assign, _, lifted = _splits(r, specs, lift, mesh, who, [tuple(a.shape) for a in arrays], _memo(plain_dnf))
+    if lifted is not None:
+        assign.update({c: (lifted,) for c in lift.classes(r)})
+    return tuple(_pspec(axs, assign) for _, _, axs in r.outputs)
 
 
 def _splits(r: Rule, specs, lift, mesh, who: str, shapes, plain=None) -> tuple:

@@ -5,6 +5,7 @@ whole operand (no all-gather), and two processes through jax.distributed agree w
 Tolerances: float64 1e-12 (the same arithmetic in another order: a few ulps per reduction
 over ≤ 128 terms), float32 1e-5 (the same, in float32: the issue's bound)."""
 
+import functools
 import os
 import re
 import socket
@@ -125,10 +126,63 @@ def test_mlp_and_norm_token_split_sum_weight_gradients():
     assert "all-gather" not in text and "all-reduce" in text
 
 
-def _attention_f64(q, k, v, bias=None):
+def _attention_f64(q, k, v, bias=None, causal=False):
     """softmax(q·kᵀ/√H + bias)·v in jnp, float64 (independent of moajax's kernels)."""
     s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
-    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s if bias is None else s + bias, axis=-1), v)
+    s = s if bias is None else s + bias
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+
+def _norm_mlp_f64(x, w, wg, wu, wd):
+    h = w * x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return (jax.nn.silu(h @ wg) * (h @ wu)) @ wd
+
+
+EXPLICIT = {  # name: (mesh shape, moajax call, its float64 reference, argument shapes, PartitionSpecs)
+    "causal_rows_split": ((8,), lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True),
+                          functools.partial(_attention_f64, causal=True), [(2, 8, 4, 2)] * 3,
+                          [P(None, "x"), P(), P()]),
+    "batch_and_rows_split": ((2, 4), moajax.dot_product_attention, _attention_f64, [(2, 8, 4, 2)] * 3,
+                             [P("x", "y"), P("x"), P("x")]),
+    "causal_ring": ((8,), lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True),
+                    functools.partial(_attention_f64, causal=True), [(2, 16, 4, 2)] * 3, [P(None, "x")] * 3),
+    "norm_mlp_batch_split": ((8,), lambda x, w, wg, wu, wd: moajax.gated_mlp(moajax.rms_norm(x, w), wg, wu, wd),
+                             _norm_mlp_f64, [(8, 6, 16), (16,), (16, 32), (16, 32), (32, 16)],
+                             [P("x"), P(), P(), P(), P()]),
+    "mlp_d_ff_split": ((8,), lambda x, w, wg, wu, wd: moajax.gated_mlp(moajax.rms_norm(x, w), wg, wu, wd),
+                       _norm_mlp_f64, [(8, 6, 16), (16,), (16, 32), (16, 32), (32, 16)],
+                       [P(), P(), P(None, "x"), P(None, "x"), P("x")]),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPLICIT))
+def test_a_mesh_of_explicit_axes(case):
+    """Sharding in types (``jax.set_mesh`` over ``AxisType.Explicit`` axes), where jax.nn and jnp
+    run: the kernel runs with the axes made automatic (``compat.auto_axes``), its outputs typed
+    as its partitioning leaves them, and a split it gathers is resharded (``compat.reshard``:
+    ``with_sharding_constraint`` only asserts there). Its lowering, traced on sharding-typed
+    values, raised that a contraction over a split axis was ambiguous, and ``conform``'s
+    constraint asserted (a fuzz). The forward and gradients against float64 jnp, 1e-12."""
+    AxisType = getattr(jax.sharding, "AxisType", None)
+    if AxisType is None or not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "auto_axes"):
+        pytest.skip("this JAX has no Explicit mesh axes (sharding in types)")
+    shape, f, ref, shapes, specs = EXPLICIT[case]
+    names = ("x", "y")[:len(shape)]
+    mesh = Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names,
+                axis_types=(AxisType.Explicit,) * len(shape))
+    r = np.random.default_rng(12)
+    args = [jnp.asarray(r.standard_normal(s)) for s in shapes]
+    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)))  # noqa: E731
+    argnums = tuple(range(len(args)))
+    with jax.set_mesh(mesh):
+        put = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        out = jax.jit(f)(*put)
+        grads = jax.jit(jax.grad(loss(f), argnums=argnums))(*put)
+    assert rel_err(out, ref(*args)) <= 1e-12
+    for a, b in zip(grads, jax.grad(loss(ref), argnums=argnums)(*args)):
+        assert rel_err(a, b) <= 1e-12
 
 
 def test_gradients_inside_shard_map_of_inputs_replicated_over_the_manual_axis():
