@@ -31,6 +31,7 @@ import numpy as np
 
 from moajax import compat
 from moajax import dnf as D
+from moajax import ops as _ops
 from moajax.ix import FloorDiv, Ix, Var
 
 _COLLECTIVE = {"add": "psum", "max": "pmax", "min": "pmin"}
@@ -123,6 +124,16 @@ def _major(ix: Ix):
 _THROUGH = {"add": ("add", "sub"), "max": ("max",), "min": ("min",)}
 
 
+def _is_identity(e: D.Expr, monoid: str) -> bool:
+    """Whether e is the literal identity of the monoid (0 for a sum, −∞ for a max)."""
+    if not isinstance(e, D.Lit):
+        return False
+    try:
+        return bool(np.asarray(e.value, e.dtype) == _ops.monoid(monoid).identity(e.dtype))
+    except (TypeError, ValueError):
+        return False
+
+
 def _top_reduction(body: D.Expr):
     """The monoid reductions at the top of an output's body (through labels and conversions
     around it): (op, the reductions' nodes, the variables every term reduces at its top) or
@@ -143,6 +154,15 @@ def _top_reduction(body: D.Expr):
         if isinstance(e, D.Call) and e.op in _THROUGH.get(monoid, ()):
             parts = [tops(c) for c in e.children]
             return [n for p, _ in parts for n in p], frozenset.intersection(*(frozenset(v) for _, v in parts))
+        if isinstance(e, D.Call) and e.op == "where":
+            # (c ? op_v x : identity) = op_v (c ? x : identity) where c does not read v: a bias
+            # broadcast over the queries has dBias = Σ_b ((finite ? Σ_t … : 0) + …), and a split
+            # of the queries gathered them for the whole backward (a fuzz)
+            c, a, b = e.children
+            for red, other in ((a, b), (b, a)):
+                if _is_identity(other, monoid):
+                    nodes, vs = tops(red)
+                    return nodes, frozenset(vs) - c.free
         return [], frozenset()
 
     nodes, vs = tops(body)

@@ -185,6 +185,27 @@ def test_a_mesh_of_explicit_axes(case):
         assert rel_err(a, b) <= 1e-12
 
 
+@pytest.mark.parametrize("bias_shape", [(1, 4, 1, 8), (2, 1, 1, 8)])
+def test_query_rows_split_beside_a_bias_broadcast_over_them(bias_shape):
+    """q's rows split, k and v whole, a bias broadcast over the rows: dBias = Σ_b ((finite ?
+    Σ_t … : 0) + …) is a sum over t behind a select that does not read t, so each device sums its
+    rows and one all-reduce finishes (``shard._top_reduction`` reads through ``c ? op_v x :
+    identity``). The backward gathered q, dO, Out and the statistics along t (announced; the
+    fourth fuzz). No all-gather; float64 against jnp at 1e-12."""
+    mesh = _mesh((4,), ("x",))
+    r = np.random.default_rng(13)
+    q, k, v = (jnp.asarray(r.standard_normal((2, 8, 4, 2))) for _ in range(3))
+    bias = jnp.asarray(r.standard_normal(bias_shape))
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    f = lambda q, k, v, b: moajax.dot_product_attention(q, k, v, bias=b)  # noqa: E731
+    g = jax.jit(jax.grad(loss(f), argnums=range(4)))
+    args = (_put(q, mesh, None, "x"), k, v, bias)
+    for a, b in zip(g(*args), jax.grad(loss(_attention_f64), argnums=range(4))(q, k, v, bias)):
+        assert rel_err(a, b) <= 1e-12
+    text = _hlo(g, *args)
+    assert "all-gather" not in text and "all-reduce" in text
+
+
 def test_gradients_inside_shard_map_of_inputs_replicated_over_the_manual_axis():
     """Inside ``jax.shard_map`` (its varying-axes check on, JAX's default): q split over the
     manual axis, k and v replicated; the batch split, a bias replicated. Each device's dK, dV
