@@ -13,10 +13,13 @@ and the median of ``--runs`` processes each. Cases, all float32 on the CPU:
   F=128, causal), traced then compiled;
 - ``attention variants jit(vjp)``: window (2, 1), causal, both sequence lengths, GQA 4:2
   (B=2, T=S=64, H=16), traced then compiled;
+- ``attention jit(grad)``: of ``dot_product_attention`` beside jax.nn's (B=1, T=S=128, N=4,
+  H=32), traced then compiled, jax.nn first;
 - ``eager grad``: ``jax.grad`` of the causal attention (B=1, T=S=64, 4 × 16) outside
   ``jax.jit``, the first call (everything) and the second (warm).
 
     python scripts/bench_derive.py --baseline /path/to/older/checkout   # bench/results/derive_cpu.md
+    python scripts/bench_derive.py --out bench/results/derive_vs_jax_nn_cpu.md   # this tree alone
 """
 
 from __future__ import annotations
@@ -60,6 +63,14 @@ def measure() -> dict:
         t = time.perf_counter()
         lowered.compile()
         out[f"{name}: compile"] = time.perf_counter() - t
+
+    # attention's jit(grad) beside jax.nn's (B=1, T=S=128, N=4, H=32, float32): JAX warmed up
+    # first by a jit of its own, so that neither pays the process' first compile
+    jax.jit(lambda x: x + 1).lower(a(4)).compile()
+    q, k, v = a(1, 128, 4, 32), a(1, 128, 4, 32), a(1, 128, 4, 32)
+    for who, att in (("jax.nn", jax.nn.dot_product_attention), ("moajax", moajax.dot_product_attention)):
+        lower_compile(f"attention jit(grad), {who}", jax.grad(
+            lambda q, k, v, att=att: jnp.sum(att(q, k, v) ** 2), argnums=(0, 1, 2)), q, k, v)
 
     from moajax.kernels import block
 

@@ -493,6 +493,19 @@ def main():
 
         race(f"rmsnorm→matmul n={n} d={d} f={f} bf16", {"jax.nn": rms_then_dot, "moajax": rmsnorm_matmul},
              (x, g, w), 2 * n * d * f, 20, "jax.nn")
+        # RMSNorm alone over Llama's width: whole rows, 8 a program on the H200
+        # (schedule.GPU_NARROW_ROWS, 2026-12-06; before, no GPU ONF fitted at d = 4096 in float32
+        # and the CUDA lowering ran the CPU's XLA loops), against the op in XLA
+        n, d = (256, 4096) if quick else (4096, 4096)
+
+        def rms(x, g):
+            xf = x.astype(jnp.float32)
+            return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
+                    * g.astype(jnp.float32)).astype(x.dtype)
+
+        for dt in ("float32", "bfloat16"):
+            race(f"rmsnorm n={n} d={d} {dt}", {"jax.nn": rms, "moajax": moajax.rms_norm},
+                 (draw((n, d), dt), draw((d,), dt)), None, 20, "jax.nn")
         rep.flush()
     return 1 if bad else 0
 
