@@ -382,15 +382,28 @@ def _check_eps(eps, who: str) -> None:
         raise ValueError(f"{who}: eps must be a positive finite number, got {eps}")
 
 
-def _rows(who: str, x):
-    """x [..., D] as [n, D] rows (n the product of the leading axes), and a way back."""
+def _features(who: str, x):
+    """x [..., D] checked (one axis at least: the features), as an array."""
     import jax.numpy as jnp
 
-    shape = tuple(int(s) for s in x.shape)
-    if len(shape) < 1:
+    x = jnp.asarray(x)
+    if x.ndim < 1:
         raise ValueError(f"{who}: x must have at least one axis (the features), got a scalar")
-    n = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    return jnp.reshape(jnp.asarray(x), (n, shape[-1])), (lambda y: jnp.reshape(y, shape[:-1] + (y.shape[-1],)))
+    return x
+
+
+def _over_rows(kern, x, *weights, **kw):
+    """A rows kernel (x [n, D]) on x [..., D]: its leading axes of extent 1 dropped (a free
+    reshape that keeps a split of the others), then the kernel over the leading axes left
+    (``Kernel.over_leading_axes``: a split of any of them over devices stays a split; a
+    reshape to [B·T, D] gathered x whole where T was split). x [D] is one row."""
+    lead = tuple(s for s in x.shape[:-1] if s != 1)
+    y = x.reshape(lead + x.shape[-1:]) if len(lead) != x.ndim - 1 else x
+    if y.ndim == 1:
+        out = kern(y[None], *weights, **kw)[0]
+    else:
+        out = (kern if y.ndim == 2 else kern.over_leading_axes(y.ndim - 2))(y, *weights, **kw)
+    return out.reshape(x.shape[:-1] + out.shape[-1:]) if out.shape[:-1] != x.shape[:-1] else out
 
 
 def rms_norm(x, weight, *, eps=1e-6, onf=None, implementation=None, residuals="auto"):
@@ -404,17 +417,17 @@ def rms_norm(x, weight, *, eps=1e-6, onf=None, implementation=None, residuals="a
 
     who = "rms_norm"
     _same_float_dtype(who, {"x": x, "weight": weight})
-    rows, back = _rows(who, x)
-    D = rows.shape[1]
+    x = _features(who, x)
+    D = x.shape[-1]
     if tuple(weight.shape) != (D,):
         raise ValueError(f"{who}: weight has shape {list(weight.shape)}, expected [{D}] (x's last axis)")
     _check_eps(eps, who)
     runtime.check_onf_argument(onf, who)
     runtime.check_implementation(implementation, who)
     runtime.check_residuals(residuals, who)
-    if rows.shape[0] == 0:  # no rows: nothing to normalise
-        return rows.reshape(tuple(x.shape))
-    return back(rmsnorm(rows, weight, eps=float(eps), onf=onf, implementation=implementation, residuals=residuals))
+    if 0 in x.shape[:-1]:  # no rows: nothing to normalise
+        return x
+    return _over_rows(rmsnorm, x, weight, eps=float(eps), onf=onf, implementation=implementation, residuals=residuals)
 
 
 def gated_mlp(x, w_gate, w_up, w_down, *, onf=None, implementation=None, residuals="auto"):
@@ -431,8 +444,8 @@ def gated_mlp(x, w_gate, w_up, w_down, *, onf=None, implementation=None, residua
 
     who = "gated_mlp"
     _same_float_dtype(who, {"x": x, "w_gate": w_gate, "w_up": w_up, "w_down": w_down})
-    rows, back = _rows(who, x)
-    D = rows.shape[1]
+    x = _features(who, x)
+    D = x.shape[-1]
     if len(w_gate.shape) != 2 or w_gate.shape[0] != D:
         raise ValueError(f"{who}: w_gate has shape {list(w_gate.shape)}, expected [{D}, F] (D = x's last axis)")
     F = int(w_gate.shape[1])
@@ -444,9 +457,9 @@ def gated_mlp(x, w_gate, w_up, w_down, *, onf=None, implementation=None, residua
     runtime.check_onf_argument(onf, who)
     runtime.check_implementation(implementation, who)
     runtime.check_residuals(residuals, who)
-    if rows.shape[0] == 0:  # no tokens
-        return rows.reshape(tuple(x.shape))
-    return back(swiglu(rows, w_gate, w_up, w_down, onf=onf, implementation=implementation, residuals=residuals))
+    if 0 in x.shape[:-1]:  # no tokens
+        return x
+    return _over_rows(swiglu, x, w_gate, w_up, w_down, onf=onf, implementation=implementation, residuals=residuals)
 
 
 def decode_attention(query, k_cache, v_cache, lengths=None, *, scale=None, onf=None, implementation=None):

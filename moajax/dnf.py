@@ -707,8 +707,8 @@ class DNF:
 def collapsed(dnf: "DNF"):
     """Two adjacent axes as one: ⟨… i j …⟩ψA = ⟨… i·J + j …⟩ψA′, A′ = A with ρ⟨… I J …⟩ as
     ⟨… I·J …⟩ (row-major: the same bytes, a free reshape) — where every read, reduction and
-    output takes i and j together, in that order (a reduction: op_i op_j directly), and
-    nothing else reads them (no index arithmetic, no index value). A vmapped RMSNorm's batch
+    output takes i and j together, in that order (a reduction: op_i op_j or op_j op_i, one
+    directly inside the other: a monoid commutes), and nothing else reads them (no index arithmetic, no index value). A vmapped RMSNorm's batch
     and rows are one axis of rows again. Applied while a pair is found.
 
     Returns (DNF′, pairs) with ``pairs`` the merged dims in order, or None where no pair merges."""
@@ -764,15 +764,15 @@ def _collapse_once(dnf: "DNF"):
         vs = {v for p in pairs for v in p}
         inner_of = dict(pairs)
         outer_of = {b: a for a, b in pairs}
+        partner = {**inner_of, **outer_of}
         for x in nodes:
             if isinstance(x, (IndexValue, Ref)) and x.free & vs:
                 return False
-            if isinstance(x, Red) and x.var in inner_of:  # op_i must hold op_j and nothing else
-                body = x.body
-                if not (isinstance(body, Red) and body.var == inner_of[x.var] and body.monoid == x.monoid):
-                    return False
-            if isinstance(x, Red) and x.var in outer_of:  # op_j only directly inside op_i
-                if not any(isinstance(y, Red) and y.var == outer_of[x.var] and y.body is x for y in nodes):
+            if isinstance(x, Red) and x.var in partner:
+                # op_i op_j, or op_j op_i (a monoid commutes), directly one inside the other
+                body, other = x.body, partner[x.var]
+                if not ((isinstance(body, Red) and body.var == other and body.monoid == x.monoid)
+                        or any(isinstance(y, Red) and y.var == other and y.body is x for y in nodes)):
                     return False
         for o in dnf.outputs:
             for k, v in enumerate(o.vars):
@@ -798,6 +798,7 @@ def _collapse_once(dnf: "DNF"):
                 taken.add(name)
                 new[a] = Var(name, a.extent * b.extent)
             outer_of = {b: a for a, b in pairs}
+            pair_of = dict(pairs)
 
             def merged_index(index):
                 out = []
@@ -811,8 +812,10 @@ def _collapse_once(dnf: "DNF"):
             def fn(x):
                 if isinstance(x, Read) and x.free & set(new):
                     return Read(x.array, merged_index(x.index), x.dtype)
-                if isinstance(x, Red) and x.var in new:
-                    return Red(x.monoid, new[x.var], x.body.body)
+                if isinstance(x, Red) and isinstance(x.body, Red):
+                    a = x.var if x.var in new else outer_of.get(x.var)
+                    if a is not None and {x.var, x.body.var} == {a, pair_of[a]}:  # op_i op_j (op_j op_i)
+                        return Red(x.monoid, new[a], x.body.body)
                 return None
 
             def dims_of(shape, dims, ks):

@@ -117,6 +117,7 @@ class Kernel:
         # none. A derived kernel (the saving forward, an adjoint, the tangent) reads its primal's
         self._mesh_lift = None
         self._lift_from = None
+        self._rows_of = None  # (rows kernel, count) of a kernel over leading axes
 
     @property
     def mesh_lift(self):
@@ -204,6 +205,8 @@ class Kernel:
                     raise TypeError(f"{self.name}: the definition must return moa arrays, got {type(o).__name__}")
             names = self.cell_names(key) or self._names_for(outs)
             dnf, _ = _psi.reduce_to_dnf(self.name, inputs, outs, names, record=False)
+            if self._rows_of is not None:
+                self._check_rows(dnf, key)
             applied = ()
             if self._identities is not None:
                 self._cache[("before identities", key)] = dnf
@@ -213,6 +216,27 @@ class Kernel:
                    _reference.to_jax(dnf))
             self._cache[key] = hit
         return hit
+
+    def _check_rows(self, dnf, key) -> None:
+        """A kernel over leading axes (``over_leading_axes``) must ψ-reduce to its rows kernel:
+        merged, its DNF is the rows kernel's at [rows, …] (the same bodies)."""
+        import jax
+
+        rows, count = self._rows_of
+        (shape, dt), *rest = key[0]
+        others = [jax.ShapeDtypeStruct(s, d) for s, d in rest]
+        if any(s == 1 for s in shape[:count + 1]):
+            # an axis of extent 1 is no variable of the DNF (a device's block of a split batch):
+            # the definition is checked where each is 2, the same expression
+            wider = tuple(max(s, 2) for s in shape[:count + 1]) + tuple(shape[count + 1:])
+            self.dnf(jax.ShapeDtypeStruct(wider, dt), *others, **dict(key[1]))
+            return
+        flat = jax.ShapeDtypeStruct((int(np.prod(shape[:count + 1])),) + tuple(shape[count + 1:]), dt)
+        want = rows.dnf(flat, *others, **dict(key[1]))
+        got = D.collapsed(dnf)
+        if got is None or [o.body for o in got[0].outputs] != [o.body for o in want.outputs]:
+            raise ValueError(f"{self.name}: its definition over {count} more leading axes does not reduce to the "
+                             "kernel on rows (not polymorphic in its rank): call it on rows")
 
     def dnf_before_identities(self, *specs, **options):
         """The DNF for these argument shapes before the papers' identities rewrite it
@@ -564,6 +588,34 @@ class Kernel:
             return out, (True,) * n_outputs if n_outputs > 1 else True
 
         return f
+
+    def over_leading_axes(self, count: int) -> "Kernel":
+        """This kernel's definition with ``count`` more leading axes on its first argument
+        (``l0 l1 …`` before its own), the same array expression at a higher rank: RMSNorm and
+        the MLP on x [B, T, D] rather than on rows [B·T, D]. Each derivation is checked to be
+        the kernel on rows (``dnf.collapsed`` of its DNF is the rows kernel's DNF at the merged
+        shape, the same hash-consed bodies), so a definition that is not polymorphic in its
+        rank is refused, named, never run. A split of any leading axis over devices stays a
+        split (XLA keeps none through the reshape to rows), the weights' gradients are sums
+        over every leading axis inside the kernel (under ``jax.vmap`` of the rows kernel they
+        are one a batch element), and the runtime runs it as rows (``runtime.run_dnf``)."""
+        key = ("over leading axes", int(count))
+        hit = self._derived.get(key)
+        if hit is not None:
+            return hit
+        if count < 1 or not self.params:
+            raise ValueError(f"{self.name}.over_leading_axes: needs count ≥ 1 and an array argument, got {count}")
+        taken = {d for p in self.params for d in p.dims}
+        lead = tuple(d for d in (f"l{i}" for i in range(count + len(taken))) if d not in taken)[:count]
+        first = self.params[0]
+        dims = {p.name: " ".join(p.dims) for p in self.params}
+        dims[first.name] = " ".join(lead + first.dims)
+        k = Kernel(self.fn, example={**self.example, **{d: 2 for d in lead}}, name=self.name,
+                   outputs=self.output_names, dims=dims, identities=self._identities)
+        k._rows_of = (self, count)
+        k._lift_from = self
+        self._derived[key] = k
+        return k
 
     def batched(self, in_batched: tuple) -> "Kernel":
         """The kernel with a leading batch axis on the arguments flagged in ``in_batched``:

@@ -13,7 +13,7 @@ import pytest
 
 import moajax
 import references as R
-from helpers import rel_err
+from helpers import rel_err, walk_eqns
 
 IMPLS = ["xla", "pallas_interpret"]
 D, F = 12, 20
@@ -302,3 +302,26 @@ def test_leading_axes_run_the_rows_kernels_tiles():
     onf = k.onf(x, w)
     assert onf.dnf.inputs[0].shape == (15, x.shape[-1])
     assert rel_err(k(x, w, onf=onf), R.rmsnorm(_flat(x), w).reshape(x.shape)) <= 1e-12
+
+
+def test_leading_axes_are_the_kernels_own_and_the_weights_gradients_one_sum():
+    """x [B, T, D] runs the rows kernel's definition over the leading axes
+    (``Kernel.over_leading_axes``), which ψ-reduces to the rows kernel (checked per shapes):
+    the weights' gradients are one sum over B and T inside the kernel — no [B, D, F] value
+    anywhere in jit(grad) (under jax.vmap of the rows kernel, one gradient a batch element) —
+    and a definition that is not polymorphic in its rank is refused, named."""
+    x, wg, wu, wd, _ = _mlp_args(lead=(4, 3))
+    loss = lambda x, wg, wu, wd: jnp.sum(jnp.sin(moajax.gated_mlp(x, wg, wu, wd)))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(1, 2, 3)))(x, wg, wu, wd).jaxpr
+    shapes = {tuple(v.aval.shape) for e, _ in walk_eqns(jaxpr) for v in e.outvars}
+    assert (4,) + wg.shape not in shapes and (4,) + wd.shape not in shapes
+    from moajax import moa
+    from moajax.kernel import kernel
+
+    @kernel(example=dict(n=4, d=3), register=False)
+    def column_sums(x: "n d"):  # Σ over the first axis: over a leading axis, not the rows'
+        return moa.sum(x, axis=0)
+
+    S = lambda *s: jax.ShapeDtypeStruct(s, np.float64)  # noqa: E731
+    with pytest.raises(ValueError, match="column_sums.*leading axes"):
+        column_sums.over_leading_axes(1).dnf(S(4, 3, D))
