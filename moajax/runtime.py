@@ -239,11 +239,12 @@ def run_dnf(dnf, onf_key=None):
     RMSNorm's batch and rows: one axis of rows, so a GPU's programs take the unbatched
     kernel's row tiles, not rows of one batch element; the inputs and outputs reshaped, which
     moves no byte), else ``dnf``. Not where ``onf_key`` is an ONF derived for ``dnf`` itself,
-    or a Preset tiling a merged dimension by name."""
+    or a Preset tiling by name a dimension the merge removes (the major of a pair: the merged
+    axis keeps the minor's name, so a tile of the rows ``n`` tiles the merged rows)."""
     flat = _collapsed(dnf)
     if flat is None:
         return dnf
-    merged = {d for pair in flat[1] for d in pair}
+    merged = {major for major, _ in flat[1]}
     if isinstance(onf_key, ONF):
         return flat[0] if onf_key.dnf.inputs == flat[0].inputs else dnf
     if isinstance(onf_key, Preset) and merged & set(dict(onf_key.tiles)):

@@ -325,3 +325,17 @@ def test_leading_axes_are_the_kernels_own_and_the_weights_gradients_one_sum():
     S = lambda *s: jax.ShapeDtypeStruct(s, np.float64)  # noqa: E731
     with pytest.raises(ValueError, match="column_sums.*leading axes"):
         column_sums.over_leading_axes(1).dnf(S(4, 3, D))
+
+
+def test_a_preset_tiling_the_rows_tiles_the_merged_rows():
+    """Over leading axes the runtime runs the rows kernel (``runtime.run_dnf``); the merged
+    axis keeps the rows' name, so ``Preset.of(tiles={"n": 2})`` tiles [B·T] rows by 2 (it
+    skipped the merge before, and ran the kernel over [B, T] with its own schedule)."""
+    from moajax.kernels.norm import rmsnorm
+    from moajax.schedule import Preset
+
+    x, w, _ = _norm_args(lead=(3, 5))
+    preset = Preset.of(tiles={"n": 2})
+    onf = rmsnorm.over_leading_axes(1).onf(x, w, onf=preset)
+    assert onf.dnf.inputs[0].shape == (15, D) and onf.axis("n").tile == 2
+    assert rel_err(moajax.rms_norm(x, w, onf=preset), R.rmsnorm(_flat(x), w).reshape(x.shape)) <= 1e-12
