@@ -143,8 +143,18 @@ def _top_reduction(body: D.Expr):
     head split (tensor parallel) gathered the heads when only the outermost sum counted."""
     body = _strip(body)
     if not isinstance(body, D.Red):
+        # sums (or maxima) of reductions at the top: dBias over [B, N, 1, S] is
+        # (finite ? Σ_t … : 0) + (finite ? Σ_t … : 0), its only reduction over t (the fifth fuzz)
+        for monoid in _THROUGH:
+            top = _top_of(body, monoid)
+            if top[0]:
+                return (monoid,) + top
         return None
-    monoid = body.monoid
+    return (body.monoid,) + _top_of(body, body.monoid)
+
+
+def _top_of(body: D.Expr, monoid: str) -> tuple:
+    """(the monoid's reductions at the top of body, the variables every term reduces there)."""
 
     def tops(e):
         e = D.unlabelled(e)
@@ -166,7 +176,7 @@ def _top_reduction(body: D.Expr):
         return [], frozenset()
 
     nodes, vs = tops(body)
-    return monoid, tuple(nodes), frozenset(vs)
+    return tuple(nodes), frozenset(vs)
 
 
 def rule(dnf) -> Rule:

@@ -185,13 +185,15 @@ def test_a_mesh_of_explicit_axes(case):
         assert rel_err(a, b) <= 1e-12
 
 
-@pytest.mark.parametrize("bias_shape", [(1, 4, 1, 8), (2, 1, 1, 8)])
+@pytest.mark.parametrize("bias_shape", [(1, 4, 1, 8), (2, 1, 1, 8), (2, 4, 1, 8)])
 def test_query_rows_split_beside_a_bias_broadcast_over_them(bias_shape):
     """q's rows split, k and v whole, a bias broadcast over the rows: dBias = Σ_b ((finite ?
     Σ_t … : 0) + …) is a sum over t behind a select that does not read t, so each device sums its
     rows and one all-reduce finishes (``shard._top_reduction`` reads through ``c ? op_v x :
     identity``). The backward gathered q, dO, Out and the statistics along t (announced; the
-    fourth fuzz). No all-gather; float64 against jnp at 1e-12."""
+    fourth fuzz). With a bias [B, N, 1, S], dBias has no Σ_b around: its top is the sum of the
+    two selects, which the rule read as no reduction at all (the fifth fuzz). No all-gather;
+    float64 against jnp at 1e-12."""
     mesh = _mesh((4,), ("x",))
     r = np.random.default_rng(13)
     q, k, v = (jnp.asarray(r.standard_normal((2, 8, 4, 2))) for _ in range(3))
