@@ -438,7 +438,7 @@ def _kernel_onchip(onf: ONF, stages) -> int:
             p = math.prod(_tile(onf, v) for v in set(st.max_vars) | {st.var})
             total += p * (2 if onf.knobs.lowp_dots else _itemsize(st.logit.dtype))
             continue
-        for x in _contractions(st):
+        for x in contractions(st):
             staging = max(staging, math.prod(_tile(onf, v) for v in x.free) * _itemsize(x.dtype))
     return int(total + staging)
 
@@ -454,7 +454,7 @@ def _loaded_tiles(onf: ONF, stages, seq_vars):
                any(v.name in seq_vars for v in r.free))
 
 
-def _contractions(st):
+def contractions(st):
     """The +.× reductions (Σ of a product) in a stage's expressions."""
     for e in st.exprs():
         if e is not None:
@@ -487,7 +487,7 @@ def _scatter_onchip(onf: ONF, stages, seq_vars) -> int:
     for st in stages:
         if onf.scatter_var(st) is None:
             continue
-        for x in _contractions(st):
+        for x in contractions(st):
             if x is st.accumulated:
                 p = math.prod(_tile(onf, v) for v in {x.var} | (set(st.vars) & seq_or_grid))
                 item = 2 if onf.knobs.lowp_dots else _itemsize(x.dtype)

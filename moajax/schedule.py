@@ -32,7 +32,7 @@ import numpy as np
 from moajax import compat
 from moajax import dnf as D
 from moajax import rewrites as W
-from moajax.cost import check_fits, estimate, onchip_bytes
+from moajax.cost import check_fits, contractions, estimate, onchip_bytes
 from moajax.machines import Machine
 from moajax.onf import ONF, Axis, Knobs, ONFError, Stage, initial, next_pow2
 
@@ -480,12 +480,10 @@ def _holds_dots(onf: ONF) -> bool:
     reading an axis the other does not (Q·Kᵀ; not RMSNorm's Σ_d x × x): Triton's dot, which
     takes tiles of 16 rows or more (under 16, ``pallas_kernels`` multiplies and sums)."""
     for st in onf.program.stages:
-        for e in st.exprs():
-            for x in (D.walk(e) if e is not None else ()):
-                if isinstance(x, D.Red) and x.monoid == "add" and isinstance(x.body, D.Call) and x.body.op == "mul":
-                    a, b = x.body.args
-                    if (a.free - b.free - {x.var}) and (b.free - a.free - {x.var}):
-                        return True
+        for x in contractions(st):
+            a, b = x.body.args
+            if (a.free - b.free - {x.var}) and (b.free - a.free - {x.var}):
+                return True
     return False
 
 
