@@ -225,10 +225,12 @@ def _rule(node, g, need):
             return [broadcast_lead(n, dim, g)]
         if node.monoid.name in ("max", "min"):
             # the hit and its count are separate evaluations of A = Y (a DNF keeps no
-            # intermediate): op by op they agree, but XLA may fuse A into each with different
-            # rounding, and a miss then gives ±inf (jax.grad's own reduce_max rule gives 0/0 on
-            # such a case: test_adjoint). Left loud, not clamped: clamping the count hides the
-            # miss as a wrong finite value. A selection that carries its index would remove it
+            # intermediate), and two evaluations of a rounded A may differ by its rounding: the
+            # maximum then equals no element and the gradient vanishes. So where A rounds, a
+            # compiled kernel's forward saves A and this rule reads the saved values
+            # (``kernel.label_selections``); the reference evaluates A once
+            # (``reference.Evaluator.reduce_once``). Not clamped: clamping the count would hide a
+            # miss as a wrong finite value. (The tangent rule still recomputes: moajax.tangent)
             hit = moa.eq(A, broadcast_lead(n, dim, node))
             count = moa.sum(moa.cast(hit, g.dtype), 0)
             return [moa.where(hit, broadcast_lead(n, dim, g / count), 0.0)]

@@ -75,6 +75,63 @@ def _saved_names(params, names, n: int) -> tuple:
     return tuple(f"{pre}{i}" for i in range(n))
 
 
+# nodes whose value is read, not computed: recomputed anywhere, they are the same bits
+_EXACT_NODES = (moa.Input, moa.Literal, moa.Iota, moa.Cell, moa.Psi, moa.Take, moa.Drop, moa.Reverse, moa.Rotate,
+                moa.Transpose, moa.Reshape, moa.Cast, moa.Name, moa.StopGradient, moa.Catenate, moa.Omega)
+_EXACT_MAPS = ("maximum", "minimum", "neg", "abs", "where")  # exactly rounded whatever the context
+SELECTED = "selection_operand"  # the label of a selection's operand, which a backward reads saved
+
+
+def _selection(x) -> bool:
+    return isinstance(x, moa.Reduce) and x.monoid.name in ("max", "min")
+
+
+def _exact(x, inexact_cells=frozenset()) -> bool:
+    """Is every evaluation of ``x`` the same value, bit for bit (index operations, selections
+    and sign changes of the inputs: nothing rounds)? A cell of an Ω is as exact as the
+    argument it is cut from (``inexact_cells``: the uids of those that are not)."""
+    return all(isinstance(y, _EXACT_NODES) and y.uid not in inexact_cells or _selection(y)
+               or (isinstance(y, moa.Map) and y.op.name in _EXACT_MAPS) for y in moa.nodes(x))
+
+
+def _is_selected(x) -> bool:
+    return isinstance(x, moa.Name) and (x.label == SELECTED or (
+        x.label.startswith(SELECTED) and x.label[len(SELECTED):].isdigit()))
+
+
+def label_selections(outputs) -> tuple:
+    """``outputs`` with the operand A of each selection the derivative flows through — ⌈/A or
+    ⌊/A, not held constant (``moa.stop_gradient``) — labelled ``selection_operand…`` where A
+    rounds (of A ⌈.op B, the rounded ones of A and B).
+    ⌈/A's adjoint compares A with ⌈/A (``moajax.adjoint``); a DNF recomputes A in each, and
+    two evaluations of one sum in different fusions may round differently, so the maximum
+    would equal no element and the gradient would vanish (a jitted and an eager backward of
+    one kernel disagreed: test_adjoint). Saved once by the forward and read by the backward,
+    A is one value (``row_statistics``)."""
+    operands, stack, seen, inexact = [], list(outputs), set(), set()
+    while stack:
+        x = stack.pop()
+        if x.uid in seen or isinstance(x, moa.StopGradient):
+            continue
+        seen.add(x.uid)
+        if _selection(x) and not isinstance(x.arg, moa.Name) and not _exact(x.arg, inexact):
+            operands.append(x.arg)
+        if isinstance(x, moa.Inner) and x.monoid.name in ("max", "min"):
+            # A ⌈.op B selects among the a op b: one correctly rounded op over saved operands
+            # is the same bits wherever it is recomputed (no product to fuse into an FMA)
+            operands += [y for y in (x.a, x.b) if not isinstance(y, moa.Name) and not _exact(y, inexact)]
+        stack.extend(x.children)
+        if isinstance(x, moa.Omega):  # its body after its arguments: their cells' exactness first
+            inexact.update(c.uid for c, a in zip(x.cells, x.args) if not _exact(a, inexact))
+            stack.insert(0, x.body)
+    taken = {y.label for o in outputs for y in moa.nodes(o) if isinstance(y, moa.Name)}
+    unique = list({a.uid: a for a in operands}.values())
+    if not unique:
+        return tuple(outputs)
+    mapping = {a: moa.name(D.fresh_name(SELECTED, taken), a) for a in unique}
+    return tuple(moa.substitute(o, mapping) for o in outputs)
+
+
 class Kernel:
     """A kernel defined in the algebra. ``dnf()``, ``derivation()``, ``expression()``, call."""
 
@@ -375,7 +432,10 @@ class Kernel:
             """The forward that also saves the row statistics, or None — decided (and its
             adjoint derived) only when the call is first differentiated."""
             if not chosen:
-                pays = residuals == "save" or labels or (residuals == "auto" and self._saving_pays(key[0], options))
+                # a selection's operand is always saved, whatever the policy: its backward must
+                # compare the one value (``label_selections``)
+                pays = (residuals == "save" or labels or self._selects(key[0], options)
+                        or (residuals == "auto" and self._saving_pays(key[0], options)))
                 chosen.append(self.with_row_statistics(labels).compiled(
                     *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
                     **options) if pays else None)
@@ -450,9 +510,11 @@ class Kernel:
         nodes of their own, which the backward differentiates."""
         # a statistic reduces an axis away: fewer axes than the cell (or output) it serves, so
         # that a [t s] score is never one, whatever the sizes (T × S < T × E when S < E)
+        outputs = label_selections(outputs)
         before = {x.uid for x in moa.postorder(outputs)}
         outputs = moa.lift_from_omega(
-            outputs, lambda y, node: self._is_statistic(y) and y.rank < node.body.rank and y.size <= node.body.size)
+            outputs, lambda y, node: (self._is_statistic(y) and y.rank < node.body.rank and y.size <= node.body.size)
+            or _is_selected(y))
         # no larger than an output it serves, not than every output: attention's log-sum-exp
         # output (jax.nn's return_residual) has the rows' size, and its max and sum still serve Out
         served = [(o, {y.uid for y in moa.postorder((o,))}) for o in outputs]
@@ -468,6 +530,8 @@ class Kernel:
         for x in moa.postorder(outputs):
             if isinstance(x, moa.Name) and moa._is_float(x.dtype):
                 named.setdefault(x.label, x)
+        # then the selections' operands, whatever their size (``label_selections``)
+        stats += [x for x in named.values() if _is_selected(x) and x not in stats]
         for label in labels:
             if label not in named:
                 raise ValueError(f"{self.name}: residuals names the label {label!r}, which this kernel does not "
@@ -496,6 +560,15 @@ class Kernel:
         hit = self._derived[("with_row_statistics", labels)] = _SavingKernel(forward, primal)
         hit._lift_from = self
         return hit
+
+    def _selects(self, shape_key, options) -> bool:
+        """Does the derivative flow through a selection whose operand rounds (its forward then
+        saves the operand: ``label_selections``)?"""
+        import jax
+
+        outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[1]
+        outs = label_selections(outs if isinstance(outs, tuple) else (outs,))
+        return any(_is_selected(y) for o in outs for y in moa.nodes(o))
 
     def _saving_pays(self, shape_key, options) -> bool:
         """Do the forward that also outputs the row statistics and the backward that reads

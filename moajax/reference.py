@@ -10,6 +10,7 @@ enough to be the oracle for every ONF. The result is a plain function of jax arr
 
 from __future__ import annotations
 
+import math
 import string
 from typing import Callable
 
@@ -88,6 +89,7 @@ class Evaluator:
 
         self.arrays = arrays
         self.memo: dict[int, tuple] = {}
+        self.reductions: dict[tuple, list] = {}  # (monoid, extent, dtype) → [(Red, its value)]
         self.precision = lax.Precision.HIGHEST if precision is None else precision
 
     def __call__(self, e: D.Expr) -> Named:
@@ -120,7 +122,7 @@ class Evaluator:
             datas, vs = align(parts)
             return Named(_ops.OPS[e.op].jnp_fn()(*datas), vs)
         if isinstance(e, D.Red):
-            return self.reduce(e)
+            return self.reduce_once(e)
         raise TypeError(f"the reference evaluator cannot evaluate {type(e).__name__}")
 
     def read(self, e: D.Read) -> Named:
@@ -159,6 +161,31 @@ class Evaluator:
         full = tuple(v.extent for v in vs)
         idx = tuple(jnp.clip(jnp.broadcast_to(d, full), 0, a.shape[ax] - 1) for ax, d in enumerate(datas))
         return Named(a[idx], vs)
+
+    def reduce_once(self, e: D.Red) -> Named:
+        """e's value, computed once for all the reductions it is an instance of: where
+        e ≡ r[σ] for an r evaluated before (its free variables renamed, or fixed: ⟨0⟩ of a
+        row sum computed for every row), e's array is read from r's. A DNF recomputes a
+        value wherever it is used (no intermediate survives), and two evaluations of one sum
+        in different contexts (two einsums) may round differently; a selection compares them
+        — ⌈/'s adjoint (A = ⌈/A) sees A and A's maximum — so they must be one value, as they
+        are in the DNF's meaning (hypothesis found three cases). ``prime`` evaluates the
+        most general reductions first."""
+        bucket = self.reductions.setdefault((e.monoid, e.var.extent, e.dtype), [])
+        for r, value in bucket:
+            hit = _instance(value, r, e)
+            if hit is not None:
+                return hit
+        value = self.reduce(e)
+        bucket.append((e, value))
+        return value
+
+    def prime(self, outputs) -> None:
+        """Evaluate the reductions of ``outputs`` most general first (most free variables),
+        so that each instance of another is read from it (``reduce_once``)."""
+        reds = {id(x): x for o in outputs for x in D.walk(o.body) if isinstance(x, D.Red)}
+        for r in sorted(reds.values(), key=lambda x: -math.prod(v.extent for v in x.free)):
+            self(r)
 
     def reduce(self, e: D.Red) -> Named:
         import jax.numpy as jnp
@@ -215,6 +242,24 @@ class Evaluator:
         return jnp.broadcast_to(d, tuple(v.extent for v in o.vars)).astype(o.dtype)
 
 
+def _instance(value: Named, r: D.Red, e: D.Red) -> Named | None:
+    """e's value read from r's, where e ≡ r[σ] for a substitution σ of r's free variables
+    (a renaming, or any index expressions: ⟨0⟩ of a row computed over every row), else None."""
+    import jax.numpy as jnp
+
+    sigma = D.match(r, e, r.free)
+    if sigma is None:
+        return None
+    plain = {v: i.as_var() for v, i in sigma.items()}
+    if all(u is not None and u.extent == v.extent for v, u in plain.items()) and len(set(plain.values())) == len(plain):
+        return Named(value.data, [plain[v] for v in value.vars])  # a renaming: the same array
+    parts = [index_array(sigma[v]) for v in value.vars]
+    datas, vs = align(parts)
+    full = tuple(v.extent for v in vs)
+    idx = tuple(jnp.clip(jnp.broadcast_to(d, full), 0, value.data.shape[k] - 1) for k, d in enumerate(datas))
+    return Named(value.data[idx] if idx else value.data, vs)
+
+
 def to_jax(dnf: D.DNF) -> Callable:
     """The DNF as a jitted JAX function of its inputs (in ``dnf.inputs`` order).
 
@@ -233,6 +278,7 @@ def to_jax(dnf: D.DNF) -> Callable:
                 raise ValueError(f"{dnf.name}: input {spec.name!r} has shape {a.shape}, expected {spec.shape}")
             env[spec.name] = a
         ev = Evaluator(env)
+        ev.prime(dnf.outputs)
         outs = tuple(ev.output(o) for o in dnf.outputs)
         return outs[0] if len(outs) == 1 else outs
 

@@ -160,3 +160,22 @@ def test_a_max_selection_equals_jax_grad_wherever_its_two_evaluations_agree():
     assert rel_err(numpy_eval.evaluate(grad, {"x0": x_val, "d_out": g}), want) <= F64
     compiled = runtime.lowered(schedule.derive(adj, machines.local()), "xla")(x_val, g)
     assert rel_err(np.asarray(compiled), want) <= F64
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_reference_reads_an_instance_of_a_reduction_from_the_general_one(dtype):
+    """(x +.× w) = ⟨0⟩ψ(x +.× w) at row 0 is true, bit for bit: the DNF holds Σ_c x[b,c]·w[c]
+    over every row b and at b = 0, one value (a selection compares them: ⌈/'s adjoint, the
+    cases hypothesis found). Evaluated apart — a matrix-vector and a vector-vector einsum —
+    they rounded apart for each of these draws (before 2026-12-06); the reference reads the
+    instance from the general reduction (``reference.Evaluator.reduce_once``)."""
+    n = 1000
+    x = moa.array("x", (5, n), "b c", dtype)
+    w = moa.array("w", (n,), "c", dtype)
+    a = moa.dot(x, w)
+    dnf, _ = reduce_to_dnf("f", [x, w], moa.eq(a, moa.psi((0,), a)), record=False)
+    for seed in range(16, 20):
+        r = np.random.default_rng(seed)
+        with op_by_op():
+            out = reference.to_jax(dnf)(r.standard_normal((5, n)).astype(dtype), r.standard_normal(n).astype(dtype))
+        assert bool(out[0])
