@@ -7,7 +7,11 @@ goes through here.
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
+import re
+from typing import Callable
 
 import jax
 
@@ -226,15 +230,50 @@ def partition_spec(sharding, mesh, ndim: int):
     return PartitionSpec(*spec, *((None,) * (ndim - len(spec))))
 
 
-def linear_call(fun, fun_transpose, residual_args, linear_args):
+# the batched transposes offered by linear_calls (``linear_call``), by the token their callee's
+# name carries: a vmap may batch the call long after it was bound (the jvp of a jitted call is
+# a jaxpr, batched when the vmap around it is), so the rule finds the offer from the call's
+# own parameters. Bounded: an offer holds no traced value, and old ones are dropped
+_BATCHED_TRANSPOSES: "collections.OrderedDict[int, Callable]" = collections.OrderedDict()
+_OFFER = "moajax_batched_transpose_"
+_OFFERS = itertools.count()
+
+
+def linear_call(fun, fun_transpose, residual_args, linear_args, batched_transpose=None):
     """``jax.custom_derivatives.linear_call`` (a linear function with its own transpose), with
     what JAX 0.10 lacks: a ``vmap`` rule (the batched call is a ``linear_call`` of the
     vmapped function and of its vmapped transpose) and a derivative in the residuals (JAX's
-    rule asserts that they do not move; a second derivative moves them)."""
+    rule asserts that they do not move; a second derivative moves them).
+
+    ``batched_transpose(res_batched, lin_batched)``, given which residual and linear leaves a
+    ``vmap`` batches, may give the transpose of the batched call: ``(res, cts) -> one
+    cotangent per linear leaf``, the residuals with the batch axis first where batched, the
+    cotangents batched; a linear operand the batch shares gets the sum over the batch (the
+    transpose of its broadcast) — computed inside, not as a batch of cotangents then summed.
+    It may decline (None): then the batch of transposes runs, summed after. It must hold
+    no traced value (it outlives the trace)."""
     from jax.custom_derivatives import linear_call as call
 
     _register_linear_call_rules()
-    return call(fun, fun_transpose, residual_args, linear_args)
+    if batched_transpose is None:
+        return call(fun, fun_transpose, residual_args, linear_args)
+    token = next(_OFFERS)
+    _BATCHED_TRANSPOSES[token] = batched_transpose
+    while len(_BATCHED_TRANSPOSES) > 4096:
+        _BATCHED_TRANSPOSES.popitem(last=False)
+
+    def offered(res, lin):
+        return fun(res, lin)
+
+    offered.__name__ = f"{_OFFER}{token}"  # the callee jaxpr's debug info names it
+    return call(offered, fun_transpose, residual_args, linear_args)
+
+
+def _offered(callee):
+    """The batched transpose a linear_call's callee was offered with, or None."""
+    src = getattr(getattr(callee.jaxpr, "debug_info", None), "func_src_info", None) or ""
+    m = re.match(rf"{_OFFER}(\d+)\b", src)
+    return _BATCHED_TRANSPOSES.get(int(m.group(1))) if m else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -295,10 +334,27 @@ def _linear_call_batched(axis_data, args, dims, *, callee, transpose_thunk, num_
                                  num_callee_consts=num_callee_consts, num_res=num_res)
         return out, [None] * len(out)
     k = num_callee_consts + num_res
+    offered = _offered(callee)
+    plan = offered and offered(tuple(d is not None for d in dims[num_callee_consts:k]),
+                               tuple(d is not None for d in dims[k:]))
+    forward = jaxpr_as_fun(callee)
+    if plan is not None:  # the call's own batched transpose: shared linear operands stay unbatched
+        fixed = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args[:k], dims[:k])]
+        lin = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args[k:], dims[k:])]
+        fixed_axes = [None if d is None else 0 for d in dims[:k]]
+        lin_axes = [None if d is None else 0 for d in dims[k:]]
+
+        def fun_batched(fx, ln):
+            return jax.vmap(lambda f, l: forward(*f, *l), in_axes=(fixed_axes, lin_axes))(fx, ln)
+
+        def transpose_batched(fx, cts):
+            return plan(list(fx[num_callee_consts:]), list(cts))
+
+        out = call(fun_batched, transpose_batched, fixed, lin)
+        return out, [0] * len(out)
     fixed, fixed_dims = list(args[:k]), list(dims[:k])
     lin = [jnp.broadcast_to(x, (axis_data.size,) + tuple(x.shape)) if d is None else jnp.moveaxis(x, d, 0)
            for x, d in zip(args[k:], dims[k:])]
-    forward = jaxpr_as_fun(callee)
 
     def fun(fx, ln):
         return jax.vmap(lambda f, l: forward(*f, *l), in_axes=(fixed_dims, 0))(fx, ln)

@@ -454,13 +454,36 @@ class Kernel:
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
         @at
+        def backward_batched(batched, args, saved, outs, cts):
+            """``backward`` under ``jax.vmap``: the adjoint under Ω over the batch, where an arg
+            the batch shares (``batched`` False) gets its cotangent summed over the batch
+            inside the kernel (``batched(…, summed=…)``; dnf.collapsed then merges the batch
+            into the rows it already sums: a vmapped MLP's weight gradient is the rows kernel's)."""
+            import jax
+
+            ct_batched = [ct.dtype != jax.dtypes.float0 for ct in cts]
+            cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
+                   for ct, (shape, dt) in zip(cts, out_specs)]
+            adj = self._adjoint_for(key[0], options, (labels or True) if outs is not None else False)
+            arrays = [*args, *cts, *saved, *(outs or ())]
+            flags = (*map(bool, batched), *ct_batched, *(True,) * (len(saved) + len(outs or ())))
+            wrt = [i for i, f in enumerate(floats) if f]
+            shared = tuple(j for j, i in enumerate(wrt) if not batched[i])
+            bk = adj.batched(flags, summed=shared)
+            grads = bk.compiled(*arrays, onf=backward_preset, implementation=implementation, residuals="none",
+                                **options)(*arrays)
+            grads = iter(grads if isinstance(grads, tuple) else (grads,))
+            return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
+
+        @at
         def tangent(args, dots):
             tk = self._tangent_for(key[0], options)
             out = tk(*args, *dots, implementation=implementation, residuals="none", onf=tangent_preset, **options)
             return out if isinstance(out, tuple) else (out,)
 
         fn = runtime.differentiable(run, backward, len(dnf.outputs), saving, tangent, floats,
-                                    [_adjoint.differentiable(dt) for _, dt in out_specs], name=self.name)
+                                    [_adjoint.differentiable(dt) for _, dt in out_specs], name=self.name,
+                                    backward_batched=backward_batched)
         self._compiled[key] = fn
         return fn
 
@@ -690,16 +713,19 @@ class Kernel:
         self._derived[key] = k
         return k
 
-    def batched(self, in_batched: tuple) -> "Kernel":
+    def batched(self, in_batched: tuple, summed: tuple = ()) -> "Kernel":
         """The kernel with a leading batch axis on the arguments flagged in ``in_batched``:
         its definition under Ω over that axis (an argument without it is shared by every
-        batch index). What ``jax.vmap`` of a call runs."""
-        key = ("batched", tuple(in_batched))
+        batch index). What ``jax.vmap`` of a call runs. The outputs numbered in ``summed`` are
+        summed over the batch, +/ Ω(…): an adjoint's cotangent of an argument the batch
+        shares (the transpose of its broadcast), which ``jax.grad`` of a vmap takes."""
+        key = ("batched", tuple(in_batched), tuple(summed))
         hit = self._derived.get(key)
         if hit is not None:
             return hit
         if len(in_batched) != len(self.params) or not any(in_batched):
             raise ValueError(f"{self.name}.batched: needs one flag per argument, at least one True; got {in_batched}")
+        summed = frozenset(summed)
         taken = {d for p in self.params for d in p.dims}
         dim = next(f"vmap{i}" for i in range(len(taken) + 1) if f"vmap{i}" not in taken)
         primal = self
@@ -717,7 +743,8 @@ class Kernel:
                 def cell(*cells):
                     out = primal.fn(*cells, **opts)
                     return out[i] if isinstance(out, tuple) else out
-                return moa.omega(cell, ranks)(*arrays)
+                out = moa.omega(cell, ranks)(*arrays)
+                return moa.sum(out, 0) if i in summed else out
 
             outs = tuple(one(i) for i in range(n))
             return outs if n > 1 else outs[0]

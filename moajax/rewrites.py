@@ -409,7 +409,10 @@ def conditions_out(e: D.Expr) -> D.Expr:
     def fn(x):
         if isinstance(x, D.Red) and x.monoid == "add" and zero_select(x.body) and x.var not in x.body.children[0].free:
             p, y, zero = x.body.children
-            return D.Call("where", (p, D.Red("add", x.var, y), zero))
+            # the new Σ_v y is built after the walk passed it: it may hold a condition to give
+            # up too (Σ_b (p ? (p ? x : 0) : 0), hypothesis found), so the rule runs on it again
+            inner = D.Red("add", x.var, y)
+            return D.Call("where", (p, fn(inner) or inner, zero))
         if isinstance(x, D.Call) and x.op in ("add", "sub") and all(zero_select(c) for c in x.children):
             (p, a, zero), (q, b, _) = (c.children for c in x.children)
             if p is q and a.dtype == b.dtype == x.dtype:

@@ -357,7 +357,7 @@ def zero_cotangent(x):
 
 
 def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, floats=(), float_outputs=(),
-                   name: str = "kernel", second_order: str | None = None):
+                   name: str = "kernel", second_order: str | None = None, backward_batched=None):
     """``run`` with its derivatives: ``tangent(args, dots) -> the tangents of the floating
     outputs`` (forward mode: ``jax.jvp``) and ``backward(args, saved, outs, cotangents) -> one
     cotangent per arg`` (reverse mode: ``jax.grad``), each the other's transpose.
@@ -373,7 +373,14 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
     tangent and the backward, and where values are saved, those of the saving forward (a
     kernel's: ``Kernel.with_row_statistics``); ``second_order``, a hint, says that the saving
     forward has none (a hand-written walk: the ring's), and a second derivative through it
-    raises NotImplementedError with the hint."""
+    raises NotImplementedError with the hint.
+
+    ``backward_batched(batched, args, saved, outs, cotangents)``: the backward of the call
+    under ``jax.vmap`` (``batched``: which args have the batch axis, first; the saved values,
+    outputs and floating cotangents all have it), where an arg the batch shares gets one
+    cotangent, the sum over the batch, computed inside its kernel: ``jax.grad`` of a
+    ``vmap`` over examples with shared weights (the Equinox way) then holds no cotangent a
+    batch element (a [B, D, F] weight gradient before its sum)."""
     import jax
 
     from moajax import compat
@@ -417,7 +424,31 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
                 # (``compat.varying_like``; its kernel's output varied, and JAX refused it)
                 return [compat.varying_like(grads[i], args[i]) for i in moving]
 
-            flowing = iter(compat.linear_call(forward, transpose, res, [dots[i] for i in moving]))
+            # what the offer keeps is static (it outlives this trace): counts and shapes
+            n_args, n_saved, has_outs = len(res[0]), len(res[1]), res[2] is not None
+            out_shapes = [np.shape(o) for o in tup]
+
+            def batched_transpose(res_batched, lin_batched):
+                """The batched call's transpose (``compat.linear_call``), or None where the batch
+                is not the kernel's batch: the args' (some), the saved values' and outputs' (all)."""
+                flags = res_batched[:n_args]
+                if (backward_batched is None or not any(flags) or not all(res_batched[n_args:])
+                        or any(lin_batched[j] != flags[i] for j, i in enumerate(moving))):
+                    return None
+
+                def plan(leaves, cts):
+                    args, saved = leaves[:n_args], leaves[n_args:n_args + n_saved]
+                    outs = leaves[n_args + n_saved:] if has_outs else None
+                    it = iter(cts)
+                    full = [next(it) if fl else np.zeros(shape, jax.dtypes.float0)
+                            for shape, fl in zip(out_shapes, float_outputs)]
+                    grads = backward_batched(flags, args, saved, outs, full)
+                    return [compat.varying_like(grads[i], args[i]) for i in moving]
+
+                return plan
+
+            flowing = iter(compat.linear_call(forward, transpose, res, [dots[i] for i in moving],
+                                              batched_transpose=batched_transpose))
         else:  # nothing moves, or nothing can: zero tangents
             flowing = iter(jax.numpy.zeros_like(o) for o in tup)
         out_dots = tuple(next(flowing) if fl else zero_cotangent(o) for o, fl in zip(tup, float_outputs))

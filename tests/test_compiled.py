@@ -648,6 +648,29 @@ def test_a_vmapped_adjoint_reads_delta_from_the_output(in_axes, impl):
     assert sum(isinstance(x, D.Red) and x.var.extent == 16 for x in D.walk(dq)) == 1, D.show(dq)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grad_of_a_vmap_over_queries_sharing_the_keys_sums_dk_dv_inside_the_kernel(impl):
+    """jax.grad of causal GQA under jax.vmap over query batches that share K and V: dK and
+    dV are each one sum over the batch inside the adjoint kernel (its cotangents summed
+    under Ω: ``Kernel.batched(…, summed=…)``), never a [B, S, K, H] value a batch element;
+    float64 against the reference summed over the batch, rel ≤ 1e-12."""
+    r = np.random.default_rng(22)
+    q, g = (r.standard_normal((3, 1, 12, 4, 8)) for _ in range(2))
+    k, v = (r.standard_normal((1, 16, 2, 8)) for _ in range(2))
+    attend = jax.vmap(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True, implementation=impl),
+                      in_axes=(0, None, None))
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v) * g)  # noqa: E731
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = [R.mha_backward(q[i], k, v, g[i], is_causal=True) for i in range(3)]
+    assert rel_err(got[0], np.stack([w[0] for w in want])) <= F64
+    for j in (1, 2):
+        assert rel_err(got[j], sum(w[j] for w in want)) <= F64
+    from helpers import walk_eqns
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(1, 2)))(q, k, v).jaxpr
+    assert (3,) + k.shape not in {tuple(x.aval.shape) for e, _ in walk_eqns(jaxpr) for x in e.outvars}
+
+
 def test_a_vmapped_saving_forward_names_its_statistics_and_keeps_its_gpu_tiling():
     """The saving forward under vmap (and vmap of vmap) names its outputs saved0, … and out, as
     unbatched: by name the GPU tile tables leave the float32 statistics out of the operand

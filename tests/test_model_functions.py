@@ -327,6 +327,37 @@ def test_leading_axes_are_the_kernels_own_and_the_weights_gradients_one_sum():
         column_sums.over_leading_axes(1).dnf(S(4, 3, D))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grad_of_a_vmap_with_shared_weights_sums_inside_the_kernel(impl):
+    """jax.grad of a jax.vmap over examples that share the weights (the Equinox way): each
+    shared weight's cotangent is the sum over the batch, computed inside the adjoint kernel
+    (``runtime.differentiable``'s batched transpose: the adjoint under Ω with the weights'
+    cotangents summed, which collapses to the rows kernel) — no [B, D, F] value a batch
+    element, as there was before (a transpose per element, summed after). The gradients are
+    the rows kernel's on [B·T, D]; vmap of grad still gives one gradient per example."""
+    x, wg, wu, wd, _ = _mlp_args(lead=(4, 3))
+    xn, w, _ = _norm_args(lead=(4, 3))
+    mlp = lambda x, *ws: moajax.gated_mlp(x, *ws, implementation=impl)  # noqa: E731
+    norm = lambda x, w: moajax.rms_norm(x, w, implementation=impl)  # noqa: E731
+    for f, x, ws in ((mlp, x, (wg, wu, wd)), (norm, xn, (w,))):
+        argnums = tuple(range(1, 1 + len(ws)))
+        per_example = jax.vmap(lambda r, *ws: f(r, *ws), in_axes=(0,) + (None,) * len(ws))
+        loss = lambda x, *ws: jnp.sum(jnp.sin(per_example(x, *ws)))  # noqa: E731
+        rows = lambda x, *ws: jnp.sum(jnp.sin(f(x.reshape(-1, x.shape[-1]), *ws)))  # noqa: E731
+        want = jax.grad(rows, argnums=argnums)(x, *ws)
+        for grad in (jax.grad(loss, argnums=argnums), jax.jit(jax.grad(loss, argnums=argnums))):
+            for a, b in zip(grad(x, *ws), want):
+                assert rel_err(a, b) <= 1e-12
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=argnums))(x, *ws).jaxpr
+        shapes = {tuple(v.aval.shape) for e, _ in walk_eqns(jaxpr) for v in e.outvars}
+        assert not any((x.shape[0],) + wt.shape in shapes for wt in ws)
+        one = jax.vmap(jax.grad(lambda r, *ws: jnp.sum(jnp.sin(f(r, *ws))), argnums=argnums),
+                       in_axes=(0,) + (None,) * len(ws))(x, *ws)
+        assert all(g.shape == (x.shape[0],) + wt.shape for g, wt in zip(one, ws))
+        for a, b in zip(one, want):
+            assert rel_err(a.sum(0), b) <= 1e-12
+
+
 def test_a_preset_tiling_the_rows_tiles_the_merged_rows():
     """Over leading axes the runtime runs the rows kernel (``runtime.run_dnf``); the merged
     axis keeps the rows' name, so ``Preset.of(tiles={"n": 2})`` tiles [B·T] rows by 2 (it

@@ -361,6 +361,24 @@ def test_conditions_out_keeps_the_meaning(term):
             assert x.var in p.free or not (isinstance(zero, D.Lit) and zero.value == 0), x
 
 
+def test_conditions_out_moves_a_repeated_condition_out_of_the_sum_it_builds():
+    """⌈_a Σ_b (a < 1 ? (a < 1 ? A[a, a] : 0) : 0), the case hypothesis found: moving the outer
+    condition out builds Σ_b (a < 1 ? A[a, a] : 0), which the walk had passed; it gives its
+    condition up too (it kept it: the property above failed)."""
+    from moajax.ix import Ix, Var
+
+    a, b = Var("a", 2), Var("b", 4)
+    p = D.Call("lt", (D.IndexValue(Ix.of(a)), D.Lit(1, np.int32)))
+    zero = D.Lit(0.0, np.float64)
+    x = D.Read("a", [Ix.of(a), Ix.of(a)], np.float64)
+    term = D.Red("max", a, D.Red("add", b, D.Call("where", (p, D.Call("where", (p, x, zero)), zero))))
+    out = W.conditions_out(term)
+    arr = np.random.default_rng(3).standard_normal((4, 4))
+    assert abs(scalar_value(out, arr, {}) - scalar_value(term, arr, {})) <= F64
+    assert not any(isinstance(y, D.Red) and y.monoid == "add" and isinstance(y.body, D.Call) and y.body.op == "where"
+                   for y in D.walk(out))
+
+
 def test_split_k_moves_a_per_head_condition_out_of_the_partials_sums():
     """ALiBi's slopes inside documents masked by −∞ (B = 2): the slopes' gradient,
     Σ_b Σ_n ((c = n) ? Σ_s Σ_t … : 0), split over the heads and then the keys. ``sum_to_top``
