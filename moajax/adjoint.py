@@ -230,7 +230,7 @@ def _rule(node, g, need):
             # compiled kernel's forward saves A and this rule reads the saved values
             # (``kernel.label_selections``); the reference evaluates A once
             # (``reference.Evaluator.reduce_once``). Not clamped: clamping the count would hide a
-            # miss as a wrong finite value. (The tangent rule still recomputes: moajax.tangent)
+            # miss as a wrong finite value. (A compiled tangent kernel reads the saved A too)
             hit = moa.eq(A, broadcast_lead(n, dim, node))
             count = moa.sum(moa.cast(hit, g.dtype), 0)
             return [moa.where(hit, broadcast_lead(n, dim, g / count), 0.0)]

@@ -82,6 +82,26 @@ _EXACT_MAPS = ("maximum", "minimum", "neg", "abs", "where")  # exactly rounded w
 SELECTED = "selection_operand"  # the label of a selection's operand, which a backward reads saved
 
 
+def _dims_owner(params, shapes):
+    """``own(names, shape)``: the dims of a derived kernel's further argument, each renamed
+    (n2, n3, …) where an input already names it at another extent — a kernel matches dims by
+    name across its arguments, but an output may keep an input's dim name at another extent
+    (x ⧺ y, k△x keep x's n)."""
+    extent_of = {d: s for p, shape in zip(params, shapes) for d, s in zip(p.dims, shape)}
+
+    def own(names_, shape):
+        out = []
+        for d, s in zip(names_, shape):
+            name, k = d, 1
+            while extent_of.setdefault(name, s) != s:
+                k += 1
+                name = f"{d}{k}"
+            out.append(name)
+        return tuple(out)
+
+    return own
+
+
 def _selection(x) -> bool:
     return isinstance(x, moa.Reduce) and x.monoid.name in ("max", "min")
 
@@ -476,14 +496,18 @@ class Kernel:
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
         @at
-        def tangent(args, dots):
-            tk = self._tangent_for(key[0], options)
-            out = tk(*args, *dots, implementation=implementation, residuals="none", onf=tangent_preset, **options)
+        def tangent(args, dots, saved=()):
+            # where the forward saved selections' operands, the tangent compares them as the
+            # backward does (the two stay each other's transpose: ``label_selections``)
+            picked = self._selected_saved(key[0], options, labels) if saved else []
+            tk = self._tangent_for(key[0], options, (labels or True) if picked else False)
+            out = tk(*args, *dots, *[saved[i] for i in picked], implementation=implementation, residuals="none",
+                     onf=tangent_preset, **options)
             return out if isinstance(out, tuple) else (out,)
 
         fn = runtime.differentiable(run, backward, len(dnf.outputs), saving, tangent, floats,
                                     [_adjoint.differentiable(dt) for _, dt in out_specs], name=self.name,
-                                    backward_batched=backward_batched)
+                                    backward_batched=backward_batched, tangent_reads_saved=True)
         self._compiled[key] = fn
         return fn
 
@@ -860,21 +884,9 @@ class Kernel:
 
         self._sign(backward, ct_names + saved_names + value_names, f"{self.name}_adjoint",
                    f"The adjoint of {self.name}, derived by moajax.adjoint.")
-        # a kernel matches dims by name across its arguments, but an output may keep an input's
-        # dim name at another extent (x ⧺ y, k△x keep x's n): such a dim of a cotangent, saved
-        # value or statistic is another axis of the adjoint's arguments, so it takes another name
-        extent_of = {d: s for p, (shape, _) in zip(self.params, key[0]) for d, s in zip(p.dims, shape)}
-
-        def own(names_, shape):
-            out = []
-            for d, s in zip(names_, shape):
-                name, k = d, 1
-                while extent_of.setdefault(name, s) != s:
-                    k += 1
-                    name = f"{d}{k}"
-                out.append(name)
-            return tuple(out)
-
+        # a dim of a cotangent, saved value or statistic that an input names at another extent
+        # is another axis of the adjoint's arguments, so it takes another name
+        own = _dims_owner(self.params, [shape for shape, _ in key[0]])
         out_dims = [own(o.dims, o.shape) for o in outs]
         dims = {p.name: " ".join(p.dims) for p in self.params}
         dims.update({c: " ".join(od) for c, od in zip(ct_names, out_dims)})
@@ -891,25 +903,38 @@ class Kernel:
         adj._lift_from = self
         return adj
 
-    def _tangent_for(self, shape_key, options) -> "Kernel":
-        """The tangent kernel (cached per shapes and options) that ``compiled`` runs forward."""
+    def _tangent_for(self, shape_key, options, saved: bool | tuple = False) -> "Kernel":
+        """The tangent kernel (cached per shapes and options) that ``compiled`` runs forward
+        (``saved``: as for ``tangent``)."""
         import jax
 
-        key = ("tangent", shape_key, tuple(sorted(options.items())))
+        key = ("tangent", shape_key, tuple(sorted(options.items())), saved)
         hit = self._derived.get(key)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
-            hit = self._derived[key] = self.tangent(*specs, **options)
+            hit = self._derived[key] = self.tangent(*specs, saved=saved, **options)
         return hit
 
-    def tangent(self, *specs, **options) -> "Kernel":
+    def _selected_saved(self, shape_key, options, labels: tuple = ()) -> list:
+        """The positions, among what the saving forward saves (``row_statistics``), of the
+        selections' operands (``label_selections``)."""
+        import jax
+
+        outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[1]
+        stats = self.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels)[1]
+        return [i for i, x in enumerate(stats) if _is_selected(x)]
+
+    def tangent(self, *specs, saved: bool | tuple = False, **options) -> "Kernel":
         """The forward-mode derivative of this kernel as a ``Kernel`` (``moajax.tangent``:
         derived in the algebra): Ẏ = ∂Y/∂X · Ẋ, linear in the tangents.
 
         Its inputs are the primals, then one tangent ``t_<input>`` per floating input (ρ,
         dims and dtype of the input); its outputs are the tangents ``t_<output>`` of the
         floating outputs. It ψ-reduces to a DNF like any kernel; ``specs`` (default:
-        ``example_specs()``) and ``options`` are only used to learn the dtypes."""
+        ``example_specs()``) and ``options`` are only used to learn the dtypes. With
+        ``saved`` (True, or the labels the forward saves), it also takes the selections'
+        operands the saving forward saved (``label_selections``: ``saved0``, …) and compares
+        them, as the adjoint does — so that the two stay each other's transpose."""
         from moajax import adjoint as _adjoint
         from moajax import tangent as _tangent
 
@@ -927,22 +952,39 @@ class Kernel:
         # t_x, or t2_x … where a tangent of a tangent kernel would reuse a name
         prefix = _fresh_prefix("t_", "t", [p.name for p in moving], taken)
         t_names = tuple(f"{prefix}{p.name}" for p in moving)
+        labels = tuple(saved) if isinstance(saved, tuple) else ()
+        stats = self.row_statistics(outs, labels)[1] if saved else []
+        picked = [i for i, x in enumerate(stats) if _is_selected(x)]
+        layouts = self.with_row_statistics(labels).layouts(*specs, **options) if picked else []
+        saved_names = tuple(f"{_fresh_prefix('saved', 'saved', range(len(picked)), taken | set(t_names))}{i}"
+                            for i in range(len(picked)))
 
         def forward(*arrays, **opts):
             outputs = primal.fn(*arrays[:n], **opts)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            if saved_names:  # the selections' operands as nodes of their own, read saved below
+                outputs, held = primal.row_statistics(outputs, labels)
             by_name = dict(zip([p.name for p in primal.params], arrays[:n]))
-            dots = _tangent.jvp(outputs, [by_name[p.name] for p in moving], arrays[n:])
+            dots = _tangent.jvp(outputs, [by_name[p.name] for p in moving], arrays[n:n + len(t_names)])
             dots = [(d if d is not None else _adjoint.zeros_like(o), o) for d, o in zip(dots, outputs)
                     if _adjoint.differentiable(o.dtype)]
+            if saved_names:
+                lays = primal.with_row_statistics(labels).layouts(*arrays[:n], **opts)
+                values = {held[i]: a if lays[i] is None else _in_own_layout(a, lays[i], held[i])
+                          for i, a in zip(picked, arrays[n + len(t_names):])}
+                dots = [(moa.substitute(d, values), o) for d, o in dots]
             # a tangent has its output's dims (the output variables of the tangent's DNF)
             return tuple(d if d.dims == o.dims else moa.reshape(d, d.shape, dims=o.dims) for d, o in dots)
 
-        self._sign(forward, t_names, f"{self.name}_tangent",
+        self._sign(forward, t_names + saved_names, f"{self.name}_tangent",
                    f"The tangent (forward-mode derivative) of {self.name}, derived by moajax.tangent.")
         dims = {p.name: " ".join(p.dims) for p in self.params}
         dims.update({t: " ".join(p.dims) for t, p in zip(t_names, moving)})
-        tk = Kernel(forward, example=self.example, name=f"{self.name}_tangent",
+        own = _dims_owner(self.params, [shape for shape, _ in key[0]])
+        dims.update({c: " ".join(own(stats[i].dims, stats[i].shape) if layouts[i] is None
+                                 else own(layouts[i].dims, layouts[i].shape))
+                     for c, i in zip(saved_names, picked)})
+        tk = Kernel(forward, example=self.example, name=f"{self.name}_tangent" + ("_saved" if saved_names else ""),
                     outputs=tuple(f"{prefix}{nm}" for _, nm in floats_out), dims=dims)
         tk._lift_from = self  # (the ring's forward mode: ``moajax.ring.SequenceLift``)
         return tk

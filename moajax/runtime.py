@@ -357,7 +357,8 @@ def zero_cotangent(x):
 
 
 def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, floats=(), float_outputs=(),
-                   name: str = "kernel", second_order: str | None = None, backward_batched=None):
+                   name: str = "kernel", second_order: str | None = None, backward_batched=None,
+                   tangent_reads_saved: bool = False):
     """``run`` with its derivatives: ``tangent(args, dots) -> the tangents of the floating
     outputs`` (forward mode: ``jax.jvp``) and ``backward(args, saved, outs, cotangents) -> one
     cotangent per arg`` (reverse mode: ``jax.grad``), each the other's transpose.
@@ -380,7 +381,8 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
     outputs and floating cotangents all have it), where an arg the batch shares gets one
     cotangent, the sum over the batch, computed inside its kernel: ``jax.grad`` of a
     ``vmap`` over examples with shared weights (the Equinox way) then holds no cotangent a
-    batch element (a [B, D, F] weight gradient before its sum)."""
+    batch element (a [B, D, F] weight gradient before its sum). ``tangent_reads_saved``: the
+    tangent is ``tangent(args, dots, saved)`` and reads the saved values too."""
     import jax
 
     from moajax import compat
@@ -412,7 +414,8 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
             def forward(res, ds):
                 full = dict(zip(moving, ds))
                 full.update({i: jax.numpy.zeros(np.shape(res[0][i]), res[0][i].dtype) for i in still})
-                return tuple(tangent(res[0], [full[i] for i in sorted(full)]))
+                ordered = [full[i] for i in sorted(full)]
+                return tuple(tangent(res[0], ordered, res[1]) if tangent_reads_saved else tangent(res[0], ordered))
 
             def transpose(res, cts):
                 args, saved, outs = res

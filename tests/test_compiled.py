@@ -524,6 +524,27 @@ def test_a_selection_reads_its_operand_saved_so_its_gradient_finds_the_maximum(i
                 assert rel_err(a, b) <= F64
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_selections_tangent_reads_the_saved_operand_as_its_adjoint_does(impl):
+    """jax.jvp through ⌈/A compares the saved A too (its tangent kernel takes the saving
+    forward's operand), so that the tangent and the backward are each other's transpose:
+    both pick the maximum of the one saved A. Eager and jitted, against the independent
+    gradients (⟨J v, g⟩ = ⟨v, Jᵀ g⟩ at 1e-10)."""
+    cases = [(last_rows_max, ref_last_rows_max_grad, [X_FOUND, W_FOUND]),
+             (column_max, ref_column_max_grad, _args([(5, 3), (3, 4)], 12))]
+    for kern, ref, args in cases:
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+        tk = kern._tangent_for(kern._key(specs, {}), {}, True)
+        assert any(p.name.startswith("saved") for p in tk.params)
+        out = kern._build(specs, {})[1]
+        g = np.random.default_rng(1).standard_normal(out.shape)
+        dots = _args([a.shape for a in args], 14)
+        want = sum(np.sum(d * w) for d, w in zip(dots, ref(*args, g)))
+        f = lambda *xs: kern(*xs, implementation=impl)  # noqa: E731
+        for jvp in (jax.jvp, jax.jit(jax.jvp, static_argnums=0)):
+            assert abs(float(np.sum(jvp(f, tuple(args), tuple(dots))[1] * g)) - want) <= F64 * max(1.0, abs(want))
+
+
 def test_a_held_constant_or_exact_selection_saves_no_operand():
     """softmax's max is held constant (no derivative flows through it), and the max of an
     index map of the inputs is the same bits wherever it is recomputed: neither is saved."""
