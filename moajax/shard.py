@@ -458,13 +458,13 @@ def explicit_out_specs(dnf, arrays, who: str, lift=None, plain_dnf=None):
     return tuple(_pspec(axs, assign) for _, _, axs in r.outputs)
 
 
-def _splits(r: Rule, specs, lift, mesh, who: str, shapes, plain=None) -> tuple:
+def _splits(r: Rule, specs, lift, mesh, who: str, shapes, plain=None, refuse: bool = True) -> tuple:
     """(class → mesh axes, the splits gathered, the ring's mesh axis or None): the ring where
     it takes the sequence's split and no other class is split over its mesh axis (a batch
     split over the ring's axis gave a PartitionSpec naming it twice), else the plain
     split's ``assignment`` of every input's split — which also wins over the default ring
-    where it runs every split as it is."""
-    lifted_specs, lifted = _lifted_axis(r, specs, lift, mesh, who, shapes)
+    where it runs every split as it is. ``refuse``: as for ``_lifted_axis``."""
+    lifted_specs, lifted = _lifted_axis(r, specs, lift, mesh, who, shapes, refuse)
     if lifted is not None and getattr(lift, "balance", None) is None:
         whole, gathered = assignment(r, mesh, specs, who, plain)
         if not gathered:
@@ -534,13 +534,16 @@ def sdy_rule(r: Rule, in_shapes, out_shapes):
     return text, sizes, tuple(repl), red
 
 
-def _lifted_axis(r: Rule, specs, lift, mesh, who: str, shapes):
+def _lifted_axis(r: Rule, specs, lift, mesh, who: str, shapes, refuse: bool = True):
     """(the specs without the sequence split, the mesh axis the lift's classes are lifted over)
     where its ring takes the split: one mesh axis of more than one device (XLA's partitioner
     does not lift a mesh axis of one), the same for queries, keys and values, dividing the
     sequence evenly and into the ring's chunks (``lift.check_split``; ``shapes``: the inputs'
     global shapes). Else (the specs, None): ``assignment`` gathers the sequence — but a ring
-    a Preset asked for (its ``ring``) that cannot take the split raises the ValueError."""
+    a Preset asked for (its ``ring``) that cannot take the split raises the ValueError where
+    the split is seen while tracing (``refuse``); where only XLA's partitioner sees it (jit
+    with automatic axes), a ValueError there reached the caller as XLA's INTERNAL error, so
+    the sequence is gathered with a RuntimeWarning that says why the Preset's ring was not run."""
     if lift is None:
         return specs, None
     seq = lift.classes(r)
@@ -567,9 +570,15 @@ def _lifted_axis(r: Rule, specs, lift, mesh, who: str, shapes):
                 raise ValueError(f"{who}: the sequence ({r.names[c]}, {r.extents[c]}) is split over mesh axis "
                                  f"{lifted!r} of {devices} devices, which does not divide it")
         lift.check_split(lifted, devices, shapes)
-    except ValueError:
+    except ValueError as e:
         if getattr(lift, "balance", None) is not None:  # the user's own ring: refused, not replaced
-            raise
+            if refuse:
+                raise
+            import warnings
+
+            warnings.warn(f"{e} — the Preset's ring ({lift.balance!r}, {lift.rounds} round(s)) cannot take this split, "
+                          "seen only as XLA partitions the jitted call: the sequence is gathered instead",
+                          RuntimeWarning, stacklevel=2)
         return specs, None
     return rest, lifted
 
@@ -640,7 +649,8 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dn
         unnamed = [(name, None, None, "a part of a mesh axis", "no PartitionSpec names the split")
                    for (name, _, _), spec in zip(r.inputs, specs) if spec is None]
         specs = [tuple(spec or ()) for spec in specs]
-        assign, gathered, lifted = _splits(r, specs, lift, mesh, who, [tuple(a.shape) for a in arg_shapes], plain)
+        assign, gathered, lifted = _splits(r, specs, lift, mesh, who, [tuple(a.shape) for a in arg_shapes], plain,
+                                           refuse=False)
         gathered = unnamed + gathered
         if lifted is not None:
             assign.update({c: (lifted,) for c in seq})

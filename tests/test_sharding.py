@@ -397,6 +397,31 @@ def test_the_rings_balance_under_jit_is_a_preset_choice():
         moajax.Preset.of(ring="striped")
 
 
+@pytest.mark.parametrize("T,causal,balance", [(8, True, "zigzag"), (4, False, "contiguous"),
+                                              (8, False, "contiguous"), (16, True, "zigzag")])
+def test_a_presets_ring_that_cannot_take_a_split_seen_only_by_xla_gathers_with_a_warning(T, causal, balance):
+    """Under jax.jit with automatic axes a split is seen only as XLA partitions the call; a
+    Preset's ring (2 rounds here) that cannot take it — too few queries for its chunks, or
+    blocks of one key in the gradient — raised its ValueError there, which reached the caller
+    as XLA's INTERNAL error (the forward or the gradient, each of these four). Now the
+    sequence is gathered with a RuntimeWarning naming the Preset's ring, and the results are
+    one device's (float64, 1e-12). Seen while tracing, the ValueError still refuses it."""
+    mesh = _mesh((4,), ("seq",))
+    q, k, v = _attn_inputs(np.float64, B=1, T=T, N=2, K=2, H=4, seed=T)
+    args = [_put(x, mesh, None, "seq") for x in (q, k, v)]
+    onf = moajax.Preset.of(ring=balance, ring_rounds=2)
+    f = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=causal, onf=onf)  # noqa: E731
+    loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    one = lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="the Preset's ring"):
+        out = jax.jit(f)(*args)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    assert rel_err(out, one(q, k, v)) <= TOL[np.float64]
+    want = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(one(q, k, v))), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(grads, want):
+        assert rel_err(a, b) <= TOL[np.float64]
+
+
 @pytest.mark.parametrize("balance,causal", [("zigzag", True), ("contiguous", True), ("contiguous", False)])
 def test_the_ring_in_rounds(balance, causal):
     """``rounds=R``: each K and V block (and in the backward dK and dV) travels in R pieces,
