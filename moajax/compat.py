@@ -350,7 +350,10 @@ def _linear_call_batched(axis_data, args, dims, *, callee, transpose_thunk, num_
         def transpose_batched(fx, cts):
             return plan(list(fx[num_callee_consts:]), list(cts))
 
-        out = call(fun_batched, transpose_batched, fixed, lin)
+        # a vmap around this one batches the batched call again: the plan offers that level
+        nested = getattr(plan, "batched", None)
+        again = None if nested is None else (lambda rb, lb: nested(rb[num_callee_consts:], lb))
+        out = linear_call(fun_batched, transpose_batched, fixed, lin, batched_transpose=again)
         return out, [0] * len(out)
     fixed, fixed_dims = list(args[:k]), list(dims[:k])
     lin = [jnp.broadcast_to(x, (axis_data.size,) + tuple(x.shape)) if d is None else jnp.moveaxis(x, d, 0)

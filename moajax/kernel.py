@@ -474,11 +474,12 @@ class Kernel:
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
 
         @at
-        def backward_batched(batched, args, saved, outs, cts):
-            """``backward`` under ``jax.vmap``: the adjoint under Ω over the batch, where an arg
-            the batch shares (``batched`` False) gets its cotangent summed over the batch
-            inside the kernel (``batched(…, summed=…)``; dnf.collapsed then merges the batch
-            into the rows it already sums: a vmapped MLP's weight gradient is the rows kernel's)."""
+        def backward_batched(levels, args, saved, outs, cts):
+            """``backward`` under ``jax.vmap`` (``levels``: per vmap, innermost first, which args
+            it batches): the adjoint under Ω over each batch, where an arg a batch shares gets
+            its cotangent summed over that batch inside the kernel (``batched(…, summed=…)``;
+            dnf.collapsed then merges the batch into the rows it already sums: a vmapped MLP's
+            weight gradient is the rows kernel's)."""
             import jax
 
             ct_batched = [ct.dtype != jax.dtypes.float0 for ct in cts]
@@ -486,10 +487,11 @@ class Kernel:
                    for ct, (shape, dt) in zip(cts, out_specs)]
             adj = self._adjoint_for(key[0], options, (labels or True) if outs is not None else False)
             arrays = [*args, *cts, *saved, *(outs or ())]
-            flags = (*map(bool, batched), *ct_batched, *(True,) * (len(saved) + len(outs or ())))
             wrt = [i for i, f in enumerate(floats) if f]
-            shared = tuple(j for j, i in enumerate(wrt) if not batched[i])
-            bk = adj.batched(flags, summed=shared)
+            bk = adj
+            for batched in levels:
+                flags = (*map(bool, batched), *ct_batched, *(True,) * (len(saved) + len(outs or ())))
+                bk = bk.batched(flags, summed=tuple(j for j, i in enumerate(wrt) if not batched[i]))
             grads = bk.compiled(*arrays, onf=backward_preset, implementation=implementation, residuals="none",
                                 **options)(*arrays)
             grads = iter(grads if isinstance(grads, tuple) else (grads,))

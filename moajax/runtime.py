@@ -376,10 +376,11 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
     forward has none (a hand-written walk: the ring's), and a second derivative through it
     raises NotImplementedError with the hint.
 
-    ``backward_batched(batched, args, saved, outs, cotangents)``: the backward of the call
-    under ``jax.vmap`` (``batched``: which args have the batch axis, first; the saved values,
-    outputs and floating cotangents all have it), where an arg the batch shares gets one
-    cotangent, the sum over the batch, computed inside its kernel: ``jax.grad`` of a
+    ``backward_batched(levels, args, saved, outs, cotangents)``: the backward of the call
+    under ``jax.vmap`` (``levels``: per vmap, innermost first, which args have its batch axis —
+    the outermost first in the arrays; the saved values, outputs and floating cotangents have
+    every one), where an arg a batch shares gets one cotangent, the sum over that batch,
+    computed inside its kernel: ``jax.grad`` of a
     ``vmap`` over examples with shared weights (the Equinox way) then holds no cotangent a
     batch element (a [B, D, F] weight gradient before its sum). ``tangent_reads_saved``: the
     tangent is ``tangent(args, dots, saved)`` and reads the saved values too."""
@@ -431,27 +432,34 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
             n_args, n_saved, has_outs = len(res[0]), len(res[1]), res[2] is not None
             out_shapes = [np.shape(o) for o in tup]
 
-            def batched_transpose(res_batched, lin_batched):
+            def offer(levels):
                 """The batched call's transpose (``compat.linear_call``), or None where the batch
-                is not the kernel's batch: the args' (some), the saved values' and outputs' (all)."""
-                flags = res_batched[:n_args]
-                if (backward_batched is None or not any(flags) or not all(res_batched[n_args:])
-                        or any(lin_batched[j] != flags[i] for j, i in enumerate(moving))):
-                    return None
+                is not the kernel's batch: the args' (some), the saved values' and outputs' (all).
+                ``levels``: the args' flags of the vmaps already inside, innermost first (a vmap of
+                a vmap batches the batched call again: its plan offers the next level)."""
+                def batched_transpose(res_batched, lin_batched):
+                    flags = tuple(res_batched[:n_args])
+                    if (backward_batched is None or not any(flags) or not all(res_batched[n_args:])
+                            or any(lin_batched[j] != flags[i] for j, i in enumerate(moving))):
+                        return None
+                    lv = levels + (flags,)
 
-                def plan(leaves, cts):
-                    args, saved = leaves[:n_args], leaves[n_args:n_args + n_saved]
-                    outs = leaves[n_args + n_saved:] if has_outs else None
-                    it = iter(cts)
-                    full = [next(it) if fl else np.zeros(shape, jax.dtypes.float0)
-                            for shape, fl in zip(out_shapes, float_outputs)]
-                    grads = backward_batched(flags, args, saved, outs, full)
-                    return [compat.varying_like(grads[i], args[i]) for i in moving]
+                    def plan(leaves, cts):
+                        args, saved = leaves[:n_args], leaves[n_args:n_args + n_saved]
+                        outs = leaves[n_args + n_saved:] if has_outs else None
+                        it = iter(cts)
+                        full = [next(it) if fl else np.zeros(shape, jax.dtypes.float0)
+                                for shape, fl in zip(out_shapes, float_outputs)]
+                        grads = backward_batched(lv, args, saved, outs, full)
+                        return [compat.varying_like(grads[i], args[i]) for i in moving]
 
-                return plan
+                    plan.batched = offer(lv)
+                    return plan
+
+                return batched_transpose
 
             flowing = iter(compat.linear_call(forward, transpose, res, [dots[i] for i in moving],
-                                              batched_transpose=batched_transpose))
+                                              batched_transpose=offer(())))
         else:  # nothing moves, or nothing can: zero tangents
             flowing = iter(jax.numpy.zeros_like(o) for o in tup)
         out_dots = tuple(next(flowing) if fl else zero_cotangent(o) for o, fl in zip(tup, float_outputs))

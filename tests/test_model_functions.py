@@ -358,6 +358,23 @@ def test_grad_of_a_vmap_with_shared_weights_sums_inside_the_kernel(impl):
             assert rel_err(a.sum(0), b) <= 1e-12
 
 
+def test_grad_of_a_vmap_of_a_vmap_sums_the_shared_weights_over_both_batches():
+    """A vmap of a vmap, the MLP's weights shared at both levels: each level's batch is summed
+    inside the adjoint kernel (the batched call offers the next level its own batched
+    transpose); until the fuzz of 2026-12-06 the outer level ran a transpose per element, one
+    [B₂, D, F] weight gradient summed after. Float64 against the rows kernel, 1e-12."""
+    x, wg, wu, wd, _ = _mlp_args(lead=(2, 3, 4))
+    inner = jax.vmap(moajax.gated_mlp, in_axes=(0, None, None, None))
+    loss = lambda x, *ws: jnp.sum(jnp.sin(jax.vmap(inner, in_axes=(0, None, None, None))(x, *ws)))  # noqa: E731
+    rows = lambda x, *ws: jnp.sum(jnp.sin(moajax.gated_mlp(x.reshape(-1, x.shape[-1]), *ws)))  # noqa: E731
+    want = jax.grad(rows, argnums=(1, 2, 3))(x, wg, wu, wd)
+    for a, b in zip(jax.jit(jax.grad(loss, argnums=(1, 2, 3)))(x, wg, wu, wd), want):
+        assert rel_err(a, b) <= 1e-12
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(1, 2, 3)))(x, wg, wu, wd).jaxpr
+    shapes = {tuple(v.aval.shape) for e, _ in walk_eqns(jaxpr) for v in e.outvars}
+    assert not any(lead + w.shape in shapes for lead in ((2,), (3,), (2, 3)) for w in (wg, wd))
+
+
 def test_a_preset_tiling_the_rows_tiles_the_merged_rows():
     """Over leading axes the runtime runs the rows kernel (``runtime.run_dnf``); the merged
     axis keeps the rows' name, so ``Preset.of(tiles={"n": 2})`` tiles [B·T] rows by 2 (it
