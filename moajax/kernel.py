@@ -704,6 +704,14 @@ class Kernel:
             if not any(in_batched):  # only values the kernel does not read vary (a tangent)
                 out = run(*args)
                 return out, (False,) * n_outputs if n_outputs > 1 else False
+            if axis_size == 0:  # an empty batch: nothing to run (a kernel refuses a zero extent)
+                import jax
+                import jax.numpy as jnp
+
+                cells = [jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype) for a, b in zip(args, in_batched)]
+                shapes = jax.eval_shape(run, *cells)
+                outs = tuple(jnp.zeros((0,) + o.shape, o.dtype) for o in (shapes if n_outputs > 1 else (shapes,)))
+                return (outs, (True,) * n_outputs) if n_outputs > 1 else (outs[0], True)
             bk = self.batched(tuple(bool(b) for b in in_batched))
             out = bk.compiled(*args, onf=onf if isinstance(onf, Preset) else None, implementation=implementation,
                               **options)(*args)

@@ -446,6 +446,9 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
 
                     def plan(leaves, cts):
                         args, saved = leaves[:n_args], leaves[n_args:n_args + n_saved]
+                        if any(f and np.size(a) == 0 for a, f in zip(args, flags)):
+                            # an empty batch: each cotangent 0 (a shared arg's: a sum over nothing)
+                            return [jax.numpy.zeros_like(args[i]) for i in moving]
                         outs = leaves[n_args + n_saved:] if has_outs else None
                         it = iter(cts)
                         full = [next(it) if fl else np.zeros(shape, jax.dtypes.float0)

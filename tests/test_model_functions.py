@@ -375,6 +375,29 @@ def test_grad_of_a_vmap_of_a_vmap_sums_the_shared_weights_over_both_batches():
     assert not any(lead + w.shape in shapes for lead in ((2,), (3,), (2, 3)) for w in (wg, wd))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_vmap_over_an_empty_batch_gives_empty_outputs_and_zero_gradients(impl):
+    """jax.vmap over B = 0 examples: empty outputs, the shared weights' gradients 0 (a sum over
+    nothing), as jax.vmap of the jnp math gives; it raised the batched kernel's ValueError
+    (a zero extent), found by the fuzz of 2026-12-06."""
+    _, wg, wu, wd, _ = _mlp_args()
+    _, w, _ = _norm_args()
+    x0 = np.zeros((0, 2, D))
+    mlp = jax.vmap(lambda x, *ws: moajax.gated_mlp(x, *ws, implementation=impl), in_axes=(0, None, None, None))
+    norm = jax.vmap(lambda x, w: moajax.rms_norm(x, w, implementation=impl), in_axes=(0, None))
+    for f, ws in ((mlp, (wg, wu, wd)), (norm, (w,))):
+        assert f(x0, *ws).shape == x0.shape
+        argnums = tuple(range(1 + len(ws)))
+        for grad in (jax.grad(lambda *a: jnp.sum(f(*a)), argnums=argnums),
+                     jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=argnums))):
+            got = grad(x0, *ws)
+            assert [g.shape for g in got] == [a.shape for a in (x0,) + ws]
+            assert all(not np.any(np.asarray(g)) for g in got)
+        assert jax.jvp(f, (x0, *ws), (x0, *ws))[1].shape == x0.shape
+    q = np.zeros((0, 1, 4, 2, 4))
+    assert jax.vmap(moajax.dot_product_attention)(q, q, q).shape == q.shape
+
+
 def test_a_preset_tiling_the_rows_tiles_the_merged_rows():
     """Over leading axes the runtime runs the rows kernel (``runtime.run_dnf``); the merged
     axis keeps the rows' name, so ``Preset.of(tiles={"n": 2})`` tiles [B·T] rows by 2 (it
