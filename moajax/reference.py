@@ -248,7 +248,9 @@ def _instance(value: Named, r: D.Red, e: D.Red) -> Named | None:
     import jax.numpy as jnp
 
     sigma = D.match(r, e, r.free)
-    if sigma is None:
+    # r's array holds v's range only: an index of e beyond it (⟨1⟩ where r's v has extent 1,
+    # as a catenation's second half reads; hypothesis found it) is another value, not in r's
+    if sigma is None or any(not (0 <= i.bounds()[0] and i.bounds()[1] < v.extent) for v, i in sigma.items()):
         return None
     plain = {v: i.as_var() for v, i in sigma.items()}
     if all(u is not None and u.extent == v.extent for v, u in plain.items()) and len(set(plain.values())) == len(plain):

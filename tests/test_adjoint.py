@@ -179,3 +179,28 @@ def test_the_reference_reads_an_instance_of_a_reduction_from_the_general_one(dty
         with op_by_op():
             out = reference.to_jax(dnf)(r.standard_normal((5, n)).astype(dtype), r.standard_normal(n).astype(dtype))
         assert bool(out[0])
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul"])
+def test_the_reference_reads_no_instance_beyond_the_general_reductions_range(op):
+    """(x ⧺ x) op.× (x ⧺ x), x [1, 2] (hypothesis found it): the adjoint sums d_out at ⟨a …⟩,
+    a < 1, and at ⟨1 …⟩, the catenation's second half. ⟨1⟩ matches the first sum with a := 1,
+    beyond the range its array holds (a's extent is 1); read from it (clipped to row 0), the
+    gradient was wrong. The reference reads an instance only within the general one's range."""
+    x1 = moa.array("x1", (1, 2), "a b", np.float64)
+    c = moa.catenate(x1, x1, axis=0)
+    expr = moa.outer(getattr(moa, op), c, c)
+    d_out = moa.array("d_out", expr.shape, expr.dims, expr.dtype)
+    (grad,) = adjoint.vjp([expr], [d_out], [x1])
+    dnf, _ = reduce_to_dnf("adjoint", [x1, d_out], (grad,), ("d_x1",), record=False)
+    x = np.array([[0.54784675, -0.92085314]])
+    g = np.random.default_rng(1).standard_normal(expr.shape)
+    with op_by_op():
+        got = reference.to_jax(dnf)(x, g)
+    # independent: Y[i j k l] = c[i j] op c[k l], c = x ⧺ x, so both halves of c are x
+    cc = np.concatenate([x, x])
+    if op == "mul":
+        dc = np.einsum("ijkl,kl->ij", g, cc) + np.einsum("ijkl,ij->kl", g, cc)
+    else:
+        dc = g.sum((2, 3)) + (1 if op == "add" else -1) * g.sum((0, 1))
+    assert rel_err(got, dc[:1] + dc[1:]) <= F64
