@@ -454,7 +454,7 @@ class Kernel:
             if not chosen:
                 # a selection's operand is always saved, whatever the policy: its backward must
                 # compare the one value (``label_selections``)
-                pays = (residuals == "save" or labels or self._selects(key[0], options)
+                pays = (residuals == "save" or labels or self._selected_saved(key[0], options)
                         or (residuals == "auto" and self._saving_pays(key[0], options)))
                 chosen.append(self.with_row_statistics(labels).compiled(
                     *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
@@ -462,24 +462,13 @@ class Kernel:
             return chosen[0] and at(chosen[0])
 
         @at
-        def backward(args, saved, outs, cts):
-            import jax
-
-            cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
-                   for ct, (shape, dt) in zip(cts, out_specs)]
-            adj = self._adjoint_for(key[0], options, (labels or True) if outs is not None else False)
-            grads = adj(*args, *cts, *saved, *(outs or ()), implementation=implementation, residuals="none",
-                        onf=backward_preset, **options)
-            grads = iter(grads if isinstance(grads, tuple) else (grads,))
-            return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
-
-        @at
         def backward_batched(levels, args, saved, outs, cts):
-            """``backward`` under ``jax.vmap`` (``levels``: per vmap, innermost first, which args
-            it batches): the adjoint under Ω over each batch, where an arg a batch shares gets
-            its cotangent summed over that batch inside the kernel (``batched(…, summed=…)``;
-            dnf.collapsed then merges the batch into the rows it already sums: a vmapped MLP's
-            weight gradient is the rows kernel's)."""
+            """The adjoint kernel run on the primals, cotangents, saved values and outputs; under
+            ``jax.vmap`` (``levels``: per vmap, innermost first, which args it batches) the
+            adjoint under Ω over each batch, where an arg a batch shares gets its cotangent
+            summed over that batch inside the kernel (``batched(…, summed=…)``; dnf.collapsed
+            then merges the batch into the rows it already sums: a vmapped MLP's weight
+            gradient is the rows kernel's)."""
             import jax
 
             ct_batched = [ct.dtype != jax.dtypes.float0 for ct in cts]
@@ -487,15 +476,21 @@ class Kernel:
                    for ct, (shape, dt) in zip(cts, out_specs)]
             adj = self._adjoint_for(key[0], options, (labels or True) if outs is not None else False)
             arrays = [*args, *cts, *saved, *(outs or ())]
-            wrt = [i for i, f in enumerate(floats) if f]
-            bk = adj
-            for batched in levels:
-                flags = (*map(bool, batched), *ct_batched, *(True,) * (len(saved) + len(outs or ())))
-                bk = bk.batched(flags, summed=tuple(j for j, i in enumerate(wrt) if not batched[i]))
-            grads = bk.compiled(*arrays, onf=backward_preset, implementation=implementation, residuals="none",
-                                **options)(*arrays)
+            if not levels:
+                grads = adj(*arrays, implementation=implementation, residuals="none", onf=backward_preset, **options)
+            else:
+                wrt = [i for i, f in enumerate(floats) if f]
+                bk = adj
+                for batched in levels:
+                    flags = (*map(bool, batched), *ct_batched, *(True,) * (len(saved) + len(outs or ())))
+                    bk = bk.batched(flags, summed=tuple(j for j, i in enumerate(wrt) if not batched[i]))
+                grads = bk.compiled(*arrays, onf=backward_preset, implementation=implementation, residuals="none",
+                                    **options)(*arrays)
             grads = iter(grads if isinstance(grads, tuple) else (grads,))
             return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
+
+        def backward(args, saved, outs, cts):
+            return backward_batched((), args, saved, outs, cts)
 
         @at
         def tangent(args, dots, saved=()):
@@ -609,15 +604,6 @@ class Kernel:
         hit = self._derived[("with_row_statistics", labels)] = _SavingKernel(forward, primal)
         hit._lift_from = self
         return hit
-
-    def _selects(self, shape_key, options) -> bool:
-        """Does the derivative flow through a selection whose operand rounds (its forward then
-        saves the operand: ``label_selections``)?"""
-        import jax
-
-        outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[1]
-        outs = label_selections(outs if isinstance(outs, tuple) else (outs,))
-        return any(_is_selected(y) for o in outs for y in moa.nodes(o))
 
     def _saving_pays(self, shape_key, options) -> bool:
         """Do the forward that also outputs the row statistics and the backward that reads

@@ -557,7 +557,7 @@ def test_a_held_constant_or_exact_selection_saves_no_operand():
                           register=False)
     x = _args([(3, 2)], 3)[0]
     assert exact.row_statistics((exact.expression(x),))[1] == []
-    assert not exact._selects(exact._key((x,), {}), {})
+    assert not exact._selected_saved(exact._key((x,), {}), {})
 
 
 def test_vmap_of_grad_of_a_softmax_kernel_reads_its_saved_statistics():
