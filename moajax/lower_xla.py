@@ -36,6 +36,9 @@ class XlaBackend(Backend):
     """Reads are (dynamic) slices, gathers where an index is computed; contractions einsums."""
 
     scalars_on_smaller_result = True
+    # Σ_b Σ_t x·g as one dot_general over (b, t), never a [b, …] batch of partials then a
+    # sum: a vmapped weight's gradient summed inside the kernel (``Kernel.batched``)
+    joint_sums = True
 
     def __init__(self, onf: ONF, arrays: dict, perms: dict):
         super().__init__(onf, perms)
@@ -166,6 +169,10 @@ class XlaBackend(Backend):
         return Named(arr[idx], vs)
 
     def contract(self, a: Named, b: Named, v: Var, out_dtype) -> Named:
+        return self.contract_joint(a, b, (v,), out_dtype)
+
+    def contract_joint(self, a: Named, b: Named, vs: tuple, out_dtype) -> Named:
+        """Σ_{vs} a·b as one einsum: the variables both hold and do not sum are its batch."""
         import jax.numpy as jnp
 
         da, db = self.operands(a, b, out_dtype)
@@ -176,7 +183,7 @@ class XlaBackend(Backend):
         allv = list(a.vars) + [x for x in b.vars if x not in a.vars]
         letters = {x: string.ascii_letters[i] for i, x in enumerate(allv)}
         rank = self.rank
-        out_vars = sorted((x for x in allv if x != v), key=lambda x: rank.get(x.name, 1 << 20))
+        out_vars = sorted((x for x in allv if x not in vs), key=lambda x: rank.get(x.name, 1 << 20))
         spec = (
             "".join(letters[x] for x in a.vars) + "," + "".join(letters[x] for x in b.vars)
             + "->" + "".join(letters[x] for x in out_vars)

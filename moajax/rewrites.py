@@ -8,6 +8,8 @@
                    rescaled sums) — any reduction of that form, not only attention's.
     fuse_sums      Σ_a (Σ_r f + Σ_r g) → Σ_a Σ_r (f + g): sibling sums inside a sum walk r once
                    (a table's gradient: the two terms of dS share their scores).
+    long_sums_out  Σ_a Σ_r f → Σ_r Σ_a f, r long and a short: the sum a CPU walks in tiles is
+                   the outer one (GQA's dK: the queries around the query heads of a kv head).
     split_k        op_r e → op_{r₀} (op_{r₁} e[r ↦ r₀·c + r₁]): partials over r₀ in parallel,
                    then the monoid combine (for online stages: max, and Σ aₚ·e^{mₚ − m});
                    below op_{r₁}, Σ_v (p ? x : 0) → p ? Σ_v x : 0 (``conditions_out``).
@@ -452,20 +454,53 @@ def fused_sums(e: D.Expr) -> D.Expr:
     return D.transform(e, inside)
 
 
-def fuse_sums(onf: ONF) -> ONF:
-    """Every stage's expressions with their sibling sums inside a sum fused (``fused_sums``)."""
+def _every_expression(onf: ONF, fn, note: str) -> ONF:
+    """Every stage's expressions rewritten by ``fn`` (expression → expression), the rewrite
+    noted where one changed; ``onf`` itself where none did."""
     changed = False
 
-    def fuse(e):
+    def each(e):
         nonlocal changed
-        out = None if e is None else fused_sums(e)
+        out = None if e is None else fn(e)
         changed |= out is not e
         return out
 
-    stages = tuple(st.map_exprs(fuse) for st in onf.program.stages)
+    stages = tuple(st.map_exprs(each) for st in onf.program.stages)
     if not changed:
         return onf
-    return onf.replace(program=Program(stages, onf.program.outputs), note="fuse_sums")
+    return onf.replace(program=Program(stages, onf.program.outputs), note=note)
+
+
+def fuse_sums(onf: ONF) -> ONF:
+    """Every stage's expressions with their sibling sums inside a sum fused (``fused_sums``)."""
+    return _every_expression(onf, fused_sums, "fuse_sums")
+
+
+def long_sums_outside(e: D.Expr, longer_than: int) -> D.Expr:
+    """Σ_a Σ_r f → Σ_r Σ_a f  where r is longer than ``longer_than`` and a is not, and f holds
+    no sum as long: sums over constant extents commute (Fubini), so the long sum is the outer
+    one (bottom-up: Σ_a Σ_b Σ_r f → Σ_r Σ_a Σ_b f)."""
+    def fn(x):
+        if not (isinstance(x, D.Red) and x.monoid == "add" and x.var.extent <= longer_than):
+            return None
+        r = x.body
+        if not (isinstance(r, D.Red) and r.monoid == "add" and r.var.extent > longer_than):
+            return None
+        if any(y.var.extent > longer_than for y in D.reductions(r.body)):
+            return None
+        return D.Red("add", r.var, D.Red("add", x.var, r.body))
+
+    return D.transform(e, fn)
+
+
+def long_sums_out(onf: ONF, longer_than: int) -> ONF:
+    """Every stage's expressions with their long sums outside the short ones around them
+    (``long_sums_outside``), so the one a CPU walks in tiles is the outer one. Why: GQA's
+    dK = Σ_g Σ_t … (the query heads of a kv head around the queries) held Σ_t whole under
+    the short Σ_g, its [s, t, g] scores in memory at once (1 GiB at S = 4096, where the MHA
+    kernel's walk held 57 MiB); as Σ_t Σ_g the queries are walked, the group summed in each
+    tile's contraction (``Backend.joint_sums``)."""
+    return _every_expression(onf, lambda e: long_sums_outside(e, longer_than), "long_sums_out")
 
 
 def split_k(onf: ONF, var: str, parts: int) -> ONF:

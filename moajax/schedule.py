@@ -644,6 +644,10 @@ def _apply_tiles(onf: ONF, loops, out_vars, inner, rows, bt, bs, gpu: bool, last
     return W.lift(onf, _one_by_one(onf, axes) if gpu else axes)
 
 
+# a CPU walk's tile (``_cpu_walk_tile``): a sum longer than this is walked, not held whole
+CPU_WALK_TILE = 256
+
+
 def _cpu_walk_tile(extent: int, bs: int) -> int:
     """A CPU walk's tile: ``bs``, or where it leaves a ragged last tile, the first tile up to
     2·bs that divides the extent (d_ff = 1408: 352). XLA masks a padded tile with a select per
@@ -694,7 +698,7 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
     for v in out_vars:
         if v not in rows and v != out_vars[-1]:
             other *= v.extent
-    bs = 256
+    bs = CPU_WALK_TILE
     bt = _cpu_rows(machine, rows_ext, other, bs)
     # a long Σ inside another long Σ, neither a main walk (a table's gradient: Σ_n Σ_s Σ_t
     # over every score): held whole they materialise [s, t, …]; both are walked in tiles
@@ -1379,6 +1383,10 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
     # profiles: fuse_sums_gpu.md)
     if preset.fuse_sums if preset.fuse_sums is not None else not machine.is_gpu:
         onf = W.fuse_sums(onf)
+    if not machine.is_gpu:
+        # a long Σ under a short one (GQA's dK: Σ_g Σ_t) would be held whole: it goes outside,
+        # to be the walk (a GPU walks the short one element by element around it instead)
+        onf = W.long_sums_out(onf, CPU_WALK_TILE)
     carry = preset.carry or "online"
     if carry not in ("online", "passes"):
         raise ONFError(f"{dnf.name}: carry must be 'online' or 'passes', got {carry!r}")

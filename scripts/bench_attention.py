@@ -10,6 +10,7 @@ bench/results/attention_forward_cpu.md (machine and date on the first lines).
     python scripts/bench_attention.py                 # S = 1024 4096 8192 32768
     python scripts/bench_attention.py --sizes 1024 4096 --reps 5
     python scripts/bench_attention.py --grad     # jit(grad), causal and not: bench/results/attention_grad_cpu.md
+    python scripts/bench_attention.py --grad --kv-heads 2 --out …   # GQA: 8 query heads over 2 kv heads
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main():
     ap.add_argument("--grad", action="store_true", help="time jit(grad) of sum(attention · G) w.r.t. q, k, v instead")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=0, help="GQA: key/value heads (default: --heads, no grouping)")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default: by size)")
     ap.add_argument("--out", default="", help="default bench/results/attention_{forward,grad}_cpu.md")
     ap.add_argument("--budget-gib", type=float, default=0.0, help="skip compiled temp memory above this (default: 70%% of available RAM)")
@@ -53,9 +55,13 @@ def main():
 
     budget = int(args.budget_gib * 2**30) if args.budget_gib else int(0.7 * _mem_total())
     N, D = args.heads, args.head_dim
+    K = args.kv_heads or N
+    if N % K:
+        raise SystemExit(f"--kv-heads {K} must divide --heads {N}")
     rng = np.random.default_rng(0)
 
     def materialised(q, k, v):
+        k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))  # GQA: each kv head its group's
         s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]).astype(q.dtype)
         p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("bnts,bsnh->btnh", p, v)
@@ -99,8 +105,8 @@ def main():
     for S in args.sizes:
         T = S
         q = jnp.asarray(rng.standard_normal((1, T, N, D)), jnp.float32)
-        k = jnp.asarray(rng.standard_normal((1, S, N, D)), jnp.float32)
-        v = jnp.asarray(rng.standard_normal((1, S, N, D)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((1, S, K, D)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((1, S, K, D)), jnp.float32)
         operands = (q, k, v, jnp.asarray(rng.standard_normal((1, T, N, D)), jnp.float32)) if args.grad else (q, k, v)
         flops = flop_factor * T * S * N * D
         reps = args.reps or (10 if S <= 1024 else 5 if S <= 4096 else 3 if S <= 8192 else 2 if S <= 16384 else 1)
@@ -139,7 +145,9 @@ def main():
         + ("moajax vs jax.nn, causal and not" if args.grad else "moajax vs jax.nn vs plain jnp"),
         "",
         machine_line(),
-        f"Run: `python scripts/bench_attention.py{' --grad' if args.grad else ''}` — B=1, N={N}, H={D}, float32, T = S; one process, "
+        f"Run: `python scripts/bench_attention.py{' --grad' if args.grad else ''}"
+        f"{f' --kv-heads {K}' if K != N else ''}` — B=1, N={N}{f' (GQA: {K} kv heads)' if K != N else ''}, H={D},"
+        " float32, T = S; one process, "
         "compiled once per size; the contenders run in turn, each round starting one later (A B C D, B C D A, …), "
         "best and median of the repetitions after a warm-up.",
         f"Same-run GEMM ({gn}×{gn}×{gn} float32, jitted jnp.dot): {gemm_gfs:.1f} GF/s "

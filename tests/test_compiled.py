@@ -692,6 +692,37 @@ def test_grad_of_a_vmap_over_queries_sharing_the_keys_sums_dk_dv_inside_the_kern
     assert (3,) + k.shape not in {tuple(x.aval.shape) for e, _ in walk_eqns(jaxpr) for x in e.outvars}
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grad_of_a_vmap_sums_a_shared_operand_in_one_contraction_over_batch_and_rows(impl):
+    """Σ_b Σ_n x·g, the shared W's gradient of a selection kernel under jax.vmap (its column
+    max is per example, so the batch does not merge into the rows), and Σ_b Σ_s dS·K·c, the
+    dQ of causal attention whose query the batch shares: each one contraction over both
+    sums (``Backend.joint_sums``), never a [B, …] value a batch element then summed (the fuzz
+    of 2026-12-06: a [B, D, F] dW, a [B, T, N, H] dQ). Float64 against independent gradients
+    summed over the batch, 1e-10."""
+    from helpers import walk_eqns
+
+    r = np.random.default_rng(23)
+    x, w, g = r.standard_normal((3, 5, 7)), r.standard_normal((7, 4)), r.standard_normal((3, 4))
+    loss = lambda w, x: jnp.sum(jax.vmap(lambda e: column_max(e, w, implementation=impl))(x) * g)  # noqa: E731
+    got = jax.jit(jax.grad(loss))(w, x)
+    assert rel_err(got, sum(ref_column_max_grad(x[b], w, g[b])[1] for b in range(3))) <= F64
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(w, x).jaxpr
+    assert (3,) + w.shape not in {tuple(v.aval.shape) for e, _ in walk_eqns(jaxpr) for v in e.outvars}
+
+    q = r.standard_normal((1, 12, 2, 8))
+    # distinct sizes (16 keys, value width 6), so that no other value has a per-example dQ's shape
+    k, v, go = r.standard_normal((3, 1, 16, 2, 8)), r.standard_normal((3, 1, 16, 2, 6)), r.standard_normal((3, 1, 12, 2, 6))
+    attend = jax.vmap(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True, implementation=impl),
+                      in_axes=(None, 0, 0))
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v) * go)  # noqa: E731
+    got = jax.jit(jax.grad(loss))(q, k, v)
+    assert rel_err(got, sum(R.mha_backward(q, k[b], v[b], go[b], is_causal=True)[0] for b in range(3))) <= F64
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(q, k, v).jaxpr
+    shapes = {tuple(x.aval.shape) for e, _ in walk_eqns(jaxpr) for x in e.outvars}
+    assert not shapes & {(3,) + q.shape, (3, 12, 2, 8), (2, 3, 12, 8)}
+
+
 def test_a_vmapped_saving_forward_names_its_statistics_and_keeps_its_gpu_tiling():
     """The saving forward under vmap (and vmap of vmap) names its outputs saved0, … and out, as
     unbatched: by name the GPU tile tables leave the float32 statistics out of the operand

@@ -419,6 +419,24 @@ def test_fused_sums_keep_the_meaning(term):
     assert abs(scalar_value(fused, a, {}) - want) <= F64 * max(1.0, abs(want))
 
 
+@settings(max_examples=300, deadline=None)
+@given(linear_terms(), st.sampled_from([1, 2, 3]))
+def test_long_sums_outside_keep_the_meaning(term, longer_than):
+    """Σ_a Σ_r f → Σ_r Σ_a f (r longer than the bound, a not, f holding no long sum): the
+    term's value (float64, reassociated: a few ulps), and no long sum left right under a
+    short one whose body holds no other long sum."""
+    a = np.random.default_rng(3).standard_normal((4, 4))
+    out = W.long_sums_outside(term, longer_than)
+    assert out.free == term.free
+    want = scalar_value(term, a, {})
+    assert abs(scalar_value(out, a, {}) - want) <= F64 * max(1.0, abs(want))
+    for x in D.walk(out):
+        if isinstance(x, D.Red) and x.monoid == "add" and x.var.extent <= longer_than:
+            r = x.body
+            assert not (isinstance(r, D.Red) and r.monoid == "add" and r.var.extent > longer_than
+                        and not any(y.var.extent > longer_than for y in D.reductions(r.body))), D.show(out)
+
+
 def test_fused_sums_share_the_walk_and_keep_a_one_hot_write():
     """Σ_n (Σ_s ((c = i) ? f : 0) + Σ_s ((c = i) ? g : 0)) → Σ_n Σ_s ((c = i) ? (f + g) : 0):
     one walk, still a one-hot write (binned, not a one-hot Σ); a stage's own top-level terms

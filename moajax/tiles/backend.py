@@ -39,8 +39,9 @@ class Backend:
     # Σ_v Σ_w of a product, w held whole in the tile, as one contraction over (v, w)
     # (``contract_joint``): GQA's dK partial Σ_t Σ_g dS·Q in a program owning query tiles with
     # the group held whole is one 2-D dot on Triton over t·g rows, where Σ_g alone (t a batch
-    # axis of both operands) is a multiply-and-sum of 3-D tiles, no tensor cores. XLA's
-    # batched einsum takes Σ_g as it is
+    # axis of both operands) is a multiply-and-sum of 3-D tiles, no tensor cores; on XLA one
+    # dot_general over both, where Σ_g alone is a batched dot then a sum over t (a [g, …] or,
+    # under a vmap's Σ_b of a shared operand, a [b, …] value, then summed)
     joint_sums = False
 
     def __init__(self, onf: ONF, perms: dict):

@@ -252,7 +252,8 @@ class TileEval(Scope):
                 datas, vs = self.align([self.tile_reduce(mono, v, t) for t in terms])
                 return Named(_ops.OPS[op].jnp_fn()(*datas), vs)
             if len(factors) >= 2:
-                return contract_factors(self, factors, v, body.dtype)
+                joint = self._joint_sum_scaled(v, factors) if self.backend.joint_sums else None
+                return joint if joint is not None else contract_factors(self, factors, v, body.dtype)
             if self.backend.joint_sums:
                 joint = self._joint_sum(v, body)
                 if joint is not None:
@@ -268,18 +269,37 @@ class TileEval(Scope):
         ax = x.vars.index(v)
         return Named(mono.jnp_reduce(x.data, axis=ax), x.vars[:ax] + x.vars[ax + 1:])
 
+    def _joint_sum_scaled(self, v: Var, factors):
+        """Σ_v (c × Σ_w e) = c × Σ_v Σ_w e, c free of v (attention's scale on dQ's Σ_s, under
+        a vmap's Σ_b of a shared query): the joint sum, then c. None where no one factor is a
+        sum with the others free of v, or the joint sum declines."""
+        sums = [f for f in factors if isinstance(D.untagged(f), D.Red)]
+        if len(sums) != 1 or any(v in f.free for f in factors if f is not sums[0]):
+            return None
+        joint = self._joint_sum(v, sums[0])
+        if joint is None:
+            return None
+        rest = [self.eval(f) for f in factors if f is not sums[0]]
+        datas, vs = self.align([joint] + rest)
+        out = datas[0]
+        for d in datas[1:]:
+            out = out * d.astype(out.dtype)
+        return Named(out, vs)
+
     def _joint_sum(self, v: Var, body: D.Expr):
         """Σ_v Σ_w Π f as one contraction over (v, w) (``Backend.joint_sums``), where the
-        inner Σ_w is a contraction of w held whole in the tile (one step, no walk, no skipped
-        tiles, not a table's gather), or a sum or difference of such products (the causal
-        dK's two dS terms), each its own. None: evaluate Σ_w, then Σ_v, as written."""
+        inner Σ_w is a contraction of w held whole in the tile (one step, no walk, not a
+        table's gather), or a sum or difference of such products (the causal dK's two dS
+        terms), each its own. A skip of w's one tile (``ONF.skips``) is not taken: the body's
+        own conditions mask it, and the skip could only spare a tile masked entirely (causal
+        dQ of a query shared by a vmap: Σ_b Σ_s, s whole). None: evaluate Σ_w, then Σ_v."""
         inner = body
         while isinstance(inner, D.Tag):
             inner = inner.body
         if not (isinstance(inner, D.Red) and inner.monoid == "add") or D.selection(inner) is not None:
             return None
         w = inner.var
-        if self.onf.axis_of(w).ntiles > 1 or skipping.skip_for(self.onf, inner) is not None:
+        if self.onf.axis_of(w).ntiles > 1:
             return None
         rng = self.backend.whole(w)
         sub = self if same_range(rng, self.ranges.get(w)) else self.child({w: rng})
