@@ -195,6 +195,7 @@ class Kernel:
         self._mesh_lift = None
         self._lift_from = None
         self._rows_of = None  # (rows kernel, count) of a kernel over leading axes
+        self._wrt = None  # an adjoint's: the args whose cotangents are its outputs (``adjoint``)
 
     @property
     def mesh_lift(self):
@@ -462,35 +463,38 @@ class Kernel:
             return chosen[0] and at(chosen[0])
 
         @at
-        def backward_batched(levels, args, saved, outs, cts):
-            """The adjoint kernel run on the primals, cotangents, saved values and outputs; under
-            ``jax.vmap`` (``levels``: per vmap, innermost first, which args it batches) the
-            adjoint under Ω over each batch, where an arg a batch shares gets its cotangent
-            summed over that batch inside the kernel (``batched(…, summed=…)``; dnf.collapsed
-            then merges the batch into the rows it already sums: a vmapped MLP's weight
-            gradient is the rows kernel's)."""
+        def backward_batched(levels, args, saved, outs, cts, wrt):
+            """The adjoint kernel run on the primals, cotangents, saved values and outputs, giving
+            the cotangents of the args ``wrt`` only (the others: zeros, never computed — grad of
+            the weights derives no dX); under ``jax.vmap`` (``levels``: per vmap, innermost
+            first, which args it batches) the adjoint under Ω over each batch, where an arg a
+            batch shares gets its cotangent summed over that batch inside the kernel
+            (``batched(…, summed=…)``; dnf.collapsed then merges the batch into the rows it
+            already sums: a vmapped MLP's weight gradient is the rows kernel's)."""
             import jax
 
             ct_batched = [ct.dtype != jax.dtypes.float0 for ct in cts]
             cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
                    for ct, (shape, dt) in zip(cts, out_specs)]
-            adj = self._adjoint_for(key[0], options, (labels or True) if outs is not None else False)
+            wrt = tuple(i for i in sorted(wrt) if floats[i])
+            held = (labels or True) if outs is not None else False
+            adj = self._adjoint_for(key[0], options, held, wrt=tuple(self.params[i].name for i in wrt))
+            preset = _plan_of_some(backward_preset, self._adjoint_for(key[0], options, held), adj)
             arrays = [*args, *cts, *saved, *(outs or ())]
             if not levels:
-                grads = adj(*arrays, implementation=implementation, residuals="none", onf=backward_preset, **options)
+                grads = adj(*arrays, implementation=implementation, residuals="none", onf=preset, **options)
             else:
-                wrt = [i for i, f in enumerate(floats) if f]
                 bk = adj
                 for batched in levels:
                     flags = (*map(bool, batched), *ct_batched, *(True,) * (len(saved) + len(outs or ())))
                     bk = bk.batched(flags, summed=tuple(j for j, i in enumerate(wrt) if not batched[i]))
-                grads = bk.compiled(*arrays, onf=backward_preset, implementation=implementation, residuals="none",
+                grads = bk.compiled(*arrays, onf=preset, implementation=implementation, residuals="none",
                                     **options)(*arrays)
-            grads = iter(grads if isinstance(grads, tuple) else (grads,))
-            return [next(grads) if f else runtime.zero_cotangent(a) for a, f in zip(args, floats)]
+            grads = dict(zip(wrt, grads if isinstance(grads, tuple) else (grads,)))
+            return [grads[i] if i in grads else runtime.zero_cotangent(a) for i, a in enumerate(args)]
 
-        def backward(args, saved, outs, cts):
-            return backward_batched((), args, saved, outs, cts)
+        def backward(args, saved, outs, cts, wrt):
+            return backward_batched((), args, saved, outs, cts, wrt)
 
         @at
         def tangent(args, dots, saved=()):
@@ -791,16 +795,16 @@ class Kernel:
             hit._names_at = names_at
         return hit
 
-    def _adjoint_for(self, shape_key, options, saved: bool | tuple = False) -> "Kernel":
+    def _adjoint_for(self, shape_key, options, saved: bool | tuple = False, wrt=None) -> "Kernel":
         """The adjoint kernel (cached per shapes and options) that ``compiled`` runs backward
-        (``saved``: as for ``adjoint``)."""
+        (``saved``, ``wrt``: as for ``adjoint``)."""
         import jax
 
-        key = (shape_key, tuple(sorted(options.items())), saved)
+        key = (shape_key, tuple(sorted(options.items())), saved, wrt)
         hit = self._derived.get(key)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
-            hit = self._derived[key] = self.adjoint(*specs, saved=saved, **options)
+            hit = self._derived[key] = self.adjoint(*specs, wrt=wrt, saved=saved, **options)
         return hit
 
     def adjoint(self, *specs, wrt=None, saved: bool | tuple = False, **options) -> "Kernel":
@@ -897,6 +901,7 @@ class Kernel:
                      outputs=tuple(f"{_fresh_prefix('d_', 'd', wrt, dims)}{w}" for w in wrt), dims=dims,
                      identities=identities if saved else None)
         adj._lift_from = self
+        adj._wrt = wrt  # the args whose cotangents are its outputs, in order
         return adj
 
     def _tangent_for(self, shape_key, options, saved: bool | tuple = False) -> "Kernel":
@@ -988,6 +993,25 @@ class Kernel:
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)
         return f"<moajax kernel {self.name}({sig})>"
+
+
+def _plan_of_some(preset, full: "Kernel", some: "Kernel"):
+    """``preset`` with its ``plan``, a partition of ``full``'s outputs (an adjoint's cotangents:
+    the "split" backward), kept to ``some``'s: the adjoint of the args a ``jax.grad`` asks
+    for (``argnums``) has only theirs. A plan that is no partition of ``full``'s outputs is
+    left as it is, to be refused, named, as for every arg."""
+    import dataclasses
+
+    plan = getattr(preset, "plan", None)
+    if not isinstance(plan, tuple) or full.output_names == some.output_names:
+        return preset
+    if sorted(n for g in plan for n in g) != sorted(full.output_names):
+        return preset
+    # by the arg each cotangent is of (its name's ``d_`` prefix is chosen per kernel)
+    of_arg = {n: n[len(n) - len(w):] for n, w in zip(full.output_names, full._wrt)}
+    renamed = {w: n for n, w in zip(some.output_names, some._wrt)}
+    groups = tuple(g for g in (tuple(renamed[of_arg[n]] for n in g if of_arg[n] in renamed) for g in plan) if g)
+    return dataclasses.replace(preset, plan=groups)
 
 
 def _layout_order(layout) -> list:

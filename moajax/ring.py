@@ -470,7 +470,7 @@ def _local_attention(kern, ring: Ring, is_causal: bool, scale: float, implementa
         out, m, l = forward_local(kern, ring, q, k, v, **kw)
         return result(q, out, m, l) + (out, m, l)
 
-    def backward(args, saved, outs, cts):
+    def backward(args, saved, outs, cts, wrt):  # (the ring's walk gives dQ, dK and dV together)
         return list(backward_local(kern, ring, *args, *saved, cts[0], **kw))
 
     def tangent(args, dots):
@@ -519,21 +519,27 @@ class SequenceLift:
         saved = tuple(n for n in outs + ins if n.startswith("saved"))
         if saved not in ((), ("saved0", "saved1"), ("saved0", "saved1", "saved2")):
             return None
+        # an adjoint gives the cotangents a jax.grad asks for (argnums), in order: the ring's
+        # walk computes all three, and the kernel's outputs are those
+        grads = ("d_query", "d_key", "d_value")
+        picked = (tuple(grads.index(o) for o in outs)
+                  if outs and set(outs) <= set(grads) and list(outs) == sorted(outs, key=grads.index) else None)
         if ins == ins[:3] and outs == saved + ("out",) + res:
             role = "saving" if saved else "forward"
-        elif ins[3:] == cts and outs == ("d_query", "d_key", "d_value"):
+        elif ins[3:] == cts and picked is not None:
             role = "adjoint"
-        elif ins[3:] == cts + saved + ("out",) + res and saved and outs == ("d_query", "d_key", "d_value"):
+        elif ins[3:] == cts + saved + ("out",) + res and saved and picked is not None:
             role = "adjoint_saved"
         else:
             return None
-        return _Lifted(self.local, role, dict(options), onf, bool(res))
+        return _Lifted(self.local, role, dict(options), onf, bool(res), picked)
 
 
 class _Lifted:
-    def __init__(self, kern, role: str, options: dict, onf=None, residual: bool = False):
+    def __init__(self, kern, role: str, options: dict, onf=None, residual: bool = False, picked=None):
         # a Preset's ``ring`` names the balance, its ``ring_rounds`` the rounds
         self.kern, self.role, self.options = kern, role, options
+        self.picked = (0, 1, 2) if picked is None else picked  # an adjoint's: which of (dQ, dK, dV) it outputs
         self.balance, self.rounds = getattr(onf, "ring", None), getattr(onf, "ring_rounds", None) or 1
         self.residual = residual
 
@@ -606,16 +612,21 @@ class _Lifted:
             def adjoint_saved(q, k, v, g, *rest):  # (lse's cotangent and lse: held constant, unread)
                 m, l, out = rest[self.residual:self.residual + 3]  # (16-bit: saved2, Out unrounded)
                 body = lambda q, k, v, g, m, l, o: backward_local(kern, ring, q, k, v, o, m, l, g, **kw)  # noqa: E731
-                return _in_order(ring, body, q, k, v, g, m.reshape(rows), l.reshape(rows),
-                                 out.reshape(rows + (local_in[2][-1],)))
+                return self._picked(_in_order(ring, body, q, k, v, g, m.reshape(rows), l.reshape(rows),
+                                              out.reshape(rows + (local_in[2][-1],))))
             return adjoint_saved
 
         def adjoint(q, k, v, g, *_):
             def body(q, k, v, g):
                 out, m, l = fwd(q, k, v)
                 return backward_local(kern, ring, q, k, v, out, m, l, g, **kw)
-            return _in_order(ring, body, q, k, v, g)
+            return self._picked(_in_order(ring, body, q, k, v, g))
         return adjoint
+
+    def _picked(self, grads):
+        """The cotangents the adjoint kernel outputs, of the ring's (dQ, dK, dV)."""
+        got = tuple(grads[i] for i in self.picked)
+        return got if len(got) > 1 else got[0]
 
 
 def sequence_lift(kern, local=None):

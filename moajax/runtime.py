@@ -361,7 +361,10 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
                    tangent_reads_saved: bool = False):
     """``run`` with its derivatives: ``tangent(args, dots) -> the tangents of the floating
     outputs`` (forward mode: ``jax.jvp``) and ``backward(args, saved, outs, cotangents) -> one
-    cotangent per arg`` (reverse mode: ``jax.grad``), each the other's transpose.
+    cotangent per arg`` (reverse mode: ``jax.grad``), each the other's transpose; ``backward``
+    takes ``wrt`` too, the args whose cotangents are asked for (the others' tangents were
+    symbolic zeros: ``jax.grad(…, argnums=…)`` of weights, not data), and may give anything
+    in the others' places (a kernel's adjoint derives only the asked ones).
 
     ``floats``/``float_outputs`` flag the floating args/outputs: the others get float0 tangents
     and cotangents, as in JAX. The two are tied by ``jax.custom_jvp`` around a ``linear_call``
@@ -376,7 +379,7 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
     forward has none (a hand-written walk: the ring's), and a second derivative through it
     raises NotImplementedError with the hint.
 
-    ``backward_batched(levels, args, saved, outs, cotangents)``: the backward of the call
+    ``backward_batched(levels, args, saved, outs, cotangents, wrt)``: the backward of the call
     under ``jax.vmap`` (``levels``: per vmap, innermost first, which args have its batch axis —
     the outermost first in the arrays; the saved values, outputs and floating cotangents have
     every one), where an arg a batch shares gets one cotangent, the sum over that batch,
@@ -422,7 +425,7 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
                 args, saved, outs = res
                 it = iter(cts)
                 full = [next(it) if fl else zero_cotangent(o) for o, fl in zip(tup, float_outputs)]
-                grads = backward(args, saved, outs, full)
+                grads = backward(args, saved, outs, full, tuple(moving))
                 # inside shard_map, each cotangent as varying as its input: an input replicated
                 # over a manual axis beside one split over it gets the sum of every device's part
                 # (``compat.varying_like``; its kernel's output varied, and JAX refused it)
@@ -453,7 +456,7 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
                         it = iter(cts)
                         full = [next(it) if fl else np.zeros(shape, jax.dtypes.float0)
                                 for shape, fl in zip(out_shapes, float_outputs)]
-                        grads = backward_batched(lv, args, saved, outs, full)
+                        grads = backward_batched(lv, args, saved, outs, full, tuple(moving))
                         return [compat.varying_like(grads[i], args[i]) for i in moving]
 
                     plan.batched = offer(lv)

@@ -723,6 +723,40 @@ def test_grad_of_a_vmap_sums_a_shared_operand_in_one_contraction_over_batch_and_
     assert not shapes & {(3,) + q.shape, (3, 12, 2, 8), (2, 3, 12, 8)}
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grad_of_some_args_derives_only_their_cotangents(impl):
+    """jax.grad of the weight alone (argnums): the adjoint kernel outputs dW only
+    (``Kernel.adjoint(wrt=…)``; the others' tangents were symbolic zeros), no dX = G·Wᵀ
+    computed and dropped (the backward of a kernel is one opaque call XLA cannot prune);
+    under jax.vmap too. Attention's "split" backward, a partition of all three cotangents,
+    is kept to those asked. Float64 against independent gradients, 1e-10."""
+    from helpers import walk_eqns
+
+    r = np.random.default_rng(24)
+    x, w, g = r.standard_normal((5, 7)), r.standard_normal((7, 4)), r.standard_normal(4)
+    loss = lambda w, x: jnp.sum(column_max(x, w, implementation=impl) * g)  # noqa: E731
+    assert rel_err(jax.jit(jax.grad(loss))(w, x), ref_column_max_grad(x, w, g)[1]) <= F64
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(w, x).jaxpr
+    dots = {tuple(v.aval.shape) for e, _ in walk_eqns(jaxpr) if e.primitive.name == "dot_general" for v in e.outvars}
+    assert not {x.shape, x.shape[::-1]} & dots  # (x itself is transposed for dW's contraction)
+    xs, gs = r.standard_normal((3, 5, 7)), r.standard_normal((3, 4))
+    per = jax.vmap(lambda x, g, w: jax.grad(lambda w: jnp.sum(column_max(x, w, implementation=impl) * g))(w),
+                   in_axes=(0, 0, None))(xs, gs, w)
+    assert rel_err(per, np.stack([ref_column_max_grad(xs[b], w, gs[b])[1] for b in range(3)])) <= F64
+
+    q, do = r.standard_normal((1, 12, 4, 8)), r.standard_normal((1, 12, 4, 8))
+    k, v = r.standard_normal((1, 16, 2, 8)), r.standard_normal((1, 16, 2, 8))
+    want = R.mha_backward(q, k, v, do, is_causal=True)
+    for plan in (None, "split", "owner"):
+        onf = None if plan is None else Preset.of(backward=plan)
+        att = lambda q, k, v: jnp.sum(moajax.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, onf=onf, implementation=impl) * do)
+        for argnums in ((0,), (1, 2), (2,)):
+            got = jax.jit(jax.grad(att, argnums=argnums))(q, k, v)
+            for a, i in zip(got, argnums):
+                assert rel_err(a, want[i]) <= F64, (plan, argnums, i)
+
+
 def test_a_vmapped_saving_forward_names_its_statistics_and_keeps_its_gpu_tiling():
     """The saving forward under vmap (and vmap of vmap) names its outputs saved0, … and out, as
     unbatched: by name the GPU tile tables leave the float32 statistics out of the operand

@@ -350,6 +350,22 @@ def test_block_forward_and_gradient_sequence_split():
 # ----------------------------------------------------------------------------- the ring
 
 
+@pytest.mark.parametrize("argnums", [(0,), (1, 2)])
+def test_the_ring_gives_the_cotangents_a_grad_asks_for(argnums):
+    """jax.grad of q alone, or of k and v: the adjoint kernel outputs those cotangents only
+    (``Kernel.adjoint(wrt=…)``), and the ring still runs it (it walks dQ, dK and dV together
+    and gives those asked), collective-permutes and no all-gather; float64, 1e-12."""
+    mesh = _mesh((2, 4), ("data", "seq"))
+    q, k, v = _attn_inputs(np.float64, K=2)
+    loss = lambda q, k, v: jnp.sum(jnp.sin(moajax.dot_product_attention(q, k, v, is_causal=True)))  # noqa: E731
+    args = [_put(x, mesh, "data", "seq") for x in (q, k, v)]
+    jg = jax.jit(jax.grad(loss, argnums=argnums))
+    for a, b in zip(jg(*args), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)[argnums[0]:]):
+        assert rel_err(a, b) <= 1e-12
+    text = _hlo(jg, *args)
+    assert "collective-permute" in text and "all-gather" not in text
+
+
 @pytest.mark.parametrize("dtype,causal,heads", [(np.float64, True, 2), (np.float64, False, 4),
                                                 (np.float32, True, 4)])
 def test_sequence_split_runs_the_ring_under_jit(dtype, causal, heads):
