@@ -858,6 +858,11 @@ class Kernel:
                 held = arrays[n + len(ct_names):n + len(ct_names) + len(stats)]
                 lays = primal.with_row_statistics(labels).layouts(*arrays[:n], **opts)
                 values = {x: a if lay is None else _in_own_layout(a, lay, x) for x, a, lay in zip(stats, held, lays)}
+                # a label is transparent: the labelled value itself, where the derivative reads it
+                # unlabelled, is the saved one too (tanh's rule reads y = tanh(a) itself: a column
+                # max of tanh(x +.× W) saves its operand, and its backward recomputed x +.× W)
+                values.update({x.arg: v for x, v in list(values.items())
+                               if isinstance(x, moa.Name) and _is_selected(x) and x.arg not in values})
                 grads = tuple(moa.substitute(d, values) for d in grads)
             # a cotangent has its input's dims (the output variables of the adjoint's DNF)
             return tuple(d if d.dims == by_name[w].dims else moa.reshape(d, d.shape, dims=by_name[w].dims)

@@ -407,6 +407,9 @@ def lift_from_omega(outputs, keep: Callable[[Array, "Omega"], bool]) -> tuple:
             inner = y.arg if isinstance(y, (Name, StopGradient)) else y
             Y = omega(lambda *cells, inner=inner: substitute(inner, binding(cells)),
                       tuple(node.ranks) + tuple(z.rank for z, _ in lifted))(*args, *(Z for _, Z in lifted))
+            cut = [a for c, a in zip(node.cells, args) if c is inner]
+            if cut and (cut[0].shape, cut[0].dims, cut[0].dtype) == (Y.shape, Y.dims, Y.dtype):
+                Y = cut[0]  # Ω(λ c. c)(A) over A's own frame is A: the node itself, which others read too
             if isinstance(y, Name):
                 Y = name(y.label, Y)
             elif isinstance(y, StopGradient):

@@ -545,6 +545,34 @@ def test_a_selections_tangent_reads_the_saved_operand_as_its_adjoint_does(impl):
             assert abs(float(np.sum(jvp(f, tuple(args), tuple(dots))[1] * g)) - want) <= F64 * max(1.0, abs(want))
 
 
+@moajax.kernel(example=dict(b=2, n=5, d=3, f=4), register=False)
+def column_max_each(x: "b n d", w: "d f"):
+    """⌈/ over the rows of each tanh(x_b +.× W), in Ω: the operand is a cell of the Ω."""
+    return moa.omega(lambda y: moa.amax(y, 0), (2,))(moa.tanh(moa.dot(x, w)))
+
+
+def test_a_selections_backward_reads_its_saved_operand_where_the_derivative_does():
+    """The saved operand A = tanh(x +.× W) of ⌈/A is also what tanh's derivative reads,
+    1 − A²: the backward reads it saved there too (a label is transparent), never
+    recomputing x +.× W — dW reads no W and dX no x. Where A is an Ω's cell, its lift over
+    the Ω's frame is A itself (Ω(λ c. c)(A) = A), so the same holds. Until 2026-12-06 both
+    recomputed x +.× W (a third matmul in the backward). Float64 gradients, 1e-10."""
+    r = np.random.default_rng(25)
+    for kern, shapes in ((column_max, [(5, 3), (3, 4)]), (column_max_each, [(2, 5, 3), (3, 4)])):
+        x, w = (r.standard_normal(s) for s in shapes)
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w)]
+        adj, args = kern.saved_adjoint(*specs)
+        dnf = adj.dnf(*args)
+        reads = {o.name: {e.array for e in D.walk(o.body) if isinstance(e, D.Read)} for o in dnf.outputs}
+        assert "w" not in reads["d_w"] and "x" not in reads["d_x"], reads
+        g = r.standard_normal(kern._build(specs, {})[1].shape)
+        got = jax.grad(lambda x, w: jnp.sum(kern(x, w) * g), argnums=(0, 1))(x, w)
+        want = (ref_column_max_grad(x, w, g) if x.ndim == 2 else
+                [np.stack(p) for p in zip(*(ref_column_max_grad(x[b], w, g[b]) for b in range(2)))])
+        assert rel_err(got[0], want[0]) <= F64
+        assert rel_err(got[1], want[1] if x.ndim == 2 else want[1].sum(0)) <= F64
+
+
 def test_a_held_constant_or_exact_selection_saves_no_operand():
     """softmax's max is held constant (no derivative flows through it), and the max of an
     index map of the inputs is the same bits wherever it is recomputed: neither is saved."""
