@@ -271,7 +271,8 @@ def linear_call(fun, fun_transpose, residual_args, linear_args, batched_transpos
 
 def _offered(callee):
     """The batched transpose a linear_call's callee was offered with, or None."""
-    src = getattr(getattr(callee.jaxpr, "debug_info", None), "func_src_info", None) or ""
+    # (a JAX whose ClosedJaxpr and Jaxpr are one type may drop the ``.jaxpr`` accessor)
+    src = getattr(getattr(getattr(callee, "jaxpr", callee), "debug_info", None), "func_src_info", None) or ""
     m = re.match(rf"{_OFFER}(\d+)\b", src)
     return _BATCHED_TRANSPOSES.get(int(m.group(1))) if m else None
 
@@ -370,6 +371,19 @@ def _linear_call_batched(axis_data, args, dims, *, callee, transpose_thunk, num_
 
     out = call(fun, fun_transpose, fixed, lin)
     return out, [0] * len(out)
+
+
+def without_context_mesh(fn):
+    """``fn`` run with no context mesh: JAX >= 0.11 calls a custom_partitioning's partition
+    callback (and traces its lower_fn) under the caller's ``jax.set_mesh`` mesh, Explicit axes
+    included, where the per-device code then lowers sharding constraints (a ``Sharding`` custom
+    call XLA's CPU backend cannot run) and typed collectives. JAX 0.10 ran it with none."""
+    @functools.wraps(fn)
+    def bare(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return fn(*args, **kwargs)
+
+    return bare
 
 
 def has_explicit_axes(mesh) -> bool:
@@ -579,6 +593,16 @@ def jax_triton_call(kernel, compute_capability: int | None = None):
         return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
     return call
+
+
+def scan_counts(params) -> tuple:
+    """(consts, carry) operand counts of a ``scan`` equation: JAX < 0.11 keeps them as the
+    ``num_consts`` / ``num_carry`` parameters; JAX >= 0.11 as the FlatTree ``ft_in``
+    (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def bind_params(eqn) -> dict:

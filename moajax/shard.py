@@ -709,6 +709,7 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dn
                 finish.append((i, _COLLECTIVE[monoid], m))
 
         @functools.partial(compat.at_matmul_precision, value=precision)
+        @compat.without_context_mesh
         def lower_fn(*xs):
             res = inner(*xs)
             res = list(res) if n_out > 1 else [res]

@@ -205,7 +205,7 @@ def _op(name, prim, eqn, xs):
         return moa.where(pred, xs[2], xs[1])
     if prim == "convert_element_type":
         return moa.cast(xs[0], eqn.params["new_dtype"])
-    if prim in ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"):
+    if prim in ("pjit", "jit", "closed_call", "eval_jaxpr", "custom_jvp_call", "custom_vjp_call"):  # (eval_jaxpr: JAX > 0.11.1)
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
         inner = getattr(inner, "jaxpr", inner)
         consts = list(getattr(eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr"), "consts", []))

@@ -204,7 +204,7 @@ class _Emitter:
         out = eqn.outvars[0] if eqn.outvars else None
         aval = out.aval if out is not None else None
         rd = lambda a: self.read(a, indent)  # noqa: E731
-        if p in ("jit", "pjit", "closed_call", "core_call"):
+        if p in ("jit", "pjit", "closed_call", "eval_jaxpr", "core_call"):  # (eval_jaxpr: closed_call after JAX 0.11.1)
             inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
             inner = getattr(inner, "jaxpr", inner)
             res = self.body(inner, [rd(a) for a in ins], indent)
@@ -404,9 +404,11 @@ class _Emitter:
         return names
 
     def _scan(self, eqn, indent):
+        from moajax import compat
+
         prm = eqn.params
         body = prm["jaxpr"].jaxpr
-        nc, nk = prm["num_consts"], prm["num_carry"]
+        nc, nk = compat.scan_counts(prm)
         if len(eqn.invars) != nc + nk or len(eqn.outvars) != nk or prm.get("reverse"):
             raise TritonSourceError("Triton source: a scan with scanned inputs or outputs (only fori loops)")
         consts = [self.read(a, indent) for a in eqn.invars[:nc]]
