@@ -1013,7 +1013,7 @@ def _plan_of_some(preset, full: "Kernel", some: "Kernel"):
     if sorted(n for g in plan for n in g) != sorted(full.output_names):
         return preset
     # by the arg each cotangent is of (its name's ``d_`` prefix is chosen per kernel)
-    of_arg = {n: n[len(n) - len(w):] for n, w in zip(full.output_names, full._wrt)}
+    of_arg = dict(zip(full.output_names, full._wrt))
     renamed = {w: n for n, w in zip(some.output_names, some._wrt)}
     groups = tuple(g for g in (tuple(renamed[of_arg[n]] for n in g if of_arg[n] in renamed) for g in plan) if g)
     return dataclasses.replace(preset, plan=groups)
