@@ -479,7 +479,14 @@ class Kernel:
             wrt = tuple(i for i in sorted(wrt) if floats[i])
             held = (labels or True) if outs is not None else False
             adj = self._adjoint_for(key[0], options, held, wrt=tuple(self.params[i].name for i in wrt))
-            preset = _plan_of_some(backward_preset, self._adjoint_for(key[0], options, held), adj)
+            full = self._adjoint_for(key[0], options, held)
+            plan = getattr(backward_preset, "plan", None)
+            if isinstance(plan, tuple) and sorted(n for g in plan for n in g) != sorted(full.output_names):
+                # no partition of the cotangents: the whole adjoint refuses it, named, whichever
+                # argnums asked (a fuzz: the smaller adjoint took some)
+                adj, wrt, preset = full, tuple(i for i, f in enumerate(floats) if f), backward_preset
+            else:
+                preset = _plan_of_some(backward_preset, full, adj)
             arrays = [*args, *cts, *saved, *(outs or ())]
             if not levels:
                 grads = adj(*arrays, implementation=implementation, residuals="none", onf=preset, **options)
@@ -1003,14 +1010,12 @@ class Kernel:
 def _plan_of_some(preset, full: "Kernel", some: "Kernel"):
     """``preset`` with its ``plan``, a partition of ``full``'s outputs (an adjoint's cotangents:
     the "split" backward), kept to ``some``'s: the adjoint of the args a ``jax.grad`` asks
-    for (``argnums``) has only theirs. A plan that is no partition of ``full``'s outputs is
-    left as it is, to be refused, named, as for every arg."""
+    for (``argnums``) has only theirs (the plan a partition of ``full``'s outputs: checked
+    before, where ``full`` refuses another, named)."""
     import dataclasses
 
     plan = getattr(preset, "plan", None)
     if not isinstance(plan, tuple) or full.output_names == some.output_names:
-        return preset
-    if sorted(n for g in plan for n in g) != sorted(full.output_names):
         return preset
     # by the arg each cotangent is of (its name's ``d_`` prefix is chosen per kernel)
     of_arg = dict(zip(full.output_names, full._wrt))

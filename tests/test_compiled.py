@@ -783,6 +783,14 @@ def test_grad_of_some_args_derives_only_their_cotangents(impl):
             got = jax.jit(jax.grad(att, argnums=argnums))(q, k, v)
             for a, i in zip(got, argnums):
                 assert rel_err(a, want[i]) <= F64, (plan, argnums, i)
+    # a plan that is no partition of the three cotangents is refused whichever are asked (a fuzz
+    # found it taken where argnums asked only those it named), naming all three
+    for bad in ((("d_query", "d_key"),), (("d_query",), ("d_query", "d_key", "d_value")), (("d_q",), ("d_key", "d_value"))):
+        att = lambda q, k, v, bad=bad: jnp.sum(moajax.dot_product_attention(  # noqa: E731
+            q, k, v, onf=Preset.of(backward=bad), implementation=impl) * do)
+        for argnums in ((0,), (0, 1), (2,)):
+            with pytest.raises(ValueError, match="d_query.*d_key.*d_value"):
+                jax.grad(att, argnums=argnums)(q, k, v)
 
 
 def test_a_vmapped_saving_forward_names_its_statistics_and_keeps_its_gpu_tiling():
