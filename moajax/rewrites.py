@@ -497,8 +497,8 @@ def long_sums_out(onf: ONF, longer_than: int) -> ONF:
     """Every stage's expressions with their long sums outside the short ones around them
     (``long_sums_outside``), so the one a CPU walks in tiles is the outer one. Why: GQA's
     dK = Σ_g Σ_t … (the query heads of a kv head around the queries) held Σ_t whole under
-    the short Σ_g, its [s, t, g] scores in memory at once (1 GiB at S = 4096, where the MHA
-    kernel's walk held 57 MiB); as Σ_t Σ_g the queries are walked, the group summed in each
+    the short Σ_g, its [s, t, g] scores in memory at once (1084 MiB of temp at S = 4096:
+    bench/results/attention_grad_gqa_cpu.md); as Σ_t Σ_g the queries are walked, the group summed in each
     tile's contraction (``Backend.joint_sums``)."""
     return _every_expression(onf, lambda e: long_sums_outside(e, longer_than), "long_sums_out")
 

@@ -293,8 +293,8 @@ def test_a_table_gradient_on_the_cpu_is_its_own_tiled_kernel():
 def test_gqa_dk_dv_on_the_cpu_walks_the_queries_with_the_group_inside():
     """GQA's dK = Σ_g Σ_t … (the query heads of a kv head around the queries): on a CPU the long
     Σ_t goes outside the short Σ_g (``rewrites.long_sums_out``) and is walked in tiles, as
-    MHA's; held whole under Σ_g it materialised [s, t, g] scores (1084 MiB of temp at S = 4096,
-    where MHA held 57). Float64 gradients against the reference, 1e-10. A GPU keeps Σ_g Σ_t
+    MHA's; held whole under Σ_g it materialised [s, t, g] scores (1084 MiB of temp at S = 4096:
+    attention_grad_gqa_cpu.md). Float64 gradients against the reference, 1e-10. A GPU keeps Σ_g Σ_t
     (its programs run the group element by element around the walk)."""
     import jax.numpy as jnp
 

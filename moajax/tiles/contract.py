@@ -64,7 +64,7 @@ def contract(ev, vals: list, v: Var, out_dtype, zeros=None) -> Named:
         a, b = two_operands([x for x in vals if x.vars], v, ev.rank)
         if b is not None and _result_size(a, b, v) < min(a.data.size, b.data.size):
             out = ev.backend.contract(a, b, v, out_dtype)
-            c = functools.reduce(_mul, scalars)
+            c = product(scalars)
             return Named(out.data * c.data.astype(out.data.dtype), out.vars)
     a, b = two_operands(vals, v, ev.rank)
     if b is None:
@@ -101,6 +101,11 @@ def two_operands(vals: list, v: Var, rank=None):
     for x in vals[1:]:
         out = _mul(out, x, rank)
     return out, None
+
+
+def product(vals, rank=None) -> Named:
+    """Π vals (aligned by variable; mixed dtypes promoted)."""
+    return functools.reduce(lambda a, b: _mul(a, b, rank), vals)
 
 
 def _mul(a: Named, b: Named, rank=None) -> Named:

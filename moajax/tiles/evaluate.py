@@ -17,7 +17,7 @@ from moajax import ops as _ops
 from moajax.ix import Ix, Var
 from moajax.reference import Named, align
 from moajax.tiles import skipping
-from moajax.tiles.contract import contract_factors, contract_joint
+from moajax.tiles.contract import contract_factors, contract_joint, product
 from moajax.tiles.masking import fill_past_end, valid
 from moajax.tiles.ranges import broadcast_to_vars, index_values, same_range
 from moajax.tiles.scope import Scope
@@ -279,12 +279,7 @@ class TileEval(Scope):
         joint = self._joint_sum(v, sums[0])
         if joint is None:
             return None
-        rest = [self.eval(f) for f in factors if f is not sums[0]]
-        datas, vs = self.align([joint] + rest)
-        out = datas[0]
-        for d in datas[1:]:
-            out = out * d.astype(out.dtype)
-        return Named(out, vs)
+        return product([joint] + [self.eval(f) for f in factors if f is not sums[0]], self.rank)
 
     def _joint_sum(self, v: Var, body: D.Expr):
         """Σ_v Σ_w Π f as one contraction over (v, w) (``Backend.joint_sums``), where the
