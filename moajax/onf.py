@@ -282,6 +282,27 @@ class Program:
                 out.append(s.walks)
         return out
 
+    def batch_walks(self) -> set:
+        """The walks Σ_b that are a batch of a longer sum inside: Σ_b Σ_s f where every input
+        f reads along s it reads along b too — each b its own contraction over s (a vmap's
+        summed batch around attention's keys: dQ = Σ_b Σ_s dS[b t s] × K[b s h], where K
+        is read along both and Q along neither). Laid out as the batch it is, not a walk."""
+        out = set()
+        for st in self.stages:
+            v = st.walks
+            if v is None:
+                continue
+            for e in st.exprs():
+                if e is None:
+                    continue
+                reads = [x for x in D.walk(e) if isinstance(x, D.Read)]
+                for x in D.walk(e):
+                    if isinstance(x, D.Red) and x.var != v and x.var.extent > v.extent:
+                        along = [r for r in reads if x.var in r.free]
+                        if along and all(v in r.free for r in along):
+                            out.add(v)
+        return out
+
 
 # ----------------------------------------------------------------------------- masked tiles
 
@@ -465,7 +486,10 @@ class Knobs:
     as Q·Kᵀ under "operands": 32-row dots where it walks 32 queries, below the 64 rows of
     Hopper's wgmma, so ptxas gets Ampere's mma.sync for them; "tile" gives K·Qᵀ, 64 rows.
     Not the default until a GPU times it: offline, ptxas' registers move both ways with it
-    (bench/results/gpu_backward_sweep_ptx_sm_90a.md)."""
+    (bench/results/gpu_backward_sweep_ptx_sm_90a.md).
+    ``cpu_batches`` (CPU, XLA): walks held whole that are a batch of the sums inside
+    (``Program.batch_walks``: a vmap's summed batch around attention's keys), laid out with
+    the batch-like grid axes, before the rows (``tiles.ranges.var_order``)."""
 
     num_warps: int = 4
     num_stages: int = 2
@@ -473,6 +497,7 @@ class Knobs:
     lowp_dots: bool = False
     dot_precision: str = "highest"
     dot_layout: str = "operands"
+    cpu_batches: tuple = ()
 
     def __post_init__(self):
         if self.dot_precision not in DOT_PRECISIONS:
@@ -484,6 +509,8 @@ class Knobs:
         parts = [f"num_warps {self.num_warps}", f"num_stages {self.num_stages}"]
         if self.cpu_loop:
             parts.append(f"cpu_loop {' '.join(self.cpu_loop)}")
+        if self.cpu_batches:
+            parts.append(f"cpu_batches {' '.join(self.cpu_batches)}")
         if self.lowp_dots:
             parts.append("lowp_dots")
         if self.dot_precision != "highest":
@@ -733,6 +760,12 @@ class ONF:
         for n in self.knobs.cpu_loop:
             if n not in names or self.axis(n).role != "grid":
                 raise ONFError(f"{self.dnf.name}: cpu_loop axis {n!r} is not a grid axis")
+        if self.knobs.cpu_batches:
+            batches = {v.name: v for v in self.program.batch_walks()}
+            for n in self.knobs.cpu_batches:
+                if n not in batches or self.axis_of(batches[n]).role != "whole":
+                    raise ONFError(f"{self.dnf.name}: cpu_batches axis {n!r} is no batch walk held whole "
+                                   f"(batch walks: {sorted(batches)})")
         self._validate_program()
         return self
 

@@ -230,6 +230,12 @@ def _structure(onf: ONF, gpu: bool = False):
                 inner.add(x.var)
     reads = _heavy_reads(onf, loops)
     if not gpu:
+        if loops and set(loops) <= onf.program.batch_walks():
+            # walks that are only a batch of the sums inside (a vmap's summed batch around the
+            # keys, Σ_b Σ_s: dO[b t …] is read along b): the rows are those the inner sums'
+            # reads share (the queries, K and V read along s)
+            longest = max(v.extent for v in inner) if inner else 0
+            reads = _heavy_reads(onf, [v for v in inner if v.extent == longest])
         rows = [v for v in out_vars[:-1] if reads and all(v not in r.free for r in reads) and v.extent > 1]
         return loops, out_vars, sorted(inner), rows[:1]
     blocked = set(loops) | inner | set(out_vars[-1:])  # the axes a read's block spans (tile > 1)
@@ -708,7 +714,14 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
                  for e in onf.program.exprs() for x in D.walk(e))
     o = _apply_tiles(onf, loops, out_vars, inner, rows, bt, bs, gpu=False, inner_tile=bs if nested else 0)
     loop = tuple(v.name for v in rows if bt < v.extent)
-    return W.with_knobs(o, cpu_loop=loop) if loop else o
+    o = W.with_knobs(o, cpu_loop=loop) if loop else o
+    return _cpu_batches(o)
+
+
+def _cpu_batches(onf: ONF) -> ONF:
+    """The batch walks held whole laid out as batches (the knob ``cpu_batches``)."""
+    batches = tuple(sorted(v.name for v in onf.program.batch_walks() if onf.axis_of(v).role == "whole"))
+    return W.with_knobs(onf, cpu_batches=batches) if batches else onf
 
 
 def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(), rank: int = 0) -> ONF:
@@ -1439,8 +1452,9 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
         onf = W.with_gamma(onf, name, g)
     if preset.knobs:
         k = dict(preset.knobs)
-        if "cpu_loop" in k and isinstance(k["cpu_loop"], (list, str)):
-            k["cpu_loop"] = tuple([k["cpu_loop"]] if isinstance(k["cpu_loop"], str) else k["cpu_loop"])
+        for name in ("cpu_loop", "cpu_batches"):
+            if name in k and isinstance(k[name], (list, str)):
+                k[name] = tuple([k[name]] if isinstance(k[name], str) else k[name])
         onf = W.with_knobs(onf, **k)
     if precision is not None and precision != onf.knobs.dot_precision and _operand_width(onf) == 4:
         # float32 kernels only (``_operand_width``: the kernel's own outputs, as the tile tables
@@ -1449,6 +1463,10 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
     grid = {a.name for a in onf.axes if a.role == "grid"}
     if any(n not in grid for n in onf.knobs.cpu_loop):  # a preset made a looped axis non-grid
         onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))
+    whole = {a.name for a in onf.axes if a.role == "whole"} | {v.name for v in onf.program.vars()
+                                                              if all(a.name != v.name for a in onf.axes)}
+    if any(n not in whole for n in onf.knobs.cpu_batches):  # a preset walks a batch in tiles
+        onf = W.with_knobs(onf, cpu_batches=tuple(n for n in onf.knobs.cpu_batches if n in whole))
     if machine.is_gpu and onf.knobs.lowp_dots:
         # 16-bit dots: the operands as read, the factors hoist sank into them after the dot
         # (as FlashAttention scales its scores), so that no product is rounded to 16 bits

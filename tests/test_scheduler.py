@@ -15,9 +15,11 @@ import pytest
 import references as R
 from helpers import rel_err
 from moajax import compat, cost, machines, schedule
+from moajax import rewrites as W
 from moajax import dnf as D
 from moajax.kernels import logsumexp, rmsnorm, rmsnorm_matmul, swiglu
 from moajax.kernels.attention import mha_dnf
+from moajax.onf import ONFError
 
 # float64 end to end through tiled loops: a few ulps times the depth of the sum trees
 F64 = 1e-12
@@ -368,3 +370,36 @@ def test_gpu_tables_and_16_bit_dots_go_by_the_kernels_own_floating_outputs():
     assert not schedule.derive(mixed, h200).knobs.lowp_dots
     assert [is_saved_statistic(n) for n in ("saved0", "saved12", "saved2_0", "saved", "out", "saved_x")] == [
         True, True, True, False, False, False]
+
+
+def test_a_vmaps_summed_batch_around_the_keys_is_laid_out_as_a_batch():
+    """jax.grad of causal attention over the query a vmap shares: dQ = Σ_b Σ_s dS[b t s] ×
+    K[b s h], the summed batch walked around the keys (``Program.batch_walks``: K is read
+    along b and s, the query along neither). On a CPU the queries are still its row tiles
+    (the reads along s share them) and b is laid out with the batch-like axes, before t
+    (``tiles.ranges.var_order``): laid out after them, its [t, n, b, s] scores were
+    transposed twice and the call ran at 0.72× the same call on broadcast queries
+    (vmap_grad_cpu.md). The forward's Σ_s over short keys around a wider Σ_h is no batch: the
+    query is read along h, not s."""
+    from moajax.kernels.attention import mha_kernel
+    from moajax.tiles import var_order
+
+    kern = mha_kernel(None, None, False)
+    one = S((1, 128, 4, 64), np.float32)
+    _, args = kern.saved_adjoint(one, one, one, is_causal=True)
+    adj = kern.adjoint(one, one, one, wrt=("query",), saved=True, is_causal=True)
+    flags = (False,) + (True,) * (len(args) - 1)
+    batched = [S((8,) + tuple(a.shape), a.dtype) if f else a for a, f in zip(args, flags)]
+    (onf,) = [adj.batched(flags, summed=(0,)).onf(*batched, is_causal=True)]
+    (b,) = onf.program.batch_walks()
+    assert onf.knobs.cpu_batches == (b.name,)
+    assert b.extent == 8 and onf.axis("t").role == "grid" and onf.axis("t").tile == 128, onf
+    order = var_order(onf)
+    assert order[b.name] < order["t"] < order["s"], order
+    with pytest.raises(ONFError, match="cpu_batches axis 't' is no batch walk"):
+        W.with_knobs(onf, cpu_batches=("t",)).validate()
+    gpu = schedule.derive(adj.batched(flags, summed=(0,)).dnf(*batched, is_causal=True), machines.load("delta-a100"))
+    assert all(not o.knobs.cpu_batches for o in (gpu if isinstance(gpu, tuple) else (gpu,)))
+    short = S((1, 16, 2, 64), np.float32)
+    fwd = kern.onf(short, short, short)
+    assert not fwd.program.batch_walks(), fwd
