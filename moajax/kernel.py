@@ -194,6 +194,7 @@ class Kernel:
         # none. A derived kernel (the saving forward, an adjoint, the tangent) reads its primal's
         self._mesh_lift = None
         self._lift_from = None
+        self._batch_of = None  # a batched kernel's (primal, in_batched, summed): ``batched``
         self._rows_of = None  # (rows kernel, count) of a kernel over leading axes
         self._wrt = None  # an adjoint's: the args whose cotangents are its outputs (``adjoint``)
 
@@ -202,6 +203,10 @@ class Kernel:
         """The mesh lifting of this kernel: its own, or — for a kernel derived from another —
         the primal's at the time of the call (set on the primal after the derived kernel was
         cached, it still reaches it)."""
+        if self._batch_of is not None:  # under Ω: the primal's, one axis further in
+            primal, flags, summed = self._batch_of
+            lift = primal.mesh_lift
+            return None if lift is None else shard.UnderOmega(lift, primal, flags, summed)
         return self._mesh_lift if self._lift_from is None else self._lift_from.mesh_lift
 
     @mesh_lift.setter
@@ -791,6 +796,7 @@ class Kernel:
             lambda dnf, specs, opts, batches=(): ids(dnf, specs, opts, (tuple(in_batched),) + tuple(batches)))
         hit = self._derived[key] = Kernel(batched_fn, example=example, name=f"{self.name}_vmap",
                                            outputs=self.output_names, dims=dims, identities=hook)
+        hit._batch_of = (self, tuple(bool(b) for b in in_batched), tuple(sorted(summed)))
         if self.output_names is None:
             # the cell's names (a saving forward's statistics are named as such: the GPU tile
             # tables go by the width of the other outputs, and the identities match by name)

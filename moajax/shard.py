@@ -617,6 +617,66 @@ def _memo(dnf_of):
     return functools.cache(lambda: rule(dnf_of()))
 
 
+class UnderOmega:
+    """A kernel's mesh lifting carried through Ω over a leading batch axis (``Kernel.batched``,
+    what ``jax.vmap`` runs): Ω(f)(A)[i] = f(A[i]), so the cell's lifted axis j is the batched
+    array's axis j + 1, and each device runs the cell's lifted program under ``jax.vmap`` (its
+    collectives batched alike: the ring's permutes carry every batch element's block at once).
+    An output the batch shares the argument of (``summed``) is summed over the batch on the
+    device, after the lifted program. Without it a vmap around the sequence-split attention
+    gathered the whole sequence (a fuzz, 2026-12-06)."""
+
+    def __init__(self, lift, primal, in_batched: tuple, summed: tuple):
+        self.lift, self.primal, self.in_batched, self.summed = lift, primal, tuple(in_batched), tuple(summed)
+
+    def for_dnf(self, dnf, options, onf=None):
+        """The lift of the batched kernel's DNF ``dnf``: its cell's, moved one axis in; or None."""
+        import jax
+
+        cells = [jax.ShapeDtypeStruct(i.shape[1:] if b else i.shape, i.dtype)
+                 for i, b in zip(dnf.inputs, self.in_batched)]
+        cell = self.primal._build(cells, options)[2]
+        lifted = self.lift.for_dnf(cell, options, onf)
+        return None if lifted is None else _LiftedUnderOmega(lifted, cell, self.in_batched, self.summed)
+
+
+class _LiftedUnderOmega:
+    def __init__(self, lifted, cell, in_batched: tuple, summed: tuple):
+        self.lifted, self.cell, self.in_batched, self.summed = lifted, cell, in_batched, frozenset(summed)
+        # (a Preset's ring: ``_lifted_axis`` refuses a split it cannot take rather than gather)
+        self.balance, self.rounds = getattr(lifted, "balance", None), getattr(lifted, "rounds", 1)
+
+    def classes(self, r: Rule) -> frozenset:
+        """The batched rule's classes of the axes the cell's lift lifts (one axis further in
+        on a batched argument)."""
+        cell = rule(self.cell)
+        lifted = self.lifted.classes(cell)
+        out = set()
+        for (_, _, axs), (_, _, big), b in zip(cell.inputs, r.inputs, self.in_batched):
+            out |= {big[j + b].cls for j, ax in enumerate(axs) if ax.cls in lifted}
+        return frozenset(out) - {None}
+
+    def _cells(self, shapes) -> list:
+        return [tuple(s)[1:] if b else tuple(s) for s, b in zip(shapes, self.in_batched)]
+
+    def check_split(self, axis_name: str, devices: int, shapes) -> None:
+        self.lifted.check_split(axis_name, devices, self._cells(shapes))
+
+    def per_device(self, axis_name: str, devices: int, local_in, local_out):
+        import jax
+
+        cell_out = [tuple(s) if j in self.summed else tuple(s)[1:] for j, s in enumerate(local_out)]
+        one = self.lifted.per_device(axis_name, devices, self._cells(local_in), cell_out)
+        axes = tuple(0 if b else None for b in self.in_batched)
+
+        def batched(*xs):
+            outs = jax.vmap(one, in_axes=axes)(*xs)
+            many = isinstance(outs, tuple)
+            outs = tuple(o.sum(0) if j in self.summed else o for j, o in enumerate(outs if many else (outs,)))
+            return outs if many else outs[0]
+        return batched
+
+
 def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dnf=None, plain_dnf=None):
     """``run`` (the kernel's compiled function of its inputs) partitioned over a device mesh:
     under ``jax.jit`` with sharded inputs, each device runs ``relower(local input specs)`` on
@@ -746,4 +806,4 @@ def partitioned(run, dnf, relower, who: str, lift=None, precision=None, local_dn
     return g
 
 
-__all__ = ["Rule", "rule", "partitioned", "assignment", "conform", "visible"]
+__all__ = ["Rule", "rule", "partitioned", "assignment", "conform", "visible", "UnderOmega"]

@@ -366,6 +366,44 @@ def test_the_ring_gives_the_cotangents_a_grad_asks_for(argnums):
     assert "collective-permute" in text and "all-gather" not in text
 
 
+def _under_vmap(case):
+    """(function, arrays, their splits) of the ring-under-vmap cases: V = 2 examples of
+    [1, 64, N, 8], the sequence over "seq" (a vmap's batch over "data" in one)."""
+    r = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(r.standard_normal(s)) for s in ((2, 1, 64, 4, 8), (2, 1, 64, 2, 8), (2, 1, 64, 2, 8)))
+    att = functools.partial(moajax.dot_product_attention, is_causal=True)
+    seq = P(None, None, "seq")
+    if case == "keys shared":  # the kv cotangents summed over the batch (``summed``)
+        f = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(jax.vmap(att, in_axes=(0, None, None))(q, k, v))), argnums=(0, 1, 2))
+        return f, (q, k[0], v[0]), (seq, P(None, "seq"), P(None, "seq"))
+    if case == "batch over data":
+        f = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(jax.vmap(att)(q, k, v))), argnums=(0, 1, 2))
+        return f, (q, k, v), (P("data", None, "seq"),) * 3
+    if case == "vmap of vmap":  # the outer batch shares k and v, the inner batches them
+        f = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(jax.vmap(lambda q: jax.vmap(att)(q, k, v))(q))), argnums=(0, 1, 2))
+        return f, (jnp.stack([q, 2 * q, -q]), k, v), (P(None, None, None, "seq"), seq, seq)
+    f = lambda q, k, v: jax.jvp(jax.vmap(att), (q, k, v), (v[..., :1, :].repeat(4, -2), k, q[..., :2, :]))[1]  # noqa: E731
+    return f, (q, k, v), (seq,) * 3
+
+
+@pytest.mark.parametrize("case", ["keys shared", "batch over data", "vmap of vmap", "jvp"])
+def test_the_ring_runs_under_vmap(case):
+    """jax.vmap around the sequence-split attention runs the ring (``shard.UnderOmega``: the
+    lift of the batched kernel is the cell's, one axis further in, run under vmap on each
+    device), where it gathered the whole sequence (a fuzz, 2026-12-06): forward, gradient
+    with a shared operand's cotangent summed over the batch, a batch split over "data", a
+    vmap of a vmap, forward mode. Float64 against the unsplit call, 1e-12; collective-permutes,
+    no all-gather."""
+    mesh = _mesh((2, 4), ("data", "seq"))
+    f, xs, specs = _under_vmap(case)
+    args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(xs, specs)]
+    jf = jax.jit(f)
+    for a, b in zip(jax.tree.leaves(jf(*args)), jax.tree.leaves(f(*xs))):
+        assert rel_err(a, b) <= 1e-12, case
+    text = _hlo(jf, *args)
+    assert "collective-permute" in text and "all-gather" not in text, case
+
+
 @pytest.mark.parametrize("dtype,causal,heads", [(np.float64, True, 2), (np.float64, False, 4),
                                                 (np.float32, True, 4)])
 def test_sequence_split_runs_the_ring_under_jit(dtype, causal, heads):
