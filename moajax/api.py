@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from moajax import machines, runtime
+from moajax import compat, machines, runtime
 from moajax.onf import ONF
 from moajax.schedule import Preset, derive
 
@@ -627,7 +627,11 @@ def transformer_block(params, x, *, is_causal=True, eps=1e-6, rope_theta=None, o
         pos = jnp.arange(x.shape[1])
         q, k = rope(q, pos, rope_theta), rope(k, pos, rope_theta)
     att = dot_product_attention(q, k, v, is_causal=is_causal, **kw)
-    h = x + jnp.einsum("btnh,nhd->btd", att, p["wo"], precision=hi)
+    # on a mesh of Explicit axes with the heads split, Σ over them is ambiguous to JAX: its
+    # result takes x's split (JAX raised, asking for it, where jnp's einsum does the same)
+    split = compat.explicit_sharding(x)
+    h = x + jnp.einsum("btnh,nhd->btd", att, p["wo"], precision=hi,
+                       **({} if split is None else {"out_sharding": split}))
     return h + gated_mlp(rms_norm(h, p["mlp_norm"], eps=eps, **kw), p["w_gate"], p["w_up"], p["w_down"], **kw)
 
 

@@ -392,6 +392,18 @@ def has_explicit_axes(mesh) -> bool:
     return any(str(t).endswith("Explicit") for t in (getattr(mesh, "axis_types", None) or ()))
 
 
+def explicit_sharding(x):
+    """The sharding in ``x``'s type where its mesh has Explicit axes (sharding in types), else
+    None: what a contraction over a split axis is told its result takes (JAX asks for it
+    there, ``out_sharding``, rather than choose)."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except Exception:  # noqa: BLE001 - a JAX without jax.typeof, or a value it cannot type
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    return sharding if mesh is not None and has_explicit_axes(mesh) else None
+
+
 def reshard(x, sharding):
     """``x`` traced with ``sharding``: ``jax.sharding.reshard`` on a mesh of Explicit axes (where
     ``with_sharding_constraint`` only asserts), ``with_sharding_constraint`` otherwise."""

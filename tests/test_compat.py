@@ -63,3 +63,29 @@ def test_a_batched_transpose_offer_is_found_with_or_without_the_jaxpr_accessor(a
         debug_info = closed.jaxpr.debug_info
 
     assert compat._offered(closed if accessor else Merged()) is plan
+
+
+def test_explicit_sharding_is_a_values_typed_split_only_on_explicit_axes():
+    """``compat.explicit_sharding``: the split in a value's type where its mesh has Explicit
+    axes (what the block's Σ over split heads is told to take), None for a plain array and for
+    a split over automatic axes (where XLA's partitioner chooses)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x = jnp.ones((4, 2))
+    assert compat.explicit_sharding(x) is None
+    auto = Mesh(np.array(jax.devices()[:2]), ("x",))
+    assert compat.explicit_sharding(jax.device_put(x, NamedSharding(auto, P("x")))) is None
+    AxisType = getattr(jax.sharding, "AxisType", None)
+    if AxisType is None or not hasattr(jax, "set_mesh"):
+        return  # (a JAX without sharding in types: nothing more to type)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",), axis_types=(AxisType.Explicit,))
+    seen = []
+
+    def typed(x):
+        seen.append(compat.explicit_sharding(x))  # (read while tracing: the type carries it)
+        return x
+
+    with jax.set_mesh(mesh):
+        jax.jit(typed)(jax.device_put(x, NamedSharding(mesh, P("x"))))
+    assert seen[0] is not None and tuple(seen[0].spec)[:1] == ("x",)

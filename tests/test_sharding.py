@@ -326,6 +326,29 @@ def test_block_gradient_batch_and_heads_split():
     assert "all-gather" not in _hlo(g, ps, xs)
 
 
+def test_block_batch_and_heads_split_on_a_mesh_of_explicit_axes():
+    """The same split on a mesh of Explicit axes (sharding in types): the output projection's
+    Σ over the split heads takes x's split (``compat.explicit_sharding``), where JAX raised a
+    ShardingTypeError asking for it (a fuzz; jnp's own einsum raises it there). Forward and
+    gradient equal one device's, 1e-12."""
+    AxisType = getattr(jax.sharding, "AxisType", None)
+    if AxisType is None or not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "auto_axes"):
+        pytest.skip("this JAX has no Explicit mesh axes (sharding in types)")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    p, x = _block(N=8, K=4)
+    f = lambda p, x: moajax.transformer_block(p, x, is_causal=True)  # noqa: E731
+    loss = lambda p, x: jnp.mean(f(p, x) ** 2)  # noqa: E731
+    heads = {"wq": (None, "model"), "wk": (None, "model"), "wv": (None, "model"), "wo": ("model",)}
+    with jax.set_mesh(mesh):
+        ps = {n: jax.device_put(w, NamedSharding(mesh, P(*heads.get(n, ())))) for n, w in p.items()}
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        out, got = jax.jit(f)(ps, xs), jax.jit(jax.grad(loss))(ps, xs)
+    assert rel_err(out, f(p, x)) <= 1e-12
+    ref = jax.grad(loss)(p, x)
+    for n in p:
+        assert rel_err(got[n], ref[n]) <= 1e-12, n
+
+
 def test_block_forward_and_gradient_sequence_split():
     """The block with the sequence split over "seq" (and the batch over "data"): its attention
     runs the ring (collective-permutes), the norms and the MLP their rows; equal to one
