@@ -300,6 +300,9 @@ GPU_WHOLE_MAX = 128
 # kernel (8 warps for a 4096-wide row: 16 values a thread); a dot in a tile under 16 rows is a
 # multiply-and-sum (pallas_kernels.lower)
 GPU_NARROW_ROWS = [(8, 16, 8, 1), (4, 16, 8, 1), (2, 16, 8, 1), (1, 16, 8, 1)]
+# a row split over programs (``_gpu_tiles``' last resort for a kernel without dots): one row a
+# program, the statistic's walk in tiles of 1024 (of the row's tile where narrower)
+GPU_SPLIT_ROWS = [(1, 1024, 8, 1)]
 
 
 def _own_floating_outputs(onf: ONF) -> list:
@@ -472,10 +475,31 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: i
         return _liftings(onf, GPU_NARROW_ROWS, lambda bt, bs: _apply_tiles(
             onf, loops, out_vars, inner, rows, bt, bs, gpu=True))
 
+    def split_rows():
+        # a row wider than a program holds even alone (RMSNorm over d = 16384 in float32 on the
+        # A40: x's row and the weight, 128 KB): the last axis over the grid, widest tile first,
+        # the statistic's walk (Σ_d x², the output's d shadowed: ``separate_walks``) walked
+        # whole by each program of the row, in tiles. Two programs a row read x's row three
+        # times, as a statistics pre-pass would (one more pass than the row held whole)
+        last = out_vars[-1] if out_vars else None
+        if last is None or last not in loops:
+            return
+        named = W.separate_walks(onf, [last.name])
+        if named is onf:
+            return
+        structure = _structure(named, gpu=True)
+        top = next_pow2(last.extent) // 2
+        for lt in (top >> k for k in range(top.bit_length())):
+            if lt < 16:
+                return
+            yield from _liftings(named, GPU_SPLIT_ROWS, lambda bt, bs, lt=lt: _apply_tiles(
+                named, *structure, bt, min(bs, lt), gpu=True, last_tile=lt))
+
     if wide_walks(inner):
         return _ranked(structures(onf, loops, out_vars, inner, rows), machine, rank)
     if not _holds_dots(onf):  # nothing to lose: the spill check's tries go on to fewer rows
-        return _ranked(itertools.chain(structures(onf, loops, out_vars, inner, rows), narrow()), machine, rank)
+        return _ranked(itertools.chain(structures(onf, loops, out_vars, inner, rows), narrow(), split_rows()),
+                       machine, rank)
     best = _ranked(structures(onf, loops, out_vars, inner, rows), machine, rank)
     # with dots, fewer rows only where no tiling fits: a dot's tensor cores are worth a spill
     return best if onchip_bytes(best) <= machine.onchip_limit_bytes else _ranked(narrow(), machine, rank)

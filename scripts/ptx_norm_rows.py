@@ -45,17 +45,18 @@ def main(argv):
             for m in gpus():
                 try:
                     o = schedule.derive(dnf, m)
-                    got = (f"{o.axis('n').tile}", f"{o.knobs.num_warps}", f"{cost.onchip_bytes(o)}",
+                    cols = "whole" if o.axis("d").role == "whole" else f"{o.axis('d').tile} (of {d})"
+                    got = (f"{o.axis('n').tile}", cols, f"{o.knobs.num_warps}", f"{cost.onchip_bytes(o)}",
                            f"{ptx.spill_bytes(o, m.arch)}")
                 except ONFError:
-                    got = ("none fits", "", "", "")
+                    got = ("none fits", "", "", "", "")
                 # the 16-row tiling, d whole: the tables' last entry for widths over 128
                 wide = dataclasses.replace(m, spill_check=False, shared_memory_per_block=1 << 30)
                 sixteen = schedule.derive(dnf, wide, tiles={"n": 16})
                 fits = cost.onchip_bytes(sixteen) <= m.onchip_limit_bytes
                 rows.append((dt, d, m.name, m.arch, *got, f"{m.onchip_limit_bytes}", f"{cost.onchip_bytes(sixteen)}",
                              "yes" if fits else "no", f"{ptx.spill_bytes(sixteen, m.arch)}" if fits else "—"))
-    head = ("| dtype | d | machine | arch | rows a program | warps | on-chip B (model) | spill B | limit B "
+    head = ("| dtype | d | machine | arch | rows a program | columns a program | warps | on-chip B (model) | spill B | limit B "
             "| 16 rows: on-chip B | 16 rows fit | 16 rows: spill B |")
     lines = [
         "# RMSNorm over wide rows on the GPU, offline: rows a program (PTX, ptxas; no GPU)",
@@ -64,7 +65,9 @@ def main(argv):
         "`python scripts/ptx_norm_rows.py`: RMSNorm's forward at n = 4096 rows, each profile with its spill "
         "check on (as `moajax gpu-report`). Before `schedule.GPU_NARROW_ROWS` (2026-12-06) a program took "
         "16 rows at least: where those do not fit (\"16 rows fit: no\") no GPU ONF fitted and the CUDA "
-        "lowering ran the CPU's XLA loops; where they fit and spill, they were the only try. Untimed.",
+        "lowering ran the CPU's XLA loops; where they fit and spill, they were the only try. Where one row "
+        "does not fit a program alone, its columns go over the grid (`schedule.GPU_SPLIT_ROWS`, since "
+        "2026-12-06: each program walks the row's Σ_d x² in tiles of 1024). Untimed.",
         "",
         head,
         "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|",

@@ -104,6 +104,29 @@ def test_a_narrow_row_tile_runs_and_matches_float64():
     assert rel_err(got, R.rmsnorm(*xs)) <= F64
 
 
+def test_a_row_wider_than_a_program_holds_is_split_over_programs():
+    """A row that one program cannot hold even alone (16 KiB: a row of 2048 float64 and the
+    weight are 32 KiB; RMSNorm over d = 16384 in float32 on the A40, 128 KB): its last axis goes
+    over the grid, widest tile first, and each program walks the row's Σ_d x² in tiles
+    (``schedule.GPU_SPLIT_ROWS``; the output's d and the sum's apart: ``separate_walks``). No
+    GPU ONF fitted before, and the CUDA lowering ran the CPU's XLA loops. Run in interpret mode
+    against float64, 1e-12; the A40's ONF fits its shared memory."""
+    import pallas_kernels
+
+    with compat.enable_x64_context(True):
+        dnf = rmsnorm.dnf(S((3, 2048), f64), S((2048,), f64))
+        onf = schedule.derive(dnf, TINY_GPU)
+        ax = _axes(onf)
+        assert ax["d"][1] == "grid" and 16 <= ax["d"][0] < 2048 and ax["d_"][1] == "sequential", ax
+        assert cost.onchip_bytes(onf) <= TINY_GPU.onchip_limit_bytes
+        xs = [np.random.default_rng(6).standard_normal(i.shape) for i in dnf.inputs]
+        got = pallas_kernels.lower(onf, interpret=True)(*xs)
+    assert rel_err(got, R.rmsnorm(*xs)) <= F64
+    a40 = machines.load("delta-a40")
+    onf = schedule.derive(rmsnorm.dnf(S((4096, 16384), np.float32), S((16384,), np.float32)), a40)
+    assert _axes(onf)["d"] == (8192, "grid") and cost.onchip_bytes(onf) <= a40.onchip_limit_bytes
+
+
 def test_a_wide_nested_reduction_is_walked_even_where_it_fits():
     # held whole, SwiGLU's Σ_d over d = 1024 fits the H200's shared memory but spills
     # registers (8800 B of spill stores under ptxas): the scheduler walks it
