@@ -623,6 +623,17 @@ class _Lifted:
             return self._picked(_in_order(ring, body, q, k, v, g))
         return adjoint
 
+    def batched_together(self, flags) -> tuple:
+        """Under Ω (``shard.UnderOmega``), which arguments the batch must carry: an adjoint's
+        query, cotangents, saved statistics and Out all, where any of the last is batched. A
+        block adjoint batched over its cotangent alone (``jax.jacrev``) is derived with Δ =
+        +/(dO × Out) summed over its own keys — the identity that reads the whole row's Out
+        matches only with them batched alike — and gave wrong dQ and dK, silently (a fuzz)."""
+        flags = tuple(bool(f) for f in flags)
+        if self.role in ("adjoint", "adjoint_saved") and any(flags[3:]):
+            return (True,) + flags[1:3] + (True,) * (len(flags) - 3)
+        return flags
+
     def _picked(self, grads):
         """The cotangents the adjoint kernel outputs, of the ring's (dQ, dK, dV)."""
         got = tuple(grads[i] for i in self.picked)

@@ -633,6 +633,10 @@ class UnderOmega:
         """The lift of the batched kernel's DNF ``dnf``: its cell's, moved one axis in; or None."""
         import jax
 
+        if tuple(i.name for i in dnf.inputs) != tuple(p.name for p in self.primal.params):
+            # a kernel derived from the batched one (its adjoint, under a second derivative) is
+            # no cell under Ω: its arguments are others (a fuzz: they were zipped with these flags)
+            return None
         cells = [jax.ShapeDtypeStruct(i.shape[1:] if b else i.shape, i.dtype)
                  for i, b in zip(dnf.inputs, self.in_batched)]
         cell = self.primal._build(cells, options)[2]
@@ -667,10 +671,15 @@ class _LiftedUnderOmega:
 
         cell_out = [tuple(s) if j in self.summed else tuple(s)[1:] for j, s in enumerate(local_out)]
         one = self.lifted.per_device(axis_name, devices, self._cells(local_in), cell_out)
-        axes = tuple(0 if b else None for b in self.in_batched)
+        # the cell's lift may need some arguments batched together (``batched_together``: the
+        # ring's block adjoint reads the whole row's Out only so); those are broadcast over it
+        flags = getattr(self.lifted, "batched_together", lambda f: f)(self.in_batched)
+        size = next(s[0] for s, b in zip(local_in, self.in_batched) if b)
 
         def batched(*xs):
-            outs = jax.vmap(one, in_axes=axes)(*xs)
+            xs = [jax.numpy.broadcast_to(x, (size,) + x.shape) if f and not b else x
+                  for x, f, b in zip(xs, flags, self.in_batched)]
+            outs = jax.vmap(one, in_axes=tuple(0 if f else None for f in flags))(*xs)
             many = isinstance(outs, tuple)
             outs = tuple(o.sum(0) if j in self.summed else o for j, o in enumerate(outs if many else (outs,)))
             return outs if many else outs[0]

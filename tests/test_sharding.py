@@ -405,18 +405,26 @@ def _under_vmap(case):
     if case == "vmap of vmap":  # the outer batch shares k and v, the inner batches them
         f = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(jax.vmap(lambda q: jax.vmap(att)(q, k, v))(q))), argnums=(0, 1, 2))
         return f, (jnp.stack([q, 2 * q, -q]), k, v), (P(None, None, None, "seq"), seq, seq)
+    if case == "cotangent alone":  # (jax.jacrev's batch: q, k, v and Out shared by it)
+        g = jnp.stack([jnp.sin(q[0]), jnp.cos(q[0]), q[0]])
+
+        def f(q, k, v):
+            return jax.vmap(jax.vjp(att, q, k, v)[1])(g)
+        return f, (q[0], k[0], v[0]), (P(None, "seq"),) * 3
     f = lambda q, k, v: jax.jvp(jax.vmap(att), (q, k, v), (v[..., :1, :].repeat(4, -2), k, q[..., :2, :]))[1]  # noqa: E731
     return f, (q, k, v), (seq,) * 3
 
 
-@pytest.mark.parametrize("case", ["keys shared", "batch over data", "vmap of vmap", "jvp"])
+@pytest.mark.parametrize("case", ["keys shared", "batch over data", "vmap of vmap", "jvp", "cotangent alone"])
 def test_the_ring_runs_under_vmap(case):
     """jax.vmap around the sequence-split attention runs the ring (``shard.UnderOmega``: the
     lift of the batched kernel is the cell's, one axis further in, run under vmap on each
     device), where it gathered the whole sequence (a fuzz, 2026-12-06): forward, gradient
     with a shared operand's cotangent summed over the batch, a batch split over "data", a
-    vmap of a vmap, forward mode. Float64 against the unsplit call, 1e-12; collective-permutes,
-    no all-gather."""
+    vmap of a vmap, forward mode, and the cotangent batched alone (jax.jacrev's), whose block
+    adjoint read its own keys' Δ until the ring's query, statistics and Out were batched with
+    it (``batched_together``; a second fuzz: dQ and dK 28 % off). Float64 against the unsplit
+    call, 1e-12; collective-permutes, no all-gather."""
     mesh = _mesh((2, 4), ("data", "seq"))
     f, xs, specs = _under_vmap(case)
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(xs, specs)]
@@ -425,6 +433,23 @@ def test_the_ring_runs_under_vmap(case):
         assert rel_err(a, b) <= 1e-12, case
     text = _hlo(jf, *args)
     assert "collective-permute" in text and "all-gather" not in text, case
+
+
+def test_a_second_derivative_of_a_vmap_over_the_sequence_split_is_right():
+    """grad of grad, and jvp of grad, of a vmap around the sequence-split attention: the
+    second-order kernels, derived from the batched adjoint, are no cell under Ω and gather
+    (``UnderOmega.for_dnf``), where their arguments were zipped with the batched kernel's
+    flags and XLA's partitioner raised (a fuzz). Float64 against the unsplit call, 1e-12."""
+    mesh = _mesh((2, 4), ("data", "seq"))
+    r = np.random.default_rng(8)
+    q, k, v = (jnp.asarray(r.standard_normal(s)) for s in ((2, 1, 16, 2, 4), (2, 1, 16, 1, 4), (2, 1, 16, 1, 4)))
+    att = moajax.dot_product_attention
+    g = lambda q, k, v: jax.grad(lambda q: jnp.sum(jnp.sin(jax.vmap(att)(q, k, v))))(q)  # noqa: E731
+    second = {"grad of grad": lambda q, k, v: jax.grad(lambda q: jnp.sum(g(q, k, v) ** 2))(q),
+              "jvp of grad": lambda q, k, v: jax.jvp(lambda q: g(q, k, v), (q,), (jnp.cos(q),))[1]}
+    args = [jax.device_put(x, NamedSharding(mesh, P(None, None, "seq"))) for x in (q, k, v)]
+    for name, f in second.items():
+        assert rel_err(jax.jit(f)(*args), f(q, k, v)) <= 1e-12, name
 
 
 @pytest.mark.parametrize("dtype,causal,heads", [(np.float64, True, 2), (np.float64, False, 4),
