@@ -489,7 +489,10 @@ class Knobs:
     (bench/results/gpu_backward_sweep_ptx_sm_90a.md).
     ``cpu_batches`` (CPU, XLA): walks held whole that are a batch of the sums inside
     (``Program.batch_walks``: a vmap's summed batch around attention's keys), laid out with
-    the batch-like grid axes, before the rows (``tiles.ranges.var_order``)."""
+    the batch-like grid axes, before the rows (``tiles.ranges.var_order``). ``cpu_vectorised``
+    (CPU, XLA): the program walks nothing in tiles, so its arrays keep the outputs' axis order
+    after the batch-like axes, whatever the roles (``ONF.axis_order``). Either takes effect
+    only while it holds: a later rewrite (split_k, a tile that walks) leaves it unused."""
 
     num_warps: int = 4
     num_stages: int = 2
@@ -498,6 +501,7 @@ class Knobs:
     dot_precision: str = "highest"
     dot_layout: str = "operands"
     cpu_batches: tuple = ()
+    cpu_vectorised: bool = False
 
     def __post_init__(self):
         if self.dot_precision not in DOT_PRECISIONS:
@@ -511,6 +515,8 @@ class Knobs:
             parts.append(f"cpu_loop {' '.join(self.cpu_loop)}")
         if self.cpu_batches:
             parts.append(f"cpu_batches {' '.join(self.cpu_batches)}")
+        if self.cpu_vectorised:
+            parts.append("cpu_vectorised")
         if self.lowp_dots:
             parts.append("lowp_dots")
         if self.dot_precision != "highest":
@@ -539,6 +545,44 @@ class ONF:
     skips: tuple = ()  # Skip per stage whose masked tiles are left out (``rewrites.skip_masked``)
 
     # ---- lookups
+    def axis_order(self, vectorised: bool | None = None) -> dict:
+        """The canonical order of tile arrays' axes (name → position; ``tiles.ranges.var_order``):
+        batch-like grid axes (tile 1) first, then the tiled grid axes, then sequential, then
+        whole ones, each group in output-variable order (then by name). The walks the knob
+        ``cpu_batches`` names (a batch walk held whole: ``Program.batch_walks``, a vmap's summed
+        batch around the keys) go with the batch-like axes: a batch dimension of the dots
+        inside, they come before their rows (laid out after them, a vmapped attention's dQ
+        transposed its [t, n, b, s] scores twice and ran at 0.72× the same call on broadcast
+        queries). Under the knob ``cpu_vectorised`` (``vectorised``: as if set) — a CPU program
+        walking nothing in tiles, one vectorised computation — a grid axis that is an output's
+        last stays with the whole axes, in the outputs' order: RMSNorm's fused dX and dW as
+        [n, d], where the programs' d first transposed x, dO and dX, the minor axis of each
+        (bench/results/cpu_order_cpu.md). Other grid axes keep their place (attention's
+        adjoint owning key rows, its scores laid out [t, s], ran 0.87× as fast as with [s, t])."""
+        names = [v.name for v in self.dnf.output_vars]
+        for v in sorted(self.program.vars(), key=lambda v: v.name):
+            if v.name not in names:
+                names.append(v.name)
+        # (knobs a later rewrite left stale take no effect: split_k's partials walk no batch, a
+        # tile made sequential walks)
+        batches = {v.name for v in self.program.batch_walks() if v.name in self.knobs.cpu_batches
+                   and self.axis_of(v).role == "whole"} if self.knobs.cpu_batches else set()
+        flat = (self.knobs.cpu_vectorised if vectorised is None else vectorised) and not any(
+            a.role == "sequential" for a in self.axes)
+        minor = {o.vars[-1].name for o in self.dnf.outputs if o.vars} if flat else set()
+
+        def key(n):
+            a = next((x for x in self.axes if x.name == n), None)
+            role = a.role if a is not None else "whole"
+            group = {"grid": 0 if (a is not None and a.tile == 1) else 1, "sequential": 2, "whole": 3}[role]
+            if n in batches:
+                group = 0
+            elif group == 1 and n in minor:
+                group = 3
+            return (group, names.index(n))
+
+        return {n: i for i, n in enumerate(sorted(names, key=key))}
+
     def axis(self, name: str) -> Axis:
         for a in self.axes:
             if a.name == name:
@@ -760,12 +804,6 @@ class ONF:
         for n in self.knobs.cpu_loop:
             if n not in names or self.axis(n).role != "grid":
                 raise ONFError(f"{self.dnf.name}: cpu_loop axis {n!r} is not a grid axis")
-        if self.knobs.cpu_batches:
-            batches = {v.name: v for v in self.program.batch_walks()}
-            for n in self.knobs.cpu_batches:
-                if n not in batches or self.axis_of(batches[n]).role != "whole":
-                    raise ONFError(f"{self.dnf.name}: cpu_batches axis {n!r} is no batch walk held whole "
-                                   f"(batch walks: {sorted(batches)})")
         self._validate_program()
         return self
 

@@ -718,8 +718,32 @@ def _contraction_walks(onf: ONF, loops) -> set:
     return {v for v, plain in kinds.items() if plain}
 
 
+def _map_walks(onf: ONF, loops) -> set:
+    """The loops whose every reduction sums a map of reads over no more than its own variable
+    and its stage's (RMSNorm's dX: Σ_d1 −(dO[n d1] × w[d1]) × x[n d1] for each n): XLA fuses
+    the map into the reduce, so held whole nothing is materialised; walked in tiles, each step
+    slices every operand (the CPU's dX of RMSNorm over d = 4096 in 16 walked tiles of 256)."""
+    kinds: dict = {}
+    for st in onf.program.stages:
+        own = set(getattr(st, "vars", None) or ())
+        for e in st.exprs():
+            if e is None:
+                continue
+            for x in D.walk(e):
+                if isinstance(x, D.Red) and x.var in loops:
+                    plain = (bool(own) and x.free <= own
+                             and not any(isinstance(y, (D.Red, D.Ref)) for y in D.walk(x.body) if y is not x))
+                    kinds[x.var] = kinds.get(x.var, True) and plain
+    return {v for v, plain in kinds.items() if plain}
+
+
+def _cpu_whole_walks(onf: ONF, loops) -> set:
+    """The loops a CPU holds whole: XLA runs each as one dot or one fused reduce."""
+    return _contraction_walks(onf, loops) | _map_walks(onf, loops)
+
+
 def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
-    whole = _contraction_walks(onf, loops)
+    whole = _cpu_whole_walks(onf, loops)
     if whole:
         loops = [v for v in loops if v not in whole]
         inner = sorted(set(inner) | whole, key=lambda v: v.name)
@@ -861,6 +885,9 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
         onf = W.separate_walks(onf, [r.name] + [v.name for v in batch])
     loops = [v for v in _main_walks(onf) if v != r and v not in batch]
     gpu = machine.is_gpu
+    # (a CPU's: RMSNorm's saving forward walked Σ_d x² in tiles of 256 beside the row held
+    # whole, where the plain forward holds it whole)
+    whole = set() if gpu else _cpu_whole_walks(onf, loops)
     rest = sorted((v for v in onf.program.vars() if v != r and v not in batch and v not in loops),
                   key=lambda v: v.name)
 
@@ -884,7 +911,7 @@ def _scatter_over(onf: ONF, machine: Machine, r, separate: bool = False, spread:
         axes = [Axis(r.name, r.extent, min(bt, next_pow2(r.extent) if gpu else r.extent), "grid")]
         axes += [Axis(v.name, v.extent, 1, "grid") for v in batch]
         for v in loops:
-            t = 1 if v in around else min(bs, next_pow2(v.extent)) if gpu else min(bs, v.extent)
+            t = 1 if v in around else min(bs, next_pow2(v.extent)) if gpu else v.extent if v in whole else min(bs, v.extent)
             axes.append(Axis(v.name, v.extent, t, "sequential" if t < v.extent else "whole"))
         seen = {a.name for a in axes}
         for v in rest:
@@ -1491,6 +1518,10 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
                                                               if all(a.name != v.name for a in onf.axes)}
     if any(n not in whole for n in onf.knobs.cpu_batches):  # a preset walks a batch in tiles
         onf = W.with_knobs(onf, cpu_batches=tuple(n for n in onf.knobs.cpu_batches if n in whole))
+    if not machine.is_gpu and not any(a.role == "sequential" for a in onf.axes) and (
+            onf.axis_order(vectorised=True) != onf.axis_order()):
+        # one vectorised computation: its arrays in the outputs' order (``Knobs.cpu_vectorised``)
+        onf = W.with_knobs(onf, cpu_vectorised=True)
     if machine.is_gpu and onf.knobs.lowp_dots:
         # 16-bit dots: the operands as read, the factors hoist sank into them after the dot
         # (as FlashAttention scales its scores), so that no product is rounded to 16 bits

@@ -13,7 +13,8 @@ short keeps what it finished), each skipped once the time budget (``--budget``) 
    with each compiled program's temp memory; moajax's temp memory at S = 16384 and 32768;
 5. the forward beside jax.nn at transformer sizes;
 6. the fused forward+backward's time; issue 11's decode and block gradient; RMSNorm→matmul in
-   bfloat16 against the two ops in XLA.
+   bfloat16 against the two ops in XLA; RMSNorm alone and its gradient against XLA, and its dX
+   kernel under the default ONF beside one row a program.
 
 float32 follows ``jax.default_matmul_precision`` in moajax as in jax.nn: under JAX's default
 both take TF32 dots on this GPU; "ieee" rows run under ``jax.default_matmul_precision
@@ -506,6 +507,34 @@ def main():
         for dt in ("float32", "bfloat16"):
             race(f"rmsnorm n={n} d={d} {dt}", {"jax.nn": rms, "moajax": moajax.rms_norm},
                  (draw((n, d), dt), draw((d,), dt)), None, 20, "jax.nn")
+        # RMSNorm's gradient, and its dX kernel alone under two ONFs: the default programs own
+        # 32 rows × 128 columns and each walks its rows' Σ_d (dO·w·x) whole, so every row is read
+        # once per column tile (32× at d = 4096; the cost model counts those re-reads as cached,
+        # untimed as of 2026-12-06) — against one row a program held whole (0 spills offline)
+        from moajax.kernels.norm import rmsnorm as rms_kernel
+
+        for dt in ("float32", "bfloat16"):
+            x, g, dy = draw((n, d), dt), draw((d,), dt), draw((n, d), dt)
+            race(f"rmsnorm grad n={n} d={d} {dt}",
+                 {"jax.nn": jax.grad(lambda x, g, dy: jnp.sum((rms(x, g) * dy).astype(jnp.float32)), argnums=(0, 1)),
+                  "moajax": jax.grad(lambda x, g, dy: jnp.sum((moajax.rms_norm(x, g) * dy).astype(jnp.float32)),
+                                     argnums=(0, 1))}, (x, g, dy), None, 20, "jax.nn")
+        try:
+            specs = [jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((d,), jnp.float32)]
+            adj = rms_kernel.adjoint(*specs)
+            plan = schedule.derive_plan(adj.dnf(*specs, specs[0]), pallas_machine)
+            dx = next(o for o in (plan if isinstance(plan, tuple) else (plan,)) if o.dnf.name.endswith("d_x"))
+            whole = schedule.derive(dx.dnf, pallas_machine, tiles={"n": 1, "d": d, "d1": 1024}, roles={"d": "grid"})
+            interp = not on_gpu  # (--quick on a CPU: the interpreter, a dry run)
+            race(f"rmsnorm dX kernel n={n} d={d} float32",
+                 {f"default ONF ({' '.join(f'{a.name} {a.tile}' for a in dx.axes)})":
+                  pallas_kernels.lower(dx, interpret=interp),
+                  f"one row a program ({' '.join(f'{a.name} {a.tile}' for a in whole.axes)})":
+                  pallas_kernels.lower(whole, interpret=interp)},
+                 [jnp.abs(draw(i.shape, "float32")) + 1 for i in dx.dnf.inputs], None, 20,
+                 f"default ONF ({' '.join(f'{a.name} {a.tile}' for a in dx.axes)})")
+        except Exception as e:
+            rep.add(f"| rmsnorm dX kernel n={n} d={d} float32 | — | — | — | — | — | {_fail(e)} |")
         rep.flush()
     return 1 if bad else 0
 

@@ -45,28 +45,9 @@ def same_range(r: Range, b: Range | None) -> bool:
 
 
 def var_order(onf: ONF) -> dict:
-    """The canonical axis order of tile arrays: batch-like grid axes (tile 1) first, then the
-    tiled grid axes, then sequential, then whole ones, each group in output-variable order
-    (then by name). The walks the knob ``cpu_batches`` names (a batch walk held whole:
-    ``Program.batch_walks``, a vmap's summed batch around the keys) go with the batch-like
-    axes: a batch dimension of the dots inside, they come before their rows (laid out after
-    them, a vmapped attention's dQ transposed its [t, n, b, s] scores twice and ran at 0.72×
-    the same call on broadcast queries)."""
-    names = [v.name for v in onf.dnf.output_vars]
-    for v in sorted(onf.program.vars(), key=lambda v: v.name):
-        if v.name not in names:
-            names.append(v.name)
-    batches = set(onf.knobs.cpu_batches)
-
-    def key(n):
-        a = next((x for x in onf.axes if x.name == n), None)
-        role = a.role if a is not None else "whole"
-        group = {"grid": 0 if (a is not None and a.tile == 1) else 1, "sequential": 2, "whole": 3}[role]
-        if n in batches:
-            group = 0
-        return (group, names.index(n))
-
-    return {n: i for i, n in enumerate(sorted(names, key=key))}
+    """The canonical axis order of tile arrays: ``ONF.axis_order`` (the layout is the
+    schedule's: its roles and knobs)."""
+    return onf.axis_order()
 
 
 def _i32(x):
