@@ -423,7 +423,7 @@ def test_the_ring_runs_under_vmap(case):
     with a shared operand's cotangent summed over the batch, a batch split over "data", a
     vmap of a vmap, forward mode, and the cotangent batched alone (jax.jacrev's), whose block
     adjoint read its own keys' Δ until the ring's query, statistics and Out were batched with
-    it (``batched_together``; a second fuzz: dQ and dK 28 % off). Float64 against the unsplit
+    it (``batched_together``; a second fuzz: dQ and dK 28–43 % off). Float64 against the unsplit
     call, 1e-12; collective-permutes, no all-gather."""
     mesh = _mesh((2, 4), ("data", "seq"))
     f, xs, specs = _under_vmap(case)
