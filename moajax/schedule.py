@@ -719,7 +719,7 @@ def _contraction_walks(onf: ONF, loops) -> set:
 
 
 def _map_walks(onf: ONF, loops) -> set:
-    """The loops whose every reduction sums a map of reads over no more than its own variable
+    """The loops whose every reduction sums a map over one read's points, within its own variable
     and its stage's (RMSNorm's dX: Σ_d1 −(dO[n d1] × w[d1]) × x[n d1] for each n): XLA fuses
     the map into the reduce, so held whole nothing is materialised; walked in tiles, each step
     slices every operand (the CPU's dX of RMSNorm over d = 4096 in 16 walked tiles of 256)."""
@@ -731,7 +731,12 @@ def _map_walks(onf: ONF, loops) -> set:
                 continue
             for x in D.walk(e):
                 if isinstance(x, D.Red) and x.var in loops:
-                    plain = (bool(own) and x.free <= own
+                    reads = [y for y in D.walk(x.body) if isinstance(y, D.Read)]
+                    span = frozenset().union(*(y.free for y in reads)) if reads else frozenset()
+                    # a map over one read's points: no product of reads over different axes (the
+                    # MLP's Σ_f g[n f] × W[d f] is a contraction: held whole, its [n, f] factor was
+                    # materialised, the block's gradient at 266.3 MiB of temp where 215.2: model_cpu.md)
+                    plain = (bool(own) and x.free <= own and any(y.free == span for y in reads)
                              and not any(isinstance(y, (D.Red, D.Ref)) for y in D.walk(x.body) if y is not x))
                     kinds[x.var] = kinds.get(x.var, True) and plain
     return {v for v, plain in kinds.items() if plain}

@@ -432,7 +432,7 @@ def test_a_cpu_program_walking_nothing_keeps_the_outputs_axis_order():
     """RMSNorm's fused adjoint on a CPU: programs own d (dX[n d] and dW[d], no atomics), one
     tile of it, and walk nothing in tiles; XLA vectorises the whole program, so its arrays keep
     the outputs' order [n, d] (the knob ``cpu_vectorised``, ``ONF.axis_order``), where the grid's
-    d first made every array [d, n]: x, dO and dX transposed, a 3.7–4.9× slower gradient
+    d first made every array [d, n]: x, dO and dX transposed, a 3.7–5.0× slower gradient
     (cpu_order_cpu.md). A program that walks in tiles keeps the groups' order; the knob beside
     a walk takes no effect; a GPU's schedule never sets it."""
     from moajax.kernels.norm import rmsnorm as kern
@@ -459,3 +459,25 @@ def test_a_cpu_program_walking_nothing_keeps_the_outputs_axis_order():
     att, att_args = mha_kernel(None, None, False).saved_adjoint(one, one, one, is_causal=True)
     for o in (lambda x: x if isinstance(x, tuple) else (x,))(att.onf(*att_args, is_causal=True)):
         assert not o.knobs.cpu_vectorised, o
+
+
+def test_a_cpu_walk_of_a_map_is_held_whole_and_a_contraction_is_not():
+    """On a CPU a walk whose sum is a map over one read's points (RMSNorm's dX: Σ_d1 dO[n d1]
+    × w[d1] × x[n d1]) is held whole — XLA fuses it into one reduce; walked, each step slices
+    every operand — in the scatter schedules too (its saving forward walked Σ_d x²). A sum of a
+    product of reads over different axes is a contraction (the MLP's dZ = Σ_f …[n f] × W[d f]):
+    held whole, its [n, f] factor was materialised — the block's gradient at 266.3 MiB of temp
+    where 215.2 (model_cpu.md) — so it stays walked."""
+    from moajax.kernels.mlp import swiglu
+    from moajax.kernels.norm import rmsnorm as kern
+
+    x, w = S((4096, 512), np.float32), S((512,), np.float32)
+    saving = kern.with_row_statistics(()).onf(x, w)
+    assert saving.axis_of(next(v for v in saving.program.vars() if v.name == "d")).role == "whole", saving
+    dx = next(o for o in (lambda a: a if isinstance(a, tuple) else (a,))(kern.adjoint(x, w).onf(x, w, x))
+              if any(out.name == "d_x" for out in o.dnf.outputs))
+    assert all(a.role != "sequential" for a in dx.axes), dx
+    z, wg, wd = S((4096, 512), np.float32), S((512, 1408), np.float32), S((1408, 512), np.float32)
+    onfs = swiglu.adjoint(z, wg, wg, wd).onf(z, wg, wg, wd, z)
+    dz = next(o for o in (onfs if isinstance(onfs, tuple) else (onfs,)) if any(out.name == "d_z" for out in o.dnf.outputs))
+    assert dz.axis("f").role == "sequential", dz
