@@ -490,9 +490,9 @@ class Knobs:
     ``cpu_batches`` (CPU, XLA): walks held whole that are a batch of the sums inside
     (``Program.batch_walks``: a vmap's summed batch around attention's keys), laid out with
     the batch-like grid axes, before the rows (``tiles.ranges.var_order``). ``cpu_vectorised``
-    (CPU, XLA): the program walks nothing in tiles, so its arrays keep the outputs' axis order
-    after the batch-like axes, whatever the roles (``ONF.axis_order``). Either takes effect
-    only while it holds: a later rewrite (split_k, a tile that walks) leaves it unused."""
+    (CPU, XLA): the program walks nothing in tiles, one vectorised computation, so a grid axis
+    that is an output's last stays last, with the whole axes (``ONF.axis_order``). Either takes
+    effect only while it holds: a later rewrite (split_k, a tile that walks) leaves it unused."""
 
     num_warps: int = 4
     num_stages: int = 2

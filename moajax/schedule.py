@@ -702,49 +702,38 @@ def _around_walks(onf: ONF, loops: set, inner_tile: int) -> set:
     return out - owned
 
 
-def _contraction_walks(onf: ONF, loops) -> set:
-    """The loops whose every reduction is a contraction of values read from memory (inputs,
-    memory stages): Σ_d Z[n d] × W[d f]. XLA runs one as a single dot; walking it in tiles
-    only adds passes over the output's accumulator."""
+def _cpu_whole_walks(onf: ONF, loops) -> set:
+    """The loops a CPU holds whole, XLA running each as one op: those whose every reduction is
+    a contraction of two values read from memory (inputs, memory stages: Σ_d Z[n d] × W[d f],
+    one dot; walking it in tiles only adds passes over the output's accumulator), and those
+    whose every reduction sums a map over one read's points within its own variable and its
+    stage's (RMSNorm's dX: Σ_d1 −(dO[n d1] × w[d1]) × x[n d1] for each n, one fused reduce:
+    nothing materialised, where walking in tiles slices every operand each step)."""
     memory = {st.name for st in onf.program.stages if st.place == "memory"}
-    kinds: dict = {}
-    for e in onf.program.exprs():
-        for x in D.walk(e):
-            if isinstance(x, D.Red) and x.var in loops:
-                factors = D.product_factors(D.unlabelled(x.body)) if x.monoid == "add" else []
-                plain = len(factors) == 2 and all(
-                    isinstance(f, D.Read) or (isinstance(f, D.Ref) and f.stage in memory) for f in factors)
-                kinds[x.var] = kinds.get(x.var, True) and plain
-    return {v for v, plain in kinds.items() if plain}
-
-
-def _map_walks(onf: ONF, loops) -> set:
-    """The loops whose every reduction sums a map over one read's points, within its own variable
-    and its stage's (RMSNorm's dX: Σ_d1 −(dO[n d1] × w[d1]) × x[n d1] for each n): XLA fuses
-    the map into the reduce, so held whole nothing is materialised; walked in tiles, each step
-    slices every operand (the CPU's dX of RMSNorm over d = 4096 in 16 walked tiles of 256)."""
-    kinds: dict = {}
+    contraction: dict = {}
+    mapped: dict = {}
     for st in onf.program.stages:
         own = set(getattr(st, "vars", None) or ())
         for e in st.exprs():
             if e is None:
                 continue
             for x in D.walk(e):
-                if isinstance(x, D.Red) and x.var in loops:
-                    reads = [y for y in D.walk(x.body) if isinstance(y, D.Read)]
-                    span = frozenset().union(*(y.free for y in reads)) if reads else frozenset()
-                    # a map over one read's points: no product of reads over different axes (the
-                    # MLP's Σ_f g[n f] × W[d f] is a contraction: held whole, its [n, f] factor was
-                    # materialised, the block's gradient at 266.3 MiB of temp where 215.2: model_cpu.md)
-                    plain = (bool(own) and x.free <= own and any(y.free == span for y in reads)
-                             and not any(isinstance(y, (D.Red, D.Ref)) for y in D.walk(x.body) if y is not x))
-                    kinds[x.var] = kinds.get(x.var, True) and plain
-    return {v for v, plain in kinds.items() if plain}
-
-
-def _cpu_whole_walks(onf: ONF, loops) -> set:
-    """The loops a CPU holds whole: XLA runs each as one dot or one fused reduce."""
-    return _contraction_walks(onf, loops) | _map_walks(onf, loops)
+                if not (isinstance(x, D.Red) and x.var in loops):
+                    continue
+                factors = D.product_factors(D.unlabelled(x.body)) if x.monoid == "add" else []
+                dot = len(factors) == 2 and all(
+                    isinstance(f, D.Read) or (isinstance(f, D.Ref) and f.stage in memory) for f in factors)
+                contraction[x.var] = contraction.get(x.var, True) and dot
+                reads = [y for y in D.walk(x.body) if isinstance(y, D.Read)]
+                span = frozenset().union(*(y.free for y in reads)) if reads else frozenset()
+                # a map over one read's points: no product of reads over different axes (the
+                # MLP's Σ_f g[n f] × W[d f] is a contraction: held whole as a map, its [n, f]
+                # factor was materialised, the block's gradient at 266.3 MiB of temp where
+                # 215.2: model_cpu.md)
+                fused = (bool(own) and x.free <= own and any(y.free == span for y in reads)
+                         and not any(isinstance(y, (D.Red, D.Ref)) for y in D.walk(x.body) if y is not x))
+                mapped[x.var] = mapped.get(x.var, True) and fused
+    return {v for v, ok in contraction.items() if ok} | {v for v, ok in mapped.items() if ok}
 
 
 def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
@@ -1519,13 +1508,10 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
     grid = {a.name for a in onf.axes if a.role == "grid"}
     if any(n not in grid for n in onf.knobs.cpu_loop):  # a preset made a looped axis non-grid
         onf = W.with_knobs(onf, cpu_loop=tuple(n for n in onf.knobs.cpu_loop if n in grid))
-    whole = {a.name for a in onf.axes if a.role == "whole"} | {v.name for v in onf.program.vars()
-                                                              if all(a.name != v.name for a in onf.axes)}
-    if any(n not in whole for n in onf.knobs.cpu_batches):  # a preset walks a batch in tiles
-        onf = W.with_knobs(onf, cpu_batches=tuple(n for n in onf.knobs.cpu_batches if n in whole))
-    if not machine.is_gpu and not any(a.role == "sequential" for a in onf.axes) and (
-            onf.axis_order(vectorised=True) != onf.axis_order()):
-        # one vectorised computation: its arrays in the outputs' order (``Knobs.cpu_vectorised``)
+    # (a preset that walks a batch in tiles leaves cpu_batches unused: ``ONF.axis_order``)
+    if not machine.is_gpu and onf.axis_order(vectorised=True) != onf.axis_order():
+        # one vectorised computation (``axis_order`` takes the knob only where nothing walks in
+        # tiles): an output's last axis stays last (``Knobs.cpu_vectorised``)
         onf = W.with_knobs(onf, cpu_vectorised=True)
     if machine.is_gpu and onf.knobs.lowp_dots:
         # 16-bit dots: the operands as read, the factors hoist sank into them after the dot
