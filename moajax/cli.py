@@ -73,7 +73,8 @@ def cmd_gpu_report(args) -> int:
     cases += gpu_report.model_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), targets=targets)
     cases += gpu_report.training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), targets=targets)
     cases += gpu_report.tangent_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), targets=targets)
-    cases += gpu_report.model_training_cases(tuple(d for d in ("float32",) if d in args.dtypes), targets=targets)
+    cases += gpu_report.model_training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes),
+                                             targets=targets)
     cases += gpu_report.score_mod_cases(tuple(d for d in ("float32",) if d in args.dtypes), targets=targets)
     reg = _kernels()
     for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):

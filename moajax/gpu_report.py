@@ -95,11 +95,12 @@ def model_cases(dtypes=("bfloat16", "float32"), targets=None):
     )
 
 
-def model_training_cases(dtypes=("float32",), targets=None):
+def model_training_cases(dtypes=("bfloat16", "float32"), targets=None):
     """What ``jax.grad`` of ``rms_norm`` and ``gated_mlp`` runs on a GPU at the seed's block
-    (n = 1024 tokens, d = 64, d_ff = 256), and of ``gated_mlp`` at a realistic size (n = 4096,
-    d = 1024, d_ff = 4096, where no fused schedule fits and the owner plan stages U, V, G_H):
-    each kernel of the adjoint's plan its own row (the staged first kernel, the weight
+    (n = 1024 tokens, d = 64, d_ff = 256) and at realistic sizes (RMSNorm at n = d = 4096, its
+    adjoint recomputing r and reading it saved, which the residual policy "auto" picks on a
+    GPU there; ``gated_mlp`` at n = 4096, d = 1024, d_ff = 4096, whose owner plan stages U, V,
+    G_H): each kernel of the adjoint's plan its own row (the staged first kernel, the weight
     gradients' split-K parts and their combine)."""
     import jax
     import numpy as np
@@ -115,9 +116,13 @@ def model_training_cases(dtypes=("float32",), targets=None):
                  ("swiglu", swiglu, (4096, 1024, 4096))]
         for name, kern, (n, d, f) in cases:
             specs = [S(n, d), S(d)] if f is None else [S(n, d), S(d, f), S(d, f), S(f, d)]
-            dnf = kern.adjoint(*specs).dnf(*specs, S(n, d))
-            for m in _targets(targets):
-                out += _plan_rows(f"grad {name} adjoint {dt} n={n} d={d}" + (f" f={f}" if f else ""), dnf, m)
+            dnfs = [("adjoint", kern.adjoint(*specs).dnf(*specs, S(n, d)))]
+            if name == "rmsnorm" and n == 4096:
+                adj, args = kern.saved_adjoint(*specs)
+                dnfs.append(("adjoint reading r", adj.dnf(*args)))
+            for what, dnf in dnfs:
+                for m in _targets(targets):
+                    out += _plan_rows(f"grad {name} {what} {dt} n={n} d={d}" + (f" f={f}" if f else ""), dnf, m)
     return out
 
 

@@ -644,6 +644,13 @@ class Kernel:
         reads = {r.array for r in with_saved.dnf(*primal_specs, *cts, *saved, *cts, **options).reads()}
         if not saved and not reads & {p.name for p in with_saved.params[len(self.params) + len(cts):]}:
             return False  # nothing to save: no statistic, and no identity reads an output
+        # a statistic the backward does not read would be written by the forward and held until
+        # the backward for nothing, which flops do not see: in bfloat16 RMSNorm's and SwiGLU's
+        # float32 value before rounding, an [n d] float32 array, twice their output (their
+        # adjoints read r, or nothing); attention's backward reads all three of its
+        first = len(self.params) + len(cts)
+        if any(p.name not in reads for p in with_saved.params[first:first + len(saved)]):
+            return False
         return (flops(self.with_row_statistics(), []) + flops(with_saved, cts + saved + cts)
                 < flops(self, []) + flops(self._adjoint_for(shape_key, options, False), cts))
 
@@ -873,9 +880,11 @@ class Kernel:
                 values = {x: a if lay is None else _in_own_layout(a, lay, x) for x, a, lay in zip(stats, held, lays)}
                 # a label is transparent: the labelled value itself, where the derivative reads it
                 # unlabelled, is the saved one too (tanh's rule reads y = tanh(a) itself: a column
-                # max of tanh(x +.× W) saves its operand, and its backward recomputed x +.× W)
+                # max of tanh(x +.× W) saves its operand, and its backward recomputed x +.× W; the
+                # square root's reads √u inside RMSNorm's "rms", whose saved adjoint recomputed
+                # Σ_d x² for it until 2026-12-06)
                 values.update({x.arg: v for x, v in list(values.items())
-                               if isinstance(x, moa.Name) and _is_selected(x) and x.arg not in values})
+                               if isinstance(x, moa.Name) and x.arg not in values})
                 grads = tuple(moa.substitute(d, values) for d in grads)
             # a cotangent has its input's dims (the output variables of the adjoint's DNF)
             return tuple(d if d.dims == by_name[w].dims else moa.reshape(d, d.shape, dims=by_name[w].dims)

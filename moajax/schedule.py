@@ -457,7 +457,13 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: i
             yield from attempt(onf, loops, out_vars, inner, rows, nested, 0, 0)
         last = out_vars[-1] if out_vars else None
         lts = [0]
-        if last is not None and last not in loops and last.extent > 16:
+        # programs owning column tiles of a row that a walk of theirs reads whole (RMSNorm's dX
+        # beside its Σ_d1 dO·w·x) would each walk the row again: 32 times at d = 4096 in
+        # tiles of 128, through L2, which the cost model does not charge. The rows are held
+        # whole then (fewer a program: ``narrow``), as where the walk is the output's own
+        # variable, and split over programs only where one row does not fit (``split_rows``)
+        rewalked = last is not None and not _holds_dots(onf) and _rewalks_row(onf, last, [*loops, *inner])
+        if last is not None and last not in loops and last.extent > 16 and not rewalked:
             # a reduction inside that shadows the last variable (SwiGLU's Σ_d of Z·W_g under
             # the output's d) walks an axis of its own once the programs own tiles of d
             named = W.separate_walks(onf, [last.name])
@@ -503,6 +509,18 @@ def _gpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows, rank: i
     best = _ranked(structures(onf, loops, out_vars, inner, rows), machine, rank)
     # with dots, fewer rows only where no tiling fits: a dot's tensor cores are worth a spill
     return best if onchip_bytes(best) <= machine.onchip_limit_bytes else _ranked(narrow(), machine, rank)
+
+
+def _rewalks_row(onf: ONF, last, walks) -> bool:
+    """Does one of ``walks`` read an array along the dimension ``last`` reads it: dX[n d] =
+    f(⟨n d⟩ψx, Σ_d1 g(⟨n d1⟩ψx)), x's dimension 1 read by d and by the walk d1?"""
+    at: dict = {}
+    for e in onf.program.exprs():
+        for x in D.walk(e):
+            if isinstance(x, D.Read):
+                for p, ix in enumerate(x.index):
+                    at.setdefault((x.array, p), set()).update(ix.free_vars())
+    return any(last in vs and any(w in vs for w in walks if w != last) for vs in at.values())
 
 
 def _holds_dots(onf: ONF) -> bool:
@@ -1214,6 +1232,25 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
                     and plan_work((onf,)) < plan_work(plan)):
                 return onf
             return plan
+    elif machine.is_gpu and len(dnf.outputs) > 1:
+        # a fused kernel without atomics can still recompute: to add an output over one axis
+        # without atomics its programs own tiles of that axis and walk the others, and a row
+        # statistic another output reads is then recomputed in every program. The saving
+        # RMSNorm adjoint's programs own columns of d (dW = Σ_n, no atomics) and each walks
+        # every row's Σ_d over all of d for dX: 25 ms by the model on the A40 at 4096 × 4096
+        # in float32, against 0.8 ms for the recomputing adjoint's kernels; SwiGLU's bfloat16
+        # adjoint at n = 4096, d = 1024, f = 4096 on the H200, its 64 programs owning tiles of
+        # d and walking n and f, 28.6 ms against the A40's owner plan's 6.0. As between the
+        # owner plan's own candidates (``_owner_plan``), the one the cost model times faster
+        # (probed unchecked; a tie keeps the fused kernel, one launch)
+        from moajax.cost import sequence
+
+        groups = plan_groups(dnf, "owner", machine, preset)
+        if len(groups) > 1:
+            owner = _owner_plan(dnf, groups, probe, probe, preset)
+            if (owner is not None and sequence(estimate(o, machine) for o in owner).time_s
+                    < estimate(onf, machine).time_s):
+                return _owner_plan(dnf, groups, machine, probe, preset)
     return derive(dnf, machine, preset)
 
 
@@ -1427,9 +1464,30 @@ def _spill_checked(dnf: D.DNF, machine: Machine, preset: Preset, first: ONF, pre
                                                     machine.name, machine.gpu_path, type(e).__name__, e)
             return first
         if spilled == 0:
-            return o
+            return _clean_or_small_spill(o, tried, machine)
         tried.append((spilled, o))
     return min(tried, key=lambda t: t[0])[1] if tried else first
+
+
+# A clean tiling the cost model times more than SPILL_SLOWDOWN times slower than one tried
+# before it that spills at most SPILL_TOLERATED bytes (stores and loads) is not taken over it.
+# On the H200, float32 attention tilings spilling a few hundred bytes to 2 KB of stores ran
+# 1.3–1.6× faster than the clean ones the check fell back to, and the two spilling about 25 KB
+# a thread 6–7× slower (bench/results/gpu_backward_sweep_h200.md, gpu_backward_sweep_ptx_sm_90a.md).
+# A fallback can change more than the tile: the A100's RMSNorm dW at n = d = 4096 in float32
+# spills 104 B at its first tiling (split-K over n) and none at the third, which lost the split
+# and walked all 4096 rows' Σ_d x² in each of 64 programs: 4.8 ms by the model against 0.14
+SPILL_SLOWDOWN = 2.0
+SPILL_TOLERATED = 2048
+
+
+def _clean_or_small_spill(clean: ONF, tried, machine: Machine) -> ONF:
+    """``clean`` (a tiling ptxas compiles without spilling), or the least-spilling of ``tried``
+    that spills at most SPILL_TOLERATED bytes and that the cost model times more than
+    SPILL_SLOWDOWN times faster."""
+    slow = estimate(clean, machine).time_s
+    small = [(s, o) for s, o in tried if s <= SPILL_TOLERATED and estimate(o, machine).time_s * SPILL_SLOWDOWN < slow]
+    return min(small, key=lambda t: t[0])[1] if small else clean
 
 
 def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precision: str | None = None) -> ONF:

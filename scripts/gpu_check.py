@@ -13,8 +13,9 @@ short keeps what it finished), each skipped once the time budget (``--budget``) 
    with each compiled program's temp memory; moajax's temp memory at S = 16384 and 32768;
 5. the forward beside jax.nn at transformer sizes;
 6. the fused forward+backward's time; issue 11's decode and block gradient; RMSNorm→matmul in
-   bfloat16 against the two ops in XLA; RMSNorm alone and its gradient against XLA, and its dX
-   kernel under the default ONF beside one row a program.
+   bfloat16 against the two ops in XLA; RMSNorm alone and its gradient (both residual policies)
+   against XLA, its dX kernel under the default ONF beside one row a program; the gated MLP's
+   bfloat16 gradient against XLA.
 
 float32 follows ``jax.default_matmul_precision`` in moajax as in jax.nn: under JAX's default
 both take TF32 dots on this GPU; "ieee" rows run under ``jax.default_matmul_precision
@@ -507,24 +508,44 @@ def main():
         for dt in ("float32", "bfloat16"):
             race(f"rmsnorm n={n} d={d} {dt}", {"jax.nn": rms, "moajax": moajax.rms_norm},
                  (draw((n, d), dt), draw((d,), dt)), None, 20, "jax.nn")
-        # RMSNorm's gradient, and its dX kernel alone under two ONFs: the default programs own
-        # 32 rows × 128 columns and each walks its rows' Σ_d (dO·w·x) whole, so every row is read
-        # once per column tile (32× at d = 4096; the cost model counts those re-reads as cached,
-        # untimed as of 2026-12-06) — against one row a program held whole (0 spills offline)
+        # RMSNorm's gradient under both residual policies (since 2026-12-06 "auto" saves r on a GPU:
+        # the adjoint reading it runs two kernels, dX owning whole rows and dW columns; before, its
+        # fused kernel walked every row's Σ_d once per column tile, 11 ms on the A100 by the
+        # model at 4096 × 4096 in float32), and its dX kernel alone under two ONFs: the default's
+        # rows a program against one row a program (0 spills offline); bench/results/adjoint_plans_ptx.md
         from moajax.kernels.norm import rmsnorm as rms_kernel
+
+        def rms_grad(f):
+            return jax.grad(lambda x, g, dy: jnp.sum((f(x, g) * dy).astype(jnp.float32)), argnums=(0, 1))
 
         for dt in ("float32", "bfloat16"):
             x, g, dy = draw((n, d), dt), draw((d,), dt), draw((n, d), dt)
             race(f"rmsnorm grad n={n} d={d} {dt}",
-                 {"jax.nn": jax.grad(lambda x, g, dy: jnp.sum((rms(x, g) * dy).astype(jnp.float32)), argnums=(0, 1)),
-                  "moajax": jax.grad(lambda x, g, dy: jnp.sum((moajax.rms_norm(x, g) * dy).astype(jnp.float32)),
-                                     argnums=(0, 1))}, (x, g, dy), None, 20, "jax.nn")
+                 {"jax.nn": rms_grad(rms), "moajax": rms_grad(moajax.rms_norm),
+                  "moajax residuals=none": rms_grad(lambda x, g: moajax.rms_norm(x, g, residuals="none")),
+                  "moajax residuals=save": rms_grad(lambda x, g: moajax.rms_norm(x, g, residuals="save"))},
+                 (x, g, dy), None, 20, "jax.nn")
+        # the gated MLP's gradient in bfloat16 at Llama's widths: until 2026-12-06 the A100 and the
+        # H200 ran one fused kernel (64 programs owning tiles of d, walking n and f: 28.6 ms on the
+        # H200 by the model), now the owner plan staging U, V, G_H (0.45 ms by the model)
+        nm, dm, fm = (256, 128, 256) if quick else (4096, 1024, 4096)
+        xm = draw((nm, dm), "bfloat16")
+        wg, wu, wd = ((draw(s_, "bfloat16") / np.sqrt(s_[0])).astype(jnp.bfloat16) for s_ in ((dm, fm), (dm, fm), (fm, dm)))
+
+        def mlp_xla(x, wg, wu, wd):
+            return jnp.dot(jax.nn.silu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
+
+        def mlp_grad(f):
+            return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3))
+
+        race(f"gated_mlp grad n={nm} d={dm} f={fm} bf16", {"jax.nn": mlp_grad(mlp_xla), "moajax": mlp_grad(moajax.gated_mlp)},
+             (xm, wg, wu, wd), 6 * 2 * nm * dm * fm, 20, "jax.nn")
         try:
             specs = [jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((d,), jnp.float32)]
             adj = rms_kernel.adjoint(*specs)
             plan = schedule.derive_plan(adj.dnf(*specs, specs[0]), pallas_machine)
             dx = next(o for o in (plan if isinstance(plan, tuple) else (plan,)) if o.dnf.name.endswith("d_x"))
-            whole = schedule.derive(dx.dnf, pallas_machine, tiles={"n": 1, "d": d, "d1": 1024}, roles={"d": "grid"})
+            whole = schedule.derive(dx.dnf, pallas_machine, tiles={"n": 1})
             interp = not on_gpu  # (--quick on a CPU: the interpreter, a dry run)
             race(f"rmsnorm dX kernel n={n} d={d} float32",
                  {f"default ONF ({' '.join(f'{a.name} {a.tile}' for a in dx.axes)})":

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from moajax import compat, gpu_report, machines, ptx, schedule
+from moajax import compat, cost, gpu_report, machines, ptx, schedule
 from moajax.cost import onchip_bytes
 from moajax.kernels.attention import mha_dnf
 from moajax.onf import RowGuard
@@ -407,6 +407,35 @@ def test_two_ranks_that_clamp_to_one_tiling_do_not_end_the_check(monkeypatch):
     monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch, path: 0 if onf == clean else 8)
     monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
     assert schedule.derive(dnf, dataclasses.replace(a100, spill_check=True)) == clean
+
+
+@pytest.mark.parametrize("spilled, kept", [(104, "first"), (25000, "clean")])
+def test_a_clean_fallback_many_times_slower_does_not_win_over_a_small_spill(monkeypatch, spilled, kept):
+    """The A100's RMSNorm dW (recomputing r) at n = d = 4096 in float32: its first tiling cuts
+    the rows over the grid (split-K) and spills 104 B (ptxas 12.9); the third, clean, lost the
+    split and walked all 4096 rows' Σ_d x² in each of 64 programs, 34× slower by the cost
+    model, and the check took it. A spill of at most ``SPILL_TOLERATED`` bytes now stands
+    where the clean tiling is over ``SPILL_SLOWDOWN`` times slower; a large one (25 KB: the
+    H200's 10× slow attention tilings) still gives way (spill bytes given per rank here)."""
+    import dataclasses
+
+    import jax
+
+    a100 = machines.load("delta-a100")
+    S = jax.ShapeDtypeStruct
+    specs = [S((4096, 4096), np.float32), S((4096,), np.float32)]
+    from moajax.kernels.norm import rmsnorm
+
+    adj = rmsnorm.adjoint(*specs).dnf(*specs, S((4096, 4096), np.float32))
+    (dnf,) = [o.dnf for o in schedule.derive_plan(adj, a100) if o.dnf.name.endswith("d_weight")]
+    precision = compat.default_dot_precision()
+    by_rank = [schedule._derive(dnf, a100, schedule.Preset(), r, precision) for r in range(3)]
+    assert by_rank[0].axis("n_o").role == "grid" and by_rank[2].axis("n").role == "sequential"  # (the split lost)
+    assert cost.estimate(by_rank[2], a100).time_s > schedule.SPILL_SLOWDOWN * cost.estimate(by_rank[0], a100).time_s
+    monkeypatch.setattr(ptx, "spill_bytes", lambda onf, arch, path: 0 if onf == by_rank[2] else spilled)
+    monkeypatch.setattr(schedule, "_DERIVED", type(schedule._DERIVED)())
+    got = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True))
+    assert got == (by_rank[0] if kept == "first" else by_rank[2])
 
 
 def test_the_check_goes_on_to_the_next_structure_when_one_is_spent(monkeypatch):

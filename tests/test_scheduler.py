@@ -14,7 +14,7 @@ import pytest
 
 import references as R
 from helpers import rel_err
-from moajax import compat, cost, machines, schedule
+from moajax import compat, cost, machines, runtime, schedule
 from moajax import rewrites as W
 from moajax import dnf as D
 from moajax.kernels import logsumexp, rmsnorm, rmsnorm_matmul, swiglu
@@ -124,6 +124,67 @@ def test_a_row_wider_than_a_program_holds_is_split_over_programs():
     a40 = machines.load("delta-a40")
     onf = schedule.derive(rmsnorm.dnf(S((4096, 16384), np.float32), S((16384,), np.float32)), a40)
     assert _axes(onf)["d"] == (8192, "grid") and cost.onchip_bytes(onf) <= a40.onchip_limit_bytes
+
+
+def test_a_fused_adjoint_that_recomputes_gives_way_to_the_owner_plan():
+    """RMSNorm's adjoint reading the saved r (dX = (g⊙w − x̂·corr ÷ D) ÷ r with corr = Σ_d
+    g⊙w⊙x̂, dW = Σ_n g⊙x̂): one kernel adds dW without atomics only with programs owning columns
+    of d, and each then walks every row's corr over all of d — the A100's fused ONF at n = 1024,
+    d = 64, by the cost model 2.7× the owner plan's two kernels (dX owning rows, dW columns). A
+    GPU's derive_plan took it for having no atomics; it takes the plan the model times faster
+    now. The plan runs (interpret mode) against float64, 1e-12."""
+    a100 = machines.load("delta-a100")
+    with compat.enable_x64_context(True):
+        specs = [S((1024, 64), f64), S((64,), f64)]
+        adj, args = rmsnorm.saved_adjoint(*specs)
+        dnf = adj.dnf(*args)
+        fused = schedule.derive(dnf, a100)
+        assert not any(fused.scatter_var(st) for st in fused.program.stages)
+        plan = schedule.derive_plan(dnf, a100)
+        assert isinstance(plan, tuple) and [o.dnf.name.rsplit("_", 2)[-2:] for o in plan] == [["d", "x"], ["d", "weight"]]
+        assert cost.sequence(cost.estimate(o, a100) for o in plan).time_s < cost.estimate(fused, a100).time_s
+        assert _axes(plan[0])["d"] == (64, "whole")  # dX's programs own whole rows
+        rng = np.random.default_rng(7)
+        x, w, g = rng.standard_normal((1024, 64)), rng.standard_normal(64), rng.standard_normal((1024, 64))
+        r = np.sqrt(np.mean(x * x, axis=-1) + 1e-6)
+        env = {"x": x, "weight": w, "d_out": g, "saved0": r, "out": R.rmsnorm(x, w)}
+        assert [i.name for i in dnf.inputs] == list(env)
+        dx, dw = runtime.lowered(plan, "pallas_interpret", ("d_x", "d_weight"))(*env.values())
+    rx, rw = R.rmsnorm_backward(x, w, g)
+    assert rel_err(dx, rx) <= F64 and rel_err(dw, rw) <= F64
+
+
+@pytest.mark.parametrize("profile", ["delta-a40", "delta-a100", "h200"])
+def test_realistic_norm_and_mlp_gradients_take_the_owner_plan_on_a_gpu(profile):
+    """At Llama's sizes the fused adjoints the model times slowest: RMSNorm's, reading the saved r,
+    at n = d = 4096 in float32 (by the model 25 ms on the A40 against 0.7 for the owner plan),
+    and SwiGLU's in bfloat16 at n = 4096, d = 1024, f = 4096 (28.6 ms on the H200, 64 programs
+    owning tiles of d and walking n and f, against 0.45 for the owner plan, which stages U, V
+    and G_H as the A40's did). RMSNorm's dX programs hold whole rows (``_rewalks_row``)."""
+    m = machines.load(profile)
+    f32, bf16 = np.float32, np.dtype("bfloat16")
+    specs = [S((4096, 4096), f32), S((4096,), f32)]
+    adj, args = rmsnorm.saved_adjoint(*specs)
+    dnf = adj.dnf(*args)
+    plan = schedule.derive_plan(dnf, m)
+    assert isinstance(plan, tuple) and len(plan) == 2
+    assert cost.sequence(cost.estimate(o, m) for o in plan).time_s * 10 < cost.estimate(schedule.derive(dnf, m), m).time_s
+    assert _axes(plan[0])["d"] == (4096, "whole")
+    sp = [S((4096, 1024), bf16), S((1024, 4096), bf16), S((1024, 4096), bf16), S((4096, 1024), bf16)]
+    plan = schedule.derive_plan(swiglu.adjoint(*sp).dnf(*sp, S((4096, 1024), bf16)), m)
+    assert isinstance(plan, tuple) and len(plan) == 4  # U, V, G_H staged; dZ; dW_g with dW_u; dW_d
+
+
+def test_a_row_statistic_walked_beside_column_tiles_keeps_the_rows_whole():
+    """RMSNorm's recomputing adjoint on the A40 at n = d = 4096 in float32: r is staged by a first
+    kernel, and dX's program walks corr = Σ_d1 g⊙w⊙x over the row. With programs owning 128
+    columns of d (the A40's choice before), each walked the whole row again: 32 reads of x and
+    g a row, through L2, which the cost model does not charge. The rows are held whole now."""
+    f32 = np.float32
+    specs = [S((4096, 4096), f32), S((4096,), f32)]
+    plan = schedule.derive_plan(rmsnorm.adjoint(*specs).dnf(*specs, S((4096, 4096), f32)), machines.load("delta-a40"))
+    (dx,) = [o for o in plan if o.dnf.name.endswith("d_x")]
+    assert _axes(dx)["d"] == (4096, "whole") and dx.axis("n").role == "grid", _axes(dx)
 
 
 def test_a_wide_nested_reduction_is_walked_even_where_it_fits():
