@@ -32,7 +32,7 @@ import numpy as np
 from moajax import compat
 from moajax import dnf as D
 from moajax import rewrites as W
-from moajax.cost import check_fits, contractions, estimate, onchip_bytes
+from moajax.cost import check_fits, contractions, estimate, onchip_bytes, sequence
 from moajax.machines import Machine
 from moajax.onf import ONF, Axis, Knobs, ONFError, Stage, initial, next_pow2
 
@@ -1243,8 +1243,6 @@ def derive_plan(dnf: D.DNF, machine: Machine, preset: Preset | None = None):
         # d and walking n and f, 28.6 ms against the A40's owner plan's 6.0. As between the
         # owner plan's own candidates (``_owner_plan``), the one the cost model times faster
         # (probed unchecked; a tie keeps the fused kernel, one launch)
-        from moajax.cost import sequence
-
         groups = plan_groups(dnf, "owner", machine, preset)
         if len(groups) > 1:
             owner = _owner_plan(dnf, groups, probe, probe, preset)
@@ -1283,8 +1281,6 @@ def _owner_plan(dnf: D.DNF, groups, machine: Machine, probe: Machine, preset: Pr
     (``bench/results/staging_cpu.md``); not the seed-size MLP (1.3×), whose staged plan was
     the fastest. Its choice against the fused kernel is then ``plan_work``'s, which
     ``bench/results/backward_plans_cpu.md`` measured. None: neither fits."""
-    from moajax.cost import sequence
-
     found = []
     for parts in (staged_parts(dnf, groups), split_outputs(dnf, groups)):
         if found and len(parts) == len(found[0][1]):

@@ -40,6 +40,7 @@ def main(argv):
     from moajax.kernels.mlp import swiglu
     from moajax.kernels.norm import rmsnorm
     from moajax.onf import ONFError
+    from moajax.timing import write_results
 
     ptx.offline_or_exit()
     S = jax.ShapeDtypeStruct
@@ -95,8 +96,7 @@ def main(argv):
         "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|",
     ]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    Path(OUT.value).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(OUT.value, lines)
 
 
 if __name__ == "__main__":
