@@ -140,7 +140,7 @@ def _kernels(kern, shapes, dtype, scale: float, implementation):
         # row's Out passed in (identities.delta_from_output), not from its own keys: over a
         # block of one key the DNF has no Σ_s for the identity to match (ψ over one item is
         # that item), and its Δ would be that key's alone: wrong dQ and dK, silently
-        dnf = adj.dnf(*kern.saved_adjoint(*specs, **opts)[1], **opts)
+        dnf = adj.dnf(*kern._saved_args(specs, opts), **opts)  # (every statistic: the ring merges them all)
         outs = {i.name for i in dnf.inputs[len(dnf.inputs) - 1 - len(shape[2:]):]}  # Out (16-bit: and unrounded)
         if not any(isinstance(x, D.Read) and x.array in outs for o in dnf.outputs for x in D.walk(o.body)):
             raise ValueError(

@@ -141,7 +141,7 @@ def _mlp(args, lines):
         if name in policies:
             res = policies[name]
             labels = res if isinstance(res, tuple) else ()
-            fwd = swiglu.with_row_statistics(labels).dnf(*S)
+            fwd = swiglu.saving_forward(*S, labels=labels).dnf(*S)
             adj, a = swiglu.saved_adjoint(*S, labels=labels) if labels else (swiglu.adjoint(*S), S + [S[0]])
             gemm = f"{units(fwd):.2f} + {units(adj.dnf(*a)):.2f}"
             el = cost.ledger_elements(swiglu.interface_ledger(*S, residuals=res), per="n", charged_elsewhere=("z", "d_z"))

@@ -313,12 +313,14 @@ def test_the_forward_saves_row_statistics_the_backward_reads():
 
 
 @pytest.mark.parametrize("profile", ["delta-a100", "h200"])
-def test_auto_saves_nothing_the_backward_does_not_read(profile):
-    """In bfloat16 the saving forwards of RMSNorm and SwiGLU also output their float32 value
-    before rounding, an [n d] float32 array twice the output's size, which their saved adjoints do
-    not read: "auto" would write it and hold it until the backward for nothing (RMSNorm's flops
-    on the A100 and the H200 at n = d = 4096 favour saving r since its adjoint reading r runs as
-    the owner plan). In float32 RMSNorm saves r alone, which both its kernels read."""
+def test_the_saving_forward_saves_only_what_the_backward_reads(profile):
+    """In bfloat16 RMSNorm's and SwiGLU's statistics include their float32 value before
+    rounding, an [n d] float32 array twice the output's size, which their saved adjoints do not
+    read. The saving forward leaves it out (``statistics_read``), and the adjoint takes no
+    argument for it: no saved argument goes unread. Until 2026-12-06 "auto" refused to save
+    there at all; now bfloat16 RMSNorm saves r alone where its flops pay, as float32 does (on the
+    A100 and the H200 at n = d = 4096, its adjoint reading r runs as the owner plan), and
+    bfloat16 SwiGLU has nothing to save that its backward reads."""
     from unittest import mock
 
     from moajax import machines
@@ -331,12 +333,52 @@ def test_auto_saves_nothing_the_backward_does_not_read(profile):
         for dt in (jnp.float32, jnp.bfloat16):
             specs = [S((4096, 4096), dt), S((4096,), dt)]
             adj, args = rmsnorm.saved_adjoint(*specs)
-            unread = {i.name for i in adj.dnf(*args).inputs if i.name.startswith("saved")} - adj.dnf(*args).arrays_read()
-            assert unread == (set() if dt == jnp.float32 else {"saved1"})
-            assert rmsnorm._saving_pays(rmsnorm._key(specs, {}), {}) == (dt == jnp.float32)
+            dnf = adj.dnf(*args)
+            saved = [i for i in dnf.inputs if i.name.startswith("saved")]
+            assert [(i.shape, i.dtype) for i in saved] == [((4096,), np.dtype(np.float32))]
+            assert {i.name for i in saved} <= dnf.arrays_read()
+            fwd = rmsnorm.saving_forward(*specs).dnf(*specs)
+            assert [(o.shape, o.dtype) for o in fwd.outputs] == [((4096,), np.dtype(np.float32)), ((4096, 4096), dt)]
+            assert rmsnorm._saving_pays(rmsnorm._key(specs, {}), {})
         bf = jnp.bfloat16
         specs = [S((1024, 64), bf), S((64, 256), bf), S((64, 256), bf), S((256, 64), bf)]
+        assert rmsnorm.statistics_read(rmsnorm._key(specs[:1] + [S((64,), bf)], {}), {}) == (True, False)
         assert not swiglu._saving_pays(swiglu._key(specs, {}), {})
+        assert [o.name for o in swiglu.saving_forward(*specs).dnf(*specs).outputs] == ["out"]
+
+
+def test_saved_bfloat16_values_are_what_the_backward_reads():
+    """residuals="save" in bfloat16: RMSNorm's pullback holds r (n float32), not its [n d]
+    float32 value before rounding; SwiGLU's with ("gate",) holds U, not its [n d] float32
+    output before rounding. The gradients equal the recomputing backward's, which reads
+    nothing saved, bit for bit: the same kernels read the same values (r and U are rounded
+    nowhere on the way)."""
+    from moajax.kernels.mlp import swiglu
+    from moajax.kernels.norm import rmsnorm
+
+    bf = jnp.bfloat16
+    x, w, g = (a.astype(bf) for a in _args([(16, 8), (8,), (16, 8)], 13))
+
+    def held(kern, args, ct, **kw):
+        _, pullback = jax.vjp(lambda *a: kern(*a, **kw), *args)
+        leaves = jax.tree_util.tree_leaves(pullback)
+        return sorted((np.shape(a), str(a.dtype)) for a in leaves), pullback(ct)
+
+    leaves_save, d_save = held(rmsnorm, (x, w), g, residuals="save")
+    leaves_none, d_none = held(rmsnorm, (x, w), g, residuals="none")
+    added = list(leaves_save)
+    for leaf in leaves_none:
+        added.remove(leaf)
+    assert added == [((16,), "float32"), ((16, 8), "bfloat16")]  # r, and the output (identities read it)
+    for a, b in zip(d_save, d_none):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    z, wg, wu, wd = (a.astype(bf) for a in _args([(16, 8), (8, 12), (8, 12), (12, 8)], 14))
+    leaves_gate, _ = held(swiglu, (z, wg, wu, wd), g, residuals=("gate",))
+    leaves_none, _ = held(swiglu, (z, wg, wu, wd), g, residuals="none")
+    added = list(leaves_gate)
+    for leaf in leaves_none:
+        added.remove(leaf)
+    assert added == [((16, 8), "bfloat16"), ((16, 12), "float32")]  # the output, U
 
 
 def test_a_saved_statistic_is_read_where_its_unlabelled_value_is():

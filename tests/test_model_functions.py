@@ -232,7 +232,7 @@ def test_mlp_residual_policies_trade_memory_for_contractions():
 
     backward = []
     for labels in ((), ("gate",), ("gate", "up")):
-        forward = swiglu.with_row_statistics(labels).dnf(*S)
+        forward = swiglu.saving_forward(*S, labels=labels).dnf(*S)
         assert matmul_units(forward) == pytest.approx(3.0)
         adj, args = swiglu.saved_adjoint(*S, labels=labels) if labels else (swiglu.adjoint(*S), S + [S[0]])
         backward.append(matmul_units(adj.dnf(*args)))

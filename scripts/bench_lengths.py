@@ -1,0 +1,104 @@
+"""Sequence lengths (jax.nn's query_seq_lengths, key_value_seq_lengths) under jit(grad) on the CPU.
+
+The contenders, jit(grad) w.r.t. q, k and v, alternated in one process (best and median):
+moajax without lengths, with query lengths, with key/value lengths, with both; jax.nn (XLA)
+with both. The lengths are [T, T/2] over a batch of 2: the second sequence is half padding.
+
+What it watches: the backward's Δ = +/(P × dP) per query row is +/(dO × O) read from the
+saved output (``identities.delta_from_output``) — one pass over the head dim instead of a pass
+over every key with two contractions. With query lengths the output and its cotangent are
+guarded (0 past a row's length) and the identity does not see through the guard: the backward
+walks the keys once more for Δ (the column 'Δ reads O').
+
+`python scripts/bench_lengths.py` writes bench/results/lengths_grad_cpu.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "lengths_grad_cpu.md"), "the results file")
+SEQ = flags.DEFINE_list("seq", ["1024", "2048"], "sequence lengths (T = S)")
+REPS = flags.DEFINE_integer("reps", 7, "timed rounds")
+NOTE = flags.DEFINE_string("note", "", "a line under the title (what tree ran)")
+
+
+def main(argv):
+    del argv
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    from moajax.timing import compiled_contenders, machine_line, write_results
+
+    B, N, H = 2, 8, 64
+    lines = [f"# Sequence lengths under jit(grad) on the CPU ({machine_line()})", ""]
+    if NOTE.value:
+        lines += [NOTE.value, ""]
+    lines += [f"`python scripts/bench_lengths.py` — B = {B}, N = {N}, H = {H}, float32, not causal, lengths "
+              "[T, T/2] (the second sequence half padding); jit(grad) w.r.t. q, k, v. Contenders alternate in "
+              f"one process; best and median of {REPS.value} rounds after a warm-up. Temp: the compiled "
+              "executable's temp allocation. 'Δ reads O': the backward's DNF reads the saved output (the "
+              "Δ-from-output identity applied), checked on the kernel the call runs.", "",
+              "| T = S | contender | best s | median s | vs no lengths | temp MiB | max rel. diff of dq vs jax.nn (same lengths) | "
+              "Δ reads O |",
+              "|---:|---|---:|---:|---:|---:|---:|---|"]
+    r = np.random.default_rng(0)
+    for T in (int(x) for x in SEQ.value):
+        q, k, v, g = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(4))
+        lengths = jnp.asarray([T, T // 2], jnp.int32)
+
+        def moa(ql, kl):
+            def loss(q, k, v):
+                out = moajax.dot_product_attention(q, k, v, query_seq_lengths=lengths if ql else None,
+                                                   key_value_seq_lengths=lengths if kl else None)
+                return jnp.sum(out * g)
+            return loss
+
+        def nn(ql, kl):
+            def loss(q, k, v):
+                out = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=lengths if ql else None,
+                                                   key_value_seq_lengths=lengths if kl else None,
+                                                   implementation="xla")
+                return jnp.sum(out * g)
+            return loss
+
+        cases = {"moajax, no lengths": (False, False), "moajax, query_seq_lengths": (True, False),
+                 "moajax, key_value_seq_lengths": (False, True), "moajax, both": (True, True)}
+        losses = {n: moa(*c) for n, c in cases.items()}
+        losses["jax.nn, both"] = nn(True, True)
+        args = (q, k, v)
+        fns = {n: jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile() for n, f in losses.items()}
+        rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, both", pick=lambda grads: grads[0])
+        base = min(rows["moajax, no lengths"][0])
+        for name, (ts, temp, diff) in rows.items():
+            reads = "—"
+            if name in cases:  # dq against jax.nn's with the same lengths (untimed)
+                want = np.asarray(jax.jit(jax.grad(nn(*cases[name]), argnums=0))(*args), np.float64)
+                got = np.asarray(fns[name](*args)[0], np.float64)
+                diff = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+                from moajax.kernels.attention import mha_kernel
+
+                ql, kl = cases[name]  # (the kernel dot_product_attention runs: kv heads = query heads)
+                spec = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+                lens = [jax.ShapeDtypeStruct((B,), jnp.int32)] * (ql + kl)
+                adj, specs = mha_kernel(None, None, False, ql, kl).saved_adjoint(spec, spec, spec, *lens)
+                reads = "yes" if "out" in adj.dnf(*specs).arrays_read() else "no"
+            lines.append(f"| {T} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | "
+                         f"{temp:.1f} | {diff:.1e} | {reads} |")
+    lines += ["", "vs no lengths: the contender's best time over moajax's without lengths (one kind of lengths masks "
+              "a quarter of the batch's scores, both 3/8; the tiles masked whole are skipped)."]
+    write_results(OUT.value, lines)
+
+
+if __name__ == "__main__":
+    app.run(main)

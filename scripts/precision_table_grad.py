@@ -1,0 +1,81 @@
+"""How far a bfloat16 score_mod table's gradient is from float64 under each residual policy.
+
+A table's gradient (ALiBi's slopes: Σ over rows and keys of dS × |i − j|) sums dS over whole
+rows, where Σ_s dS = Σ_s P × (dP − Δ) is 0 only if Δ = +/(P × dP) for the backward's own P.
+Under residuals "save" the backward reads Δ = +/(dO × O) from the saved Out (Δ-from-output);
+on a GPU in bfloat16 the forward rounded P to bfloat16 for its dot with V, so that Δ is not the
+backward's, and every row adds its mismatch. Under "none" the backward computes Δ from its own
+P. Cases: the H200's Pallas schedule run in interpret mode on the CPU ('pallas', the GPU's
+16-bit dots) and the CPU's XLA kernels ('xla'), both on the same bfloat16 inputs, against
+float64 (the XLA path on the inputs widened). Error: max |grad − grad64| over max |grad64|,
+per argument. Nothing is timed.
+
+`python scripts/precision_table_grad.py` writes bench/results/table_grad_precision.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "table_grad_precision.md"), "the results file")
+
+
+def main(argv):
+    del argv
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    jax.config.update("jax_enable_x64", True)
+    import moajax
+    from moajax import machines, runtime
+    from moajax.schedule import Preset
+    from moajax.timing import machine_line, write_results
+
+    h200 = machines.load("h200")
+    runtime.gpu_machine = lambda path="pallas": h200  # the H200's schedules, run in interpret mode
+    runtime.schedules.cache_clear()
+    lines = [f"# A bfloat16 score_mod table's gradient against float64 ({machine_line()})", "",
+             "`python scripts/precision_table_grad.py` — attention with ALiBi slopes (float32, closed over: "
+             "score − slope[h]·|i − j|), bfloat16 q, k, v [1, T, 8, H] and [1, S, 4, H] (GQA), the loss "
+             "sum(out × w); error = max |grad − float64's| over max |float64's|. 'pallas': the H200's Pallas "
+             "schedule in interpret mode (16-bit dots); 'xla': the CPU's kernels. Nothing is timed.", "",
+             "| T, S, H | query lengths | residuals | path | slopes | dq | dk | dv |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    r = np.random.default_rng(1)
+    for T, S, H in ((30, 2, 8), (64, 64, 32)):
+        q = jnp.asarray(r.normal(size=(1, T, 8, H)), jnp.bfloat16)
+        k, v = (jnp.asarray(r.normal(size=(1, S, 4, H)), jnp.bfloat16) for _ in range(2))
+        w = jnp.asarray(r.normal(size=(1, T, 8, H)), jnp.float32)
+        slopes = jnp.asarray(r.uniform(0.05, 0.5, size=8), jnp.float32)
+        for lengths in (None, jnp.asarray([T * 17 // 30], jnp.int32)):
+            for res in ("save", "none"):
+                def loss(slopes, q, k, v, impl, res=res, lengths=lengths):
+                    mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
+                    o = moajax.dot_product_attention(q, k, v, score_mod=mod, query_seq_lengths=lengths,
+                                                     implementation=impl, onf=Preset.of(residuals=res))
+                    return jnp.sum(o.astype(w.dtype) * w)
+
+                grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+                want = grad(*(x.astype(jnp.float64) for x in (slopes, q, k, v)), "xla")
+                for impl in ("pallas_interpret", "xla"):
+                    got = jax.jit(grad, static_argnums=4)(slopes, q, k, v, impl)
+                    errs = [float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)) / jnp.max(jnp.abs(b)))
+                            for a, b in zip(got, want)]
+                    lines.append(f"| {T}, {S}, {H} | {'—' if lengths is None else int(lengths[0])} | {res} | "
+                                 f"{impl.replace('_interpret', '')} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
+    lines += ["", "Under 'save' the backward reads Δ from Out where the identity applies: without query lengths, "
+              "not through their guard (`identities.delta_from_output`)."]
+    write_results(OUT.value, lines)
+
+
+if __name__ == "__main__":
+    app.run(main)
