@@ -1582,5 +1582,31 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
         onf = W.skip_masked(onf)
         if preset.unmask_interior if preset.unmask_interior is not None else not machine.is_gpu:
             onf = W.unmask_interior(onf)
+        if not machine.is_gpu and "cpu_loop" not in dict(preset.knobs):
+            onf = _loop_runtime_bounds(onf)
     return check_fits(onf.validate(), machine)
+
+
+def _loop_runtime_bounds(onf: ONF) -> ONF:
+    """On a CPU, the grid axes at which a skip's bound reads a runtime scalar (⟨b⟩ψlengths: a
+    batch element's sequence length) join the ``cpu_loop`` knob. Vectorised, every program of
+    the axis walks at once, so the walk spans the tiles of the batch's longest sequence
+    (``tiles.skipping``: a bound's scalar read over the program's rows, the max); looped, each
+    element walks its own. Only where the walk has tiles to leave out (more than one), and in
+    a kernel that scatter-adds nothing: an adjoint whose programs own key tiles and add their
+    dQ partials, looped per batch element as well, ran slower with query lengths alone (1.29×
+    and 1.06× at T = S = 1024 and 2048, ``bench/results/lengths_grad_cpu.md``)."""
+    if any(onf.scatter_var(st) is not None for st in onf.program.stages):
+        return onf
+    grid = {a.name for a in onf.axes if a.role == "grid" and a.ntiles > 1}
+    add: list = []
+    for sk in onf.skips:
+        if onf.axis_of(sk.var).ntiles <= 1:
+            continue
+        for bound in sk.bounds:
+            for term, _ in bound.terms:
+                if isinstance(term, D.Read):
+                    add += [v.name for v in sorted(term.free, key=lambda v: v.name)
+                            if v.name in grid and v.name not in onf.knobs.cpu_loop and v.name not in add]
+    return W.with_knobs(onf, cpu_loop=onf.knobs.cpu_loop + tuple(add)) if add else onf
 

@@ -301,14 +301,42 @@ def test_the_fused_backward_never_reads_skipped_key_tiles_on_xla(kv_heads):
         assert np.array_equal(np.asarray(a)[:, :6], np.asarray(b)[:, :6])
 
 
-def test_keys_past_a_length_are_never_read_per_batch_element():
-    # Pallas: one program per batch element, so its length bounds its own walk. (XLA runs the
-    # batch at once: its walk is bounded by the longest length of the batch.)
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_keys_past_a_length_are_never_read_per_batch_element(impl):
+    # Pallas: one program per batch element, so its length bounds its own walk. XLA runs the
+    # grid vectorised, where a walk would span the batch's longest length: the batch axis a
+    # bound reads a length at is looped instead (``schedule._loop_runtime_bounds``; until
+    # 2026-12-06 this test ran on Pallas alone)
     kw = dict(is_causal=True, key_value_seq_lengths=np.array([2, 11], np.int32))
-    got, clean, walked = _poisoned("pallas_interpret", slice(2, None), **kw)
+    got, clean, walked = _poisoned(impl, slice(2, None), **kw)
     for a, b in zip(got[:2], clean[:2]):  # the output and dQ
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert not np.all(np.isfinite(walked[0]))
+
+
+def test_a_cpu_loops_the_batch_a_length_bound_reads():
+    """On a CPU the grid is vectorised but for the ``cpu_loop`` axes: a walk bounded by
+    ⟨b⟩ψlengths then spans the batch's longest length. The batch axis joins the loop where a
+    skip's bound reads a length at it and the walk has tiles to leave out; not without lengths,
+    not where the walk is one tile, not in a kernel that scatter-adds (the adjoint's dQ over
+    its key-tile programs: slower looped), not against a preset's own ``cpu_loop``."""
+    cpu = machines.load("anvil-epyc-7543")
+    _, _, d = _dnf(T=1024, S=1024, kvlen=True)
+    assert "b" in schedule.derive(d, cpu).knobs.cpu_loop
+    seen = set()
+    for K in (4, 2):  # the fused adjoint (dQ scatter-added), GQA's owner plan (nothing scattered)
+        kern, specs, _ = _dnf(T=1024, S=1024, K=K, kvlen=True)
+        adj, args = kern.saved_adjoint(*specs)
+        plan = schedule.derive_plan(adj.dnf(*args), cpu)
+        for onf in plan if isinstance(plan, tuple) else (plan,):
+            scatters = any(onf.scatter_var(st) is not None for st in onf.program.stages)
+            if onf.skips:
+                seen.add(scatters)
+                assert ("b" in onf.knobs.cpu_loop) == (not scatters)
+    assert seen == {True, False}
+    assert "b" not in schedule.derive(_dnf(T=1024, S=1024)[2], cpu).knobs.cpu_loop
+    assert "b" not in schedule.derive(_dnf(kvlen=True)[2], cpu).knobs.cpu_loop  # S = 64: one tile of s
+    assert schedule.derive(d, cpu, Preset.of(cpu_loop=("t",))).knobs.cpu_loop == ("t",)
 
 
 # ----------------------------------------------------------------------------- spans
