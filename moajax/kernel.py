@@ -82,10 +82,31 @@ _EXACT_MAPS = ("maximum", "minimum", "neg", "abs", "where")  # exactly rounded w
 SELECTED = "selection_operand"  # the label of a selection's operand, which a backward reads saved
 
 
-def _kept_suffix(keep) -> str:
-    """A derived kernel's name's mark of the statistics left out (``_without1``): kernels that
-    save other statistics are other kernels, of other names."""
-    return "" if keep is None else "_without" + "_".join(str(i) for i, k in enumerate(keep) if not k)
+def _kept_suffix(unread) -> str:
+    """A derived kernel's name's mark of the statistics left out (``_without_rounded0``):
+    kernels that save other statistics are other kernels, of other names."""
+    if not unread:
+        return ""
+    return "_without" + "".join("_" + "".join(c if c.isalnum() else "_" for c in "".join(map(str, i)))
+                                for i in unread)
+
+
+def _statistic_ids(outputs, stats) -> list:
+    """Per statistic (``Kernel.row_statistics``), what it is, whatever the shapes: an output's
+    value before rounding ("rounded", i), a labelled value (label, k: its k-th of that label),
+    another held-constant reduction ("held", k). Not its position in the list: a device's block
+    of a sharded call can have fewer statistics (one larger than the block's output is none)."""
+    rounded = {id(o.arg): i for i, o in enumerate(outputs) if isinstance(o, moa.Cast)}
+    seen: dict = {}
+    out = []
+    for x in stats:
+        if id(x) in rounded:
+            out.append(("rounded", rounded[id(x)]))
+            continue
+        kind = x.label if isinstance(x, moa.Name) else "held"
+        seen[kind] = seen.get(kind, -1) + 1
+        out.append((kind, seen[kind]))
+    return out
 
 
 def _dims_owner(params, shapes):
@@ -470,10 +491,10 @@ class Kernel:
                 pays = (residuals == "save" or labels or self._selected_saved(key[0], options)
                         or (residuals == "auto" and self._saving_pays(key[0], options)))
                 # only what the backward reads (``statistics_read``)
-                keep = self.statistics_read(key[0], options, labels) if pays else None
-                chosen.append((self.with_row_statistics(labels, keep).compiled(
+                unread = self.statistics_read(key[0], options, labels) if pays else None
+                chosen.append((self.with_row_statistics(labels, unread).compiled(
                     *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
-                    **options) if pays else None, keep))
+                    **options) if pays else None, unread))
             return chosen[0][0] and at(chosen[0][0])
 
         @at
@@ -492,9 +513,9 @@ class Kernel:
                    for ct, (shape, dt) in zip(cts, out_specs)]
             wrt = tuple(i for i in sorted(wrt) if floats[i])
             held = (labels or True) if outs is not None else False
-            keep = chosen[0][1] if held else None
-            adj = self._adjoint_for(key[0], options, held, wrt=tuple(self.params[i].name for i in wrt), keep=keep)
-            full = self._adjoint_for(key[0], options, held, keep=keep)
+            unread = chosen[0][1] if held else None
+            adj = self._adjoint_for(key[0], options, held, wrt=tuple(self.params[i].name for i in wrt), unread=unread)
+            full = self._adjoint_for(key[0], options, held, unread=unread)
             plan = getattr(backward_preset, "plan", None)
             if isinstance(plan, tuple) and sorted(n for g in plan for n in g) != sorted(full.output_names):
                 # no partition of the cotangents: the whole adjoint refuses it, named, whichever
@@ -522,9 +543,9 @@ class Kernel:
         def tangent(args, dots, saved=()):
             # where the forward saved selections' operands, the tangent compares them as the
             # backward does (the two stay each other's transpose: ``label_selections``)
-            keep = chosen[0][1] if saved else None
-            picked = self._selected_saved(key[0], options, labels, keep) if saved else []
-            tk = self._tangent_for(key[0], options, (labels or True) if picked else False, keep if picked else None)
+            unread = chosen[0][1] if saved else None
+            picked = self._selected_saved(key[0], options, labels, unread) if saved else []
+            tk = self._tangent_for(key[0], options, (labels or True) if picked else False, unread if picked else None)
             out = tk(*args, *dots, *[saved[i] for i in picked], implementation=implementation, residuals="none",
                      onf=tangent_preset, **options)
             return out if isinstance(out, tuple) else (out,)
@@ -568,7 +589,7 @@ class Kernel:
         return (isinstance(x, (moa.Name, moa.StopGradient)) and moa._is_float(x.dtype)
                 and any(isinstance(y, (moa.Reduce, moa.Inner)) for y in moa.nodes(x.arg)))
 
-    def row_statistics(self, outputs, labels: tuple = (), keep: tuple | None = None) -> tuple:
+    def row_statistics(self, outputs, labels: tuple = (), unread: tuple | None = None) -> tuple:
         """(outputs', statistics): the values a backward may read saved from the forward
         instead of recomputing — the labelled (``moa.name``) or held-constant
         (``moa.stop_gradient``) subexpressions that contain a reduction and have fewer axes
@@ -578,8 +599,8 @@ class Kernel:
         values labelled by ``labels`` (a residual policy's choice, any size), in that order. One
         inside an Ω body (of lower rank than the body's cell) is first lifted out over the Ω's frame
         (``moa.lift_from_omega``): ``outputs'`` are the same arrays with the statistics as
-        nodes of their own, which the backward differentiates. ``keep`` (one flag per statistic
-        of that list; None: all) leaves out those its backward does not read
+        nodes of their own, which the backward differentiates. ``unread``: the statistics left
+        out, by what they are (``_statistic_ids``), those the backward does not read
         (``statistics_read``)."""
         # a statistic reduces an axis away: fewer axes than the cell (or output) it serves, so
         # that a [t s] score is never one, whatever the sizes (T × S < T × E when S < E)
@@ -611,30 +632,30 @@ class Kernel:
                                  f"define; its labels are {sorted(named)}")
             if named[label] not in stats:
                 stats.append(named[label])
-        if keep is not None:
-            stats = [x for x, k in zip(stats, keep, strict=True) if k]
+        if unread:
+            stats = [x for x, i in zip(stats, _statistic_ids(outputs, stats)) if i not in unread]
         return outputs, stats
 
-    def with_row_statistics(self, labels: tuple = (), keep: tuple | None = None) -> "Kernel":
+    def with_row_statistics(self, labels: tuple = (), unread: tuple | None = None) -> "Kernel":
         """This kernel with its row statistics (and the values labelled ``labels``) as further
         outputs (``saved0``, ``saved1``, …), placed first so that its other outputs read them
-        (``rewrites.hoist``); ``keep``: those kept (``row_statistics``). What ``jax.grad``
+        (``rewrites.hoist``); ``unread``: those left out (``row_statistics``). What ``jax.grad``
         runs, the statistics its backward reads: ``saving_forward``."""
         labels = tuple(labels)
-        keep = None if keep is None else tuple(bool(k) for k in keep)
-        hit = self._derived.get(("with_row_statistics", labels, keep))
+        unread = tuple(sorted(unread)) if unread else None
+        hit = self._derived.get(("with_row_statistics", labels, unread))
         if hit is not None:
             return hit
         primal = self
 
         def forward(*arrays, **opts):
             outs = primal.fn(*arrays, **opts)
-            outs, stats = primal.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels, keep)
+            outs, stats = primal.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels, unread)
             return tuple(stats) + outs
 
         forward.__signature__ = inspect.signature(self.fn)
-        forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels) + _kept_suffix(keep)
-        hit = self._derived[("with_row_statistics", labels, keep)] = _SavingKernel(forward, primal)
+        forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels) + _kept_suffix(unread)
+        hit = self._derived[("with_row_statistics", labels, unread)] = _SavingKernel(forward, primal)
         hit._lift_from = self
         return hit
 
@@ -646,8 +667,8 @@ class Kernel:
 
         import jax
 
-        keep = self.statistics_read(shape_key, options)
-        with_saved = self._adjoint_for(shape_key, options, True, keep=keep)
+        unread = self.statistics_read(shape_key, options)
+        with_saved = self._adjoint_for(shape_key, options, True, unread=unread)
 
         def flops(k, extra):
             specs = [jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]] + extra
@@ -661,17 +682,18 @@ class Kernel:
         # (only the statistics the backward reads: ``statistics_read``; in bfloat16 RMSNorm's and
         # SwiGLU's float32 value before rounding, an [n d] array that neither adjoint reads,
         # would be written and held for nothing, which flops do not see)
-        saved = self._saved_specs(primal_specs, options, keep=keep)
+        saved = self._saved_specs(primal_specs, options, unread=unread)
         reads = {r.array for r in with_saved.dnf(*primal_specs, *cts, *saved, *cts, **options).reads()}
         if not saved and not reads & {p.name for p in with_saved.params[len(self.params) + len(cts):]}:
             return False  # nothing to save: no statistic read, and no identity reads an output
-        return (flops(self.with_row_statistics((), keep), []) + flops(with_saved, cts + saved + cts)
+        return (flops(self.with_row_statistics((), unread), []) + flops(with_saved, cts + saved + cts)
                 < flops(self, []) + flops(self._adjoint_for(shape_key, options, False), cts))
 
     def statistics_read(self, shape_key, options, labels: tuple = ()) -> tuple | None:
-        """Per statistic the saving forward may save (``row_statistics``), is it read by the
-        backward that reads saved values (its adjoint's DNF, every cotangent asked)? None where
-        all are. A selection's operand is kept whatever (its tangent compares it too:
+        """The statistics the saving forward may save (``row_statistics``) that the backward
+        reading saved values does not read (its adjoint's DNF, every cotangent asked), by what
+        they are (``_statistic_ids``), sorted; None where it reads all. A selection's operand is
+        kept whatever (its tangent compares it too:
         ``label_selections``). What is not read is left out of the saving forward and of the
         adjoint's arguments: written and held until the backward, it would cost memory and
         bandwidth for nothing (in bfloat16, RMSNorm's and SwiGLU's float32 outputs before
@@ -685,19 +707,18 @@ class Kernel:
         specs = [jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]]
         outs = self._build(specs, options)[1]
         outs = outs if isinstance(outs, tuple) else (outs,)
-        stats = self.row_statistics(outs, labels)[1]
-        keep = None
+        lifted, stats = self.row_statistics(outs, labels)
+        unread = None
         if stats:
             adj = self._adjoint_for(shape_key, options, labels or True)
             cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
             saved = self._saved_specs(specs, options, labels)
             reads = {r.array for r in adj.dnf(*specs, *cts, *saved, *cts, **options).reads()}
             first = len(self.params) + len(cts)
-            flags = tuple(p.name in reads or _is_selected(x)
-                          for p, x in zip(adj.params[first:first + len(stats)], stats, strict=True))
-            keep = None if all(flags) else flags
-        self._derived[key] = keep
-        return keep
+            unread = tuple(sorted(i for i, p, x in zip(_statistic_ids(lifted, stats), adj.params[first:], stats)
+                                  if p.name not in reads and not _is_selected(x))) or None
+        self._derived[key] = unread
+        return unread
 
     def saving_forward(self, *specs, labels: tuple = (), **options) -> "Kernel":
         """The forward ``jax.grad`` runs where it saves: the primal's outputs after the
@@ -712,17 +733,17 @@ class Kernel:
         ``saving_forward`` writes them."""
         labels = tuple(labels)
         key = self._key(specs, options)
-        keep = self.statistics_read(key, options, labels)
-        return self._adjoint_for(key, options, labels or True, keep=keep), self._saved_args(specs, options, labels, keep)
+        unread = self.statistics_read(key, options, labels)
+        return self._adjoint_for(key, options, labels or True, unread=unread), self._saved_args(specs, options, labels, unread)
 
-    def _saved_args(self, specs, options, labels: tuple = (), keep: tuple | None = None) -> list:
+    def _saved_args(self, specs, options, labels: tuple = (), unread: tuple | None = None) -> list:
         """The specs of a saved adjoint's arguments: primals, cotangents, the saved values
-        (``row_statistics``: ``labels``, ``keep``), outputs."""
+        (``row_statistics``: ``labels``, ``unread``), outputs."""
         import jax
 
         outs = self._build(specs, options)[1]
         cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (outs if isinstance(outs, tuple) else (outs,))]
-        return list(specs) + cts + self._saved_specs(specs, options, labels, keep) + cts
+        return list(specs) + cts + self._saved_specs(specs, options, labels, unread) + cts
 
     def interface_ledger(self, *specs, residuals="none", **options) -> list:
         """``cost.interface_ledger`` of this kernel's forward and the backward ``jax.grad`` runs
@@ -746,13 +767,13 @@ class Kernel:
             forward = self.saving_forward(*specs, labels=labels, **options).dnf(*specs, **options)
         return cost.interface_ledger(forward, adj.dnf(*args, **options))
 
-    def _saved_specs(self, specs, options, labels: tuple = (), keep: tuple | None = None) -> list:
+    def _saved_specs(self, specs, options, labels: tuple = (), unread: tuple | None = None) -> list:
         """The specs of the saved statistics, each in its layout (``with_row_statistics``)."""
         import jax
 
         outs = self._build(specs, options)[1]
-        stats = self.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels, keep)[1]
-        layouts = self.with_row_statistics(labels, keep).layouts(*specs, **options)
+        stats = self.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels, unread)[1]
+        layouts = self.with_row_statistics(labels, unread).layouts(*specs, **options)
         return [jax.ShapeDtypeStruct(x.shape if lay is None else lay.shape, x.dtype) for x, lay in zip(stats, layouts)]
 
     def _batchable(self, run, n_outputs: int, options, onf, implementation, precision=None):
@@ -875,19 +896,19 @@ class Kernel:
         return hit
 
     def _adjoint_for(self, shape_key, options, saved: bool | tuple = False, wrt=None,
-                     keep: tuple | None = None) -> "Kernel":
+                     unread: tuple | None = None) -> "Kernel":
         """The adjoint kernel (cached per shapes and options) that ``compiled`` runs backward
-        (``saved``, ``wrt``, ``keep``: as for ``adjoint``)."""
+        (``saved``, ``wrt``, ``unread``: as for ``adjoint``)."""
         import jax
 
-        key = (shape_key, tuple(sorted(options.items())), saved, wrt, keep)
+        key = (shape_key, tuple(sorted(options.items())), saved, wrt, unread)
         hit = self._derived.get(key)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
-            hit = self._derived[key] = self.adjoint(*specs, wrt=wrt, saved=saved, keep=keep, **options)
+            hit = self._derived[key] = self.adjoint(*specs, wrt=wrt, saved=saved, unread=unread, **options)
         return hit
 
-    def adjoint(self, *specs, wrt=None, saved: bool | tuple = False, keep: tuple | None = None,
+    def adjoint(self, *specs, wrt=None, saved: bool | tuple = False, unread: tuple | None = None,
                 **options) -> "Kernel":
         """The backward of this kernel as a ``Kernel`` (``moajax.adjoint``: derived in the algebra).
 
@@ -898,7 +919,7 @@ class Kernel:
         ``options`` are only used to learn the outputs' dims and dtypes. With ``saved``, it
         also takes the forward's row statistics (``row_statistics``: ``saved0``, …) and reads
         them where it would recompute them (the derivative still flows through them); ``saved``
-        a tuple of labels: the values so labelled too (``row_statistics``); ``keep``: only those
+        a tuple of labels: the values so labelled too (``row_statistics``); ``unread``: only those
         statistics (``row_statistics``; the saving forward's: ``statistics_read``)."""
         from moajax import adjoint as _adjoint
 
@@ -916,11 +937,11 @@ class Kernel:
         params = {p.name for p in self.params}
         ct_names = tuple(f"{_fresh_prefix('d_', 'd', names, params)}{o}" for o in names)
         labels = tuple(saved) if isinstance(saved, tuple) else ()
-        keep = keep if saved else None
-        stats = self.row_statistics(outs, labels, keep)[1] if saved else []
+        unread = unread if saved else None
+        stats = self.row_statistics(outs, labels, unread)[1] if saved else []
         saved_names = tuple(f"{_fresh_prefix('saved', 'saved', range(len(stats)), params | set(ct_names))}{i}"
                             for i in range(len(stats)))
-        layouts = (self.with_row_statistics(labels, keep).layouts(*(specs or self.example_specs()), **options)
+        layouts = (self.with_row_statistics(labels, unread).layouts(*(specs or self.example_specs()), **options)
                    if saved else [])
         taken = {p.name for p in self.params} | set(ct_names) | set(saved_names)
         # with ``saved``, the forward's outputs too: the derivative holds them for free, and the
@@ -931,7 +952,7 @@ class Kernel:
             outputs = primal.fn(*arrays[:n], **opts)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             if saved_names:  # the statistics as nodes of their own (lifted out of Ω bodies)
-                outputs, stats = primal.row_statistics(outputs, labels, keep)
+                outputs, stats = primal.row_statistics(outputs, labels, unread)
             by_name = dict(zip([p.name for p in primal.params], arrays[:n]))
             cts = arrays[n:n + len(ct_names)]
             grads = _adjoint.vjp(outputs, cts, [by_name[w] for w in wrt])
@@ -940,7 +961,7 @@ class Kernel:
                 # (one saved in its rows' layout is viewed in its own: reshapes and a transpose;
                 # the layout of these shapes — a device's block has other shapes than the whole)
                 held = arrays[n + len(ct_names):n + len(ct_names) + len(stats)]
-                lays = primal.with_row_statistics(labels, keep).layouts(*arrays[:n], **opts)
+                lays = primal.with_row_statistics(labels, unread).layouts(*arrays[:n], **opts)
                 values = {x: a if lay is None else _in_own_layout(a, lay, x) for x, a, lay in zip(stats, held, lays)}
                 # a label is transparent: the labelled value itself, where the derivative reads it
                 # unlabelled, is the saved one too (tanh's rule reads y = tanh(a) itself: a column
@@ -962,7 +983,7 @@ class Kernel:
             vmap's adjoint matches the forward under the same Ω, whose outputs are then
             batched too; where a vmap batches only the cotangents, the saved values are not
             the batched forward's, and nothing is matched)."""
-            fwd = primal.with_row_statistics(labels, keep)
+            fwd = primal.with_row_statistics(labels, unread)
             for flags in batches:
                 held = flags[len(flags) - len(saved_names) - len(value_names):]
                 if not any(flags[:n]) or not all(held):
@@ -988,35 +1009,35 @@ class Kernel:
         for o, od in zip(outs, out_dims):
             example.update({d: s for d, s in zip(od, o.shape) if d not in example})
         adj = Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else "")
-                     + "".join(f"_{lb}" for lb in labels) + _kept_suffix(keep),
+                     + "".join(f"_{lb}" for lb in labels) + _kept_suffix(unread),
                      outputs=tuple(f"{_fresh_prefix('d_', 'd', wrt, dims)}{w}" for w in wrt), dims=dims,
                      identities=identities if saved else None)
         adj._lift_from = self
         adj._wrt = wrt  # the args whose cotangents are its outputs, in order
         return adj
 
-    def _tangent_for(self, shape_key, options, saved: bool | tuple = False, keep: tuple | None = None) -> "Kernel":
+    def _tangent_for(self, shape_key, options, saved: bool | tuple = False, unread: tuple | None = None) -> "Kernel":
         """The tangent kernel (cached per shapes and options) that ``compiled`` runs forward
-        (``saved``, ``keep``: as for ``tangent``)."""
+        (``saved``, ``unread``: as for ``tangent``)."""
         import jax
 
-        key = ("tangent", shape_key, tuple(sorted(options.items())), saved, keep)
+        key = ("tangent", shape_key, tuple(sorted(options.items())), saved, unread)
         hit = self._derived.get(key)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
-            hit = self._derived[key] = self.tangent(*specs, saved=saved, keep=keep, **options)
+            hit = self._derived[key] = self.tangent(*specs, saved=saved, unread=unread, **options)
         return hit
 
-    def _selected_saved(self, shape_key, options, labels: tuple = (), keep: tuple | None = None) -> list:
-        """The positions, among what the saving forward saves (``row_statistics``, ``keep``),
+    def _selected_saved(self, shape_key, options, labels: tuple = (), unread: tuple | None = None) -> list:
+        """The positions, among what the saving forward saves (``row_statistics``, ``unread``),
         of the selections' operands (``label_selections``)."""
         import jax
 
         outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[1]
-        stats = self.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels, keep)[1]
+        stats = self.row_statistics(outs if isinstance(outs, tuple) else (outs,), labels, unread)[1]
         return [i for i, x in enumerate(stats) if _is_selected(x)]
 
-    def tangent(self, *specs, saved: bool | tuple = False, keep: tuple | None = None, **options) -> "Kernel":
+    def tangent(self, *specs, saved: bool | tuple = False, unread: tuple | None = None, **options) -> "Kernel":
         """The forward-mode derivative of this kernel as a ``Kernel`` (``moajax.tangent``:
         derived in the algebra): Ẏ = ∂Y/∂X · Ẋ, linear in the tangents.
 
@@ -1026,7 +1047,7 @@ class Kernel:
         ``example_specs()``) and ``options`` are only used to learn the dtypes. With
         ``saved`` (True, or the labels the forward saves), it also takes the selections'
         operands the saving forward saved (``label_selections``: ``saved0``, …) and compares
-        them, as the adjoint does — so that the two stay each other's transpose; ``keep``: the
+        them, as the adjoint does — so that the two stay each other's transpose; ``unread``: the
         statistics that forward saves (``row_statistics``)."""
         from moajax import adjoint as _adjoint
         from moajax import tangent as _tangent
@@ -1046,10 +1067,10 @@ class Kernel:
         prefix = _fresh_prefix("t_", "t", [p.name for p in moving], taken)
         t_names = tuple(f"{prefix}{p.name}" for p in moving)
         labels = tuple(saved) if isinstance(saved, tuple) else ()
-        keep = keep if saved else None
-        stats = self.row_statistics(outs, labels, keep)[1] if saved else []
+        unread = unread if saved else None
+        stats = self.row_statistics(outs, labels, unread)[1] if saved else []
         picked = [i for i, x in enumerate(stats) if _is_selected(x)]
-        layouts = self.with_row_statistics(labels, keep).layouts(*specs, **options) if picked else []
+        layouts = self.with_row_statistics(labels, unread).layouts(*specs, **options) if picked else []
         saved_names = tuple(f"{_fresh_prefix('saved', 'saved', range(len(picked)), taken | set(t_names))}{i}"
                             for i in range(len(picked)))
 
@@ -1057,13 +1078,13 @@ class Kernel:
             outputs = primal.fn(*arrays[:n], **opts)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             if saved_names:  # the selections' operands as nodes of their own, read saved below
-                outputs, held = primal.row_statistics(outputs, labels, keep)
+                outputs, held = primal.row_statistics(outputs, labels, unread)
             by_name = dict(zip([p.name for p in primal.params], arrays[:n]))
             dots = _tangent.jvp(outputs, [by_name[p.name] for p in moving], arrays[n:n + len(t_names)])
             dots = [(d if d is not None else _adjoint.zeros_like(o), o) for d, o in zip(dots, outputs)
                     if _adjoint.differentiable(o.dtype)]
             if saved_names:
-                lays = primal.with_row_statistics(labels, keep).layouts(*arrays[:n], **opts)
+                lays = primal.with_row_statistics(labels, unread).layouts(*arrays[:n], **opts)
                 values = {held[i]: a if lays[i] is None else _in_own_layout(a, lays[i], held[i])
                           for i, a in zip(picked, arrays[n + len(t_names):])}
                 dots = [(moa.substitute(d, values), o) for d, o in dots]

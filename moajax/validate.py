@@ -190,7 +190,7 @@ def _attention_backward(plan_name):
 
         q, k, v, g = _arrays([(2, n, 1, D_HEAD)] * 4, jnp.float64, n)
         kern = _mha()
-        out, *saved = kern.with_row_statistics().compiled(q, k, v)(q, k, v)
+        out, *saved = kern.saving_forward(q, k, v).compiled(q, k, v)(q, k, v)
         adj, specs = kern.saved_adjoint(q, k, v)
         args = (q, k, v, g, *saved, out)
         dnf = adj.dnf(*args)
@@ -215,7 +215,7 @@ def _attention_grad(n, machine, impl):
     q, k, v, g = _arrays([(2, n, 1, D_HEAD)] * 4, jnp.float64, n)
     kern = _mha()
     adj, specs = kern.saved_adjoint(q, k, v)
-    onfs = _derived(kern.with_row_statistics().dnf(q, k, v), machine) + _derived(adj.dnf(*specs), machine)
+    onfs = _derived(kern.saving_forward(q, k, v).dnf(q, k, v), machine) + _derived(adj.dnf(*specs), machine)
     f = _loss_grad(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation=impl), (0, 1, 2), g)
     return Built(f, (q, k, v), lambda: jax.vjp(_ref_attention, q, k, v)[1](g), onfs,
                  _loss_grad(jax.nn.dot_product_attention, (0, 1, 2), g), "float64", _scores_bytes(2, n))
@@ -306,7 +306,7 @@ def _block(n, machine, impl):
     qs = jnp.zeros((B, T, N, H))
     kern = mha_kernel(None, None, False)
     adj, specs = kern.saved_adjoint(qs, qs, qs, is_causal=True)
-    onfs += (_derived(kern.with_row_statistics().dnf(qs, qs, qs, is_causal=True), machine)
+    onfs += (_derived(kern.saving_forward(qs, qs, qs, is_causal=True).dnf(qs, qs, qs, is_causal=True), machine)
              + _derived(adj.dnf(*specs, is_causal=True), machine))
     # its projections (q, k, v in, o out), jnp dots: forward and the two gradients of each, 2·n·D·N·H
     # flops apiece, each reading its two operands and writing its result once

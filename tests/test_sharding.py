@@ -1342,3 +1342,36 @@ def test_a_sequence_split_over_one_device_is_no_ring_eager_or_jit():
         args = [_put(x, mesh, *spec) for x in (q, k, v)]
         for run in (f, jax.jit(f)):
             assert rel_err(run(*args), want) <= 1e-12
+
+
+@moajax.kernel(example=dict(a=8, b=4, c=4, k=3), register=False)
+def _normalised_sum(x: "a b c", y: "a k"):
+    """Σ_a x ÷ r_a, r_a = √(Σ_k y² + ε): a statistic r [a] larger than a device's block of the
+    output [b c] when b is split (a statistic has no more elements than an output it serves)."""
+    from moajax import moa
+    from moajax.kernels.common import accumulation_dtype
+
+    acc = accumulation_dtype(x.dtype)
+    xa, ya = moa.cast(x, acc), moa.cast(y, acc)
+    r = moa.name("r", moa.sqrt(moa.sum(ya * ya, axis=-1) + 1e-6))
+    return moa.cast(moa.sum(moa.omega(moa.div, (2, 0))(xa, r), axis=0), x.dtype)
+
+
+def test_a_device_block_with_fewer_statistics_leaves_out_the_same_unread_ones():
+    """In bfloat16 the saving forward leaves out the output's float32 value before rounding,
+    which the adjoint does not read (``Kernel.statistics_read``). A device's block of b finds
+    only that statistic (r, 8 elements, is larger than its [1 4] output): the left-out one is
+    named by what it is, not by its place in the whole arrays' list — by place, the gradient of
+    the split call raised inside the partitioner (found by a review, 2026-12-06). Split and
+    saving, it equals the unsplit recomputing gradient bit for bit."""
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.standard_normal((8, 4, 4)), jnp.bfloat16)
+    y = jnp.asarray(r.standard_normal((8, 3)), jnp.bfloat16)
+    xs = jax.device_put(x, NamedSharding(_mesh((4,), ("x",)), P(None, "x")))
+
+    def grad(res):
+        return jax.jit(jax.grad(lambda x, y: jnp.sum(jnp.sin(_normalised_sum(x, y, residuals=res).astype(jnp.float32)))))
+
+    want = np.asarray(grad("none")(x, y), np.float32)
+    assert np.array_equal(np.asarray(grad("save")(xs, y), np.float32), want)
+    assert np.array_equal(np.asarray(grad("save")(x, y), np.float32), want)
