@@ -557,6 +557,20 @@ def main():
         except Exception as e:
             rep.add(f"| rmsnorm dX kernel n={n} d={d} float32 | — | — | — | — | — | {_fail(e)} |")
         rep.flush()
+
+    # ---- 7. a bfloat16 score_mod table's gradient: Δ read from Out (saved) or from keys (none)
+    if rep.section("7. bfloat16 ALiBi slopes' gradient (and dq, dk, dv) against float64, residuals save and none "
+                   "(`bench/results/table_grad_precision.md`: 5.1e-2 off under save on the H200's schedule in "
+                   "interpret mode, 1.1e-3 under none); recorded, not checked",
+                   "| T, S, H | query lengths | residuals | path | slopes | dq | dk | dv |", 60):
+        try:
+            from precision_table_grad import rows
+
+            for case, lengths, res, path, errs in rows(("pallas",) if on_gpu else ("pallas_interpret",)):
+                rep.add(f"| {case} | {lengths} | {res} | {path} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
+        except Exception as e:
+            rep.add(f"| — | — | — | — | {_fail(e)} | | | |")
+        rep.flush()
     return 1 if bad else 0
 
 

@@ -27,29 +27,19 @@ sys.path.insert(0, str(ROOT))
 OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "table_grad_precision.md"), "the results file")
 
 
-def main(argv):
-    del argv
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def rows(impls) -> list:
+    """(case, query lengths, residuals, path, [error of slopes, dq, dk, dv]) per case, policy and
+    implementation in ``impls`` ("pallas" on a GPU; "pallas_interpret" runs the schedule
+    ``runtime.gpu_machine`` gives on the CPU; "xla"), against float64 (XLA on the widened
+    inputs; jax_enable_x64 must be on)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    jax.config.update("jax_enable_x64", True)
     import moajax
-    from moajax import machines, runtime
     from moajax.schedule import Preset
-    from moajax.timing import machine_line, write_results
 
-    h200 = machines.load("h200")
-    runtime.gpu_machine = lambda path="pallas": h200  # the H200's schedules, run in interpret mode
-    runtime.schedules.cache_clear()
-    lines = [f"# A bfloat16 score_mod table's gradient against float64 ({machine_line()})", "",
-             "`python scripts/precision_table_grad.py` — attention with ALiBi slopes (float32, closed over: "
-             "score − slope[h]·|i − j|), bfloat16 q, k, v [1, T, 8, H] and [1, S, 4, H] (GQA), the loss "
-             "sum(out × w); error = max |grad − float64's| over max |float64's|. 'pallas': the H200's Pallas "
-             "schedule in interpret mode (16-bit dots); 'xla': the CPU's kernels. Nothing is timed.", "",
-             "| T, S, H | query lengths | residuals | path | slopes | dq | dk | dv |",
-             "|---|---|---|---|---:|---:|---:|---:|"]
+    out = []
     r = np.random.default_rng(1)
     for T, S, H in ((30, 2, 8), (64, 64, 32)):
         q = jnp.asarray(r.normal(size=(1, T, 8, H)), jnp.bfloat16)
@@ -66,12 +56,37 @@ def main(argv):
 
                 grad = jax.grad(loss, argnums=(0, 1, 2, 3))
                 want = grad(*(x.astype(jnp.float64) for x in (slopes, q, k, v)), "xla")
-                for impl in ("pallas_interpret", "xla"):
+                for impl in impls:
                     got = jax.jit(grad, static_argnums=4)(slopes, q, k, v, impl)
                     errs = [float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)) / jnp.max(jnp.abs(b)))
                             for a, b in zip(got, want)]
-                    lines.append(f"| {T}, {S}, {H} | {'—' if lengths is None else int(lengths[0])} | {res} | "
-                                 f"{impl.replace('_interpret', '')} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
+                    out.append((f"{T}, {S}, {H}", "—" if lengths is None else str(int(lengths[0])), res,
+                                impl.replace("_interpret", ""), errs))
+    return out
+
+
+def main(argv):
+    del argv
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    from moajax import machines, runtime
+    from moajax.timing import machine_line, write_results
+
+    h200 = machines.load("h200")
+    runtime.gpu_machine = lambda path="pallas": h200  # the H200's schedules, run in interpret mode
+    runtime.schedules.cache_clear()
+    lines = [f"# A bfloat16 score_mod table's gradient against float64 ({machine_line()})", "",
+             "`python scripts/precision_table_grad.py` — attention with ALiBi slopes (float32, closed over: "
+             "score − slope[h]·|i − j|), bfloat16 q, k, v [1, T, 8, H] and [1, S, 4, H] (GQA), the loss "
+             "sum(out × w); error = max |grad − float64's| over max |float64's|. 'pallas': the H200's Pallas "
+             "schedule in interpret mode (16-bit dots); 'xla': the CPU's kernels. Nothing is timed. On a GPU, "
+             "`scripts/gpu_check.py` section 7 runs the same rows on the device.", "",
+             "| T, S, H | query lengths | residuals | path | slopes | dq | dk | dv |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for case, lengths, res, path, errs in rows(("pallas_interpret", "xla")):
+        lines.append(f"| {case} | {lengths} | {res} | {path} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
     lines += ["", "Under 'save' the backward reads Δ from Out where the identity applies: without query lengths, "
               "not through their guard (`identities.delta_from_output`)."]
     write_results(OUT.value, lines)
