@@ -82,7 +82,7 @@ _EXACT_MAPS = ("maximum", "minimum", "neg", "abs", "where")  # exactly rounded w
 SELECTED = "selection_operand"  # the label of a selection's operand, which a backward reads saved
 
 
-def _kept_suffix(unread) -> str:
+def _unread_suffix(unread) -> str:
     """A derived kernel's name's mark of the statistics left out (``_without_rounded0``):
     kernels that save other statistics are other kernels, of other names."""
     if not unread:
@@ -455,7 +455,7 @@ class Kernel:
                               options, onf, implementation, precision)
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
-        chosen: list = []  # (the saving forward or None, the statistics it keeps), once decided
+        chosen: list = []  # (the saving forward or None, the statistics it leaves out), once decided
         labels = residuals if isinstance(residuals, tuple) else ()
         if labels:  # named at the call, not first when differentiated (the saving forward is built then)
             import jax
@@ -654,7 +654,7 @@ class Kernel:
             return tuple(stats) + outs
 
         forward.__signature__ = inspect.signature(self.fn)
-        forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels) + _kept_suffix(unread)
+        forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels) + _unread_suffix(unread)
         hit = self._derived[("with_row_statistics", labels, unread)] = _SavingKernel(forward, primal)
         hit._lift_from = self
         return hit
@@ -693,8 +693,8 @@ class Kernel:
         """The statistics the saving forward may save (``row_statistics``) that the backward
         reading saved values does not read (its adjoint's DNF, every cotangent asked), by what
         they are (``_statistic_ids``), sorted; None where it reads all. A selection's operand is
-        kept whatever (its tangent compares it too:
-        ``label_selections``). What is not read is left out of the saving forward and of the
+        kept whatever (its tangent compares it too: ``label_selections``). What is not read is
+        left out of the saving forward and of the
         adjoint's arguments: written and held until the backward, it would cost memory and
         bandwidth for nothing (in bfloat16, RMSNorm's and SwiGLU's float32 outputs before
         rounding, [n d] arrays twice their outputs' size)."""
@@ -711,10 +711,8 @@ class Kernel:
         unread = None
         if stats:
             adj = self._adjoint_for(shape_key, options, labels or True)
-            cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-            saved = self._saved_specs(specs, options, labels)
-            reads = {r.array for r in adj.dnf(*specs, *cts, *saved, *cts, **options).reads()}
-            first = len(self.params) + len(cts)
+            reads = {r.array for r in adj.dnf(*self._saved_args(specs, options, labels), **options).reads()}
+            first = len(self.params) + len(outs)  # (after the primals and the cotangents)
             unread = tuple(sorted(i for i, p, x in zip(_statistic_ids(lifted, stats), adj.params[first:], stats)
                                   if p.name not in reads and not _is_selected(x))) or None
         self._derived[key] = unread
@@ -919,8 +917,8 @@ class Kernel:
         ``options`` are only used to learn the outputs' dims and dtypes. With ``saved``, it
         also takes the forward's row statistics (``row_statistics``: ``saved0``, …) and reads
         them where it would recompute them (the derivative still flows through them); ``saved``
-        a tuple of labels: the values so labelled too (``row_statistics``); ``unread``: only those
-        statistics (``row_statistics``; the saving forward's: ``statistics_read``)."""
+        a tuple of labels: the values so labelled too (``row_statistics``); ``unread``: the
+        statistics left out (``row_statistics``; the saving forward's: ``statistics_read``)."""
         from moajax import adjoint as _adjoint
 
         key = self._key(specs or self.example_specs(), options)
@@ -1009,7 +1007,7 @@ class Kernel:
         for o, od in zip(outs, out_dims):
             example.update({d: s for d, s in zip(od, o.shape) if d not in example})
         adj = Kernel(backward, example=example, name=f"{self.name}_adjoint" + ("_saved" if saved else "")
-                     + "".join(f"_{lb}" for lb in labels) + _kept_suffix(unread),
+                     + "".join(f"_{lb}" for lb in labels) + _unread_suffix(unread),
                      outputs=tuple(f"{_fresh_prefix('d_', 'd', wrt, dims)}{w}" for w in wrt), dims=dims,
                      identities=identities if saved else None)
         adj._lift_from = self
@@ -1048,7 +1046,7 @@ class Kernel:
         ``saved`` (True, or the labels the forward saves), it also takes the selections'
         operands the saving forward saved (``label_selections``: ``saved0``, …) and compares
         them, as the adjoint does — so that the two stay each other's transpose; ``unread``: the
-        statistics that forward saves (``row_statistics``)."""
+        statistics that forward leaves out (``row_statistics``)."""
         from moajax import adjoint as _adjoint
         from moajax import tangent as _tangent
 

@@ -93,6 +93,12 @@ def machine_line() -> str:
             f"JAX {jax.__version__}, Python {platform.python_version()}; date {datetime.date.today().isoformat()}.")
 
 
+def table_lines(head: str, rows) -> list:
+    """A markdown table: ``head`` ("| a | b |"), its rule, one line per row (cells by str)."""
+    return [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|",
+            *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)]
+
+
 def write_results(path, lines) -> str:
     """Write a results table (markdown lines) to ``path``, print it, return its text."""
     text = "\n".join(lines) + "\n"

@@ -40,7 +40,7 @@ def main(argv):
     from moajax.kernels.mlp import swiglu
     from moajax.kernels.norm import rmsnorm
     from moajax.onf import ONFError
-    from moajax.timing import write_results
+    from moajax.timing import table_lines, write_results
 
     ptx.offline_or_exit()
     S = jax.ShapeDtypeStruct
@@ -92,10 +92,8 @@ def main(argv):
         "model's (untimed on a GPU); registers, shared memory and spills are ptxas' for each Pallas call of a "
         "kernel (a/b: two calls, e.g. split-K's parts and their combine).",
         "",
-        head,
-        "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|",
+        *table_lines(head, rows),
     ]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     write_results(OUT.value, lines)
 
 

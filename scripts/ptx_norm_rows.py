@@ -36,6 +36,7 @@ def main(argv):
     from moajax.gpu_report import gpus
     from moajax.kernels.norm import rmsnorm
     from moajax.onf import ONFError
+    from moajax.timing import table_lines, write_results
 
     ptx.offline_or_exit()
     rows = []
@@ -69,12 +70,9 @@ def main(argv):
         "does not fit a program alone, its columns go over the grid (`schedule.GPU_SPLIT_ROWS`, since "
         "2026-12-06: each program walks the row's Σ_d x² in tiles of 1024). Untimed.",
         "",
-        head,
-        "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|",
+        *table_lines(head, rows),
     ]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    Path(OUT.value).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(OUT.value, lines)
 
 
 if __name__ == "__main__":
