@@ -47,6 +47,36 @@ def _read_in(e: D.Expr):
     return e if isinstance(e, D.Read) else None
 
 
+def _guards(e: D.Expr) -> tuple[list, D.Expr]:
+    """e = (g₁ ? (g₂ ? X : 0) : 0) as ([g₁, g₂], X): the guards outside a value that is 0
+    wherever one fails (a query row past its length: jax.nn's output and cotangent there)."""
+    gs: list = []
+    while True:
+        b = _bare(e)
+        if not (isinstance(b, D.Call) and b.op == "where" and isinstance(_bare(b.children[2]), D.Lit)
+                and _bare(b.children[2]).value == 0):
+            return gs, e
+        gs.append(b.children[0])
+        e = b.children[1]
+
+
+def _guarded_read(e: D.Expr) -> tuple[list, D.Read | None]:
+    """e as (guards, the input read inside them): ``_read_in`` under ``_guards``, either side of
+    a widening (g ? float(dY) : 0 or float(g ? dY : 0))."""
+    gs, inner = _guards(e)
+    b = _bare(inner)
+    if isinstance(b, D.Convert) and b.dtype.kind == "f" and b.dtype.itemsize > _bare(b.arg).dtype.itemsize:
+        more, inner = _guards(b.arg)
+        gs, inner = gs + more, (inner if not more else D.Convert(inner, b.dtype))
+    return gs, _read_in(inner)
+
+
+def _guards_hold(pattern: list, term: list, params, env: dict) -> bool:
+    """Does each of Y's guards (``pattern``, over Y's variables ``params``, at the element σ
+    ``env``) stand among the cotangent's (``term``)? Where one fails, Y is 0 and so is dY."""
+    return all(any(D.match(p, t, params, env) is not None for t in term) for p in pattern)
+
+
 def _bare(e: D.Expr) -> D.Expr:
     while isinstance(e, D.Tag):
         e = e.body
@@ -153,7 +183,9 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
 
     output-reuse:   a · Σ_s G (the sum the forward's output Y = c · Σ_s G is made of, at any
                     element σ)  =  a · Y[σ] ÷ c[σ]
-    Δ-from-output:  Σ_s F × (Σ_e dY × W)  =  Σ_e dY × (Σ_s F × W), then output-reuse
+    Δ-from-output:  Σ_s F × (Σ_e dY × W)  =  Σ_e dY × (Σ_s F × W), then output-reuse; also
+                    where Y = (g ? c · Σ_s G : 0) and dY is guarded by g too (query rows past
+                    their length: both 0 where g fails, so the rows' Δ is 0 either way)
 
     ``cotangent_of``: adjoint input (d_out) → the forward output it is the cotangent of;
     ``value_of``: forward output → the adjoint input holding its value; ``saved``: forward
@@ -175,10 +207,10 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
             if not held:
                 continue
             y, y_in = held[0], saved[held[0].name]
-        form = _form(read_statistics(y.body, [st for st in stats if st[1].name != y.name], shapes))
+        guards, body = _guards(read_statistics(y.body, [st for st in stats if st[1].name != y.name], shapes))
+        form = _form(body)
         if form is not None:
-            forms[yname] = (y, y_in, form, own.vars)
-    of_cotangent = {ct: forms[y] for ct, y in cotangent_of.items() if y in forms}
+            forms[yname] = (y, y_in, form, own.vars, guards, own.dtype.itemsize)
     out_names = {v.name for o in adjoint.outputs for v in o.vars}
     applied: dict = {}
 
@@ -186,7 +218,9 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
         """a · Σ_s G as a · Y[σ] ÷ c[σ] for the first output whose form matches (else None)."""
         a_n, a_d = [f for f in num if s not in f.free], [f for f in den if s not in f.free]
         g_n, g_d = [f for f in num if s in f.free], [f for f in den if s in f.free]
-        for y, y_in, (sf, c_n, c_d, fg_n, fg_d), _ in (forms.values() if env0 is None else [env0[0]]):
+        for y, y_in, (sf, c_n, c_d, fg_n, fg_d), _, guards, _ in (usable.values() if env0 is None else [env0[0]]):
+            if guards and env0 is None:  # (a · Σ_s G is a · Y ÷ c only where Y's guards hold)
+                continue
             env = env0[1] if env0 is not None else {}
             env = _match_factors(fg_n, g_n, y.vars, env, {sf: Ix.of(s)})
             env = None if env is None else _match_factors(fg_d, g_d, y.vars, env, {sf: Ix.of(s)})
@@ -212,18 +246,21 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
                 continue
             e = cu.var
             cn, cd = factors(cu.body)
-            dys = [f for f in cn if _read_in(f) is not None and _read_in(f).array in of_cotangent]
+            dys = [f for f in cn if _guarded_read(f)[1] is not None and _guarded_read(f)[1].array in of_cotangent]
             if cd or len(dys) != 1:
                 continue
-            dy = _read_in(dys[0])
+            dy_guards, dy = _guarded_read(dys[0])
             rest = num[:i] + num[i + 1:]
-            if s in dy.free or e not in dy.free or any(e in f.free for f in rest + den):
+            # (dY with its guards is what moves out of Σ_s: a guard reading s keeps it in)
+            if s in dys[0].free or e not in dy.free or any(e in f.free for f in rest + den):
                 continue
             y = of_cotangent[dy.array]
             w = [f for f in cn if f is not dys[0]]
-            # Σ_s F × W at the element of Y whose cotangent dY is
-            # the element of Y whose cotangent dY is (dY indexes Y's own variables)
-            inner = reuse(s, rest + w, den, x.dtype, (y, {v: i for v, i in zip(y[3], dy.index) if v in y[0].vars}))
+            # Σ_s F × W at the element of Y whose cotangent dY is (dY indexes Y's own variables)
+            at_dy = {v: i for v, i in zip(y[3], dy.index) if v in y[0].vars}
+            if not _guards_hold(y[4], dy_guards, y[0].vars, at_dy):
+                continue
+            inner = reuse(s, rest + w, den, x.dtype, (y, at_dy))
             if inner is None:
                 continue
             n2, d2 = factors(inner)
@@ -237,9 +274,22 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
             return out
         return None
 
+    def rewritten(o: D.Output) -> D.Output:
+        # a 16-bit output's value (held before rounding or not) carries its kernel's 16-bit
+        # dots: a GPU rounds P to 16 bits for Σ_s P × V, so Δ = +/(dO × O) is +/(P × dP) only
+        # to 2⁻⁹ of itself. A gradient in a finer dtype recomputes its sum rather than inherit
+        # that (an ALiBi slopes' float32 gradient, whose rows' Σ_s dS should cancel, was 5.1e-2
+        # off float64 reading O, 1.1e-3 recomputing: bench/results/table_grad_precision.md)
+        nonlocal usable, of_cotangent
+        width = o.dtype.itemsize
+        usable = {y: f for y, f in forms.items() if f[5] >= width}
+        of_cotangent = {ct: usable[y] for ct, y in cotangent_of.items() if y in usable}
+        return dataclasses.replace(o, body=D.transform(o.body, rewrite)) if usable else o
+
     if not forms:
         return adjoint, []
-    new = tuple(dataclasses.replace(o, body=D.transform(o.body, rewrite)) for o in adjoint.outputs)
+    usable, of_cotangent = {}, {}
+    new = tuple(rewritten(o) for o in adjoint.outputs)
     if all(a.body is b.body for a, b in zip(new, adjoint.outputs)):
         return adjoint, []
     return D.DNF(adjoint.name, adjoint.inputs, new), list(applied.values())

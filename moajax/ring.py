@@ -142,7 +142,10 @@ def _kernels(kern, shapes, dtype, scale: float, implementation):
         # that item), and its Δ would be that key's alone: wrong dQ and dK, silently
         dnf = adj.dnf(*kern._saved_args(specs, opts), **opts)  # (every statistic: the ring merges them all)
         outs = {i.name for i in dnf.inputs[len(dnf.inputs) - 1 - len(shape[2:]):]}  # Out (16-bit: and unrounded)
-        if not any(isinstance(x, D.Read) and x.array in outs for o in dnf.outputs for x in D.walk(o.body)):
+        # every output that Δ enters (dQ and dK; dV = Pᵀ +.× dO has none): the identity is
+        # applied output by output (one finer than Out recomputes Δ: identities)
+        with_delta = [o for o in dnf.outputs if o.name != f"d_{kern.params[2].name}"]
+        if not all(any(isinstance(x, D.Read) and x.array in outs for x in D.walk(o.body)) for o in with_delta):
             raise ValueError(
                 f"ring attention: the gradient of a ring block of {shapes[1][1]} key(s) cannot read the whole "
                 f"row's output (Δ = +/(dO × Out) over one key is not a sum); give each piece of the ring at "

@@ -7,8 +7,8 @@ with both. The lengths are [T, T/2] over a batch of 2: the second sequence is ha
 What it watches: the backward's Δ = +/(P × dP) per query row is +/(dO × O) read from the
 saved output (``identities.delta_from_output``) — one pass over the head dim instead of a pass
 over every key with two contractions. With query lengths the output and its cotangent are
-guarded (0 past a row's length) and the identity does not see through the guard: the backward
-walks the keys once more for Δ (the column 'Δ reads O').
+guarded (0 past a row's length); the identity sees through the guard since 2026-12-06 (0 = 0
+past it). The column 'Δ reads O' checks that it fired on the kernel the call runs.
 
 `python scripts/bench_lengths.py` writes bench/results/lengths_grad_cpu.md.
 """

@@ -87,8 +87,11 @@ def main(argv):
              "|---|---|---|---|---:|---:|---:|---:|"]
     for case, lengths, res, path, errs in rows(("pallas_interpret", "xla")):
         lines.append(f"| {case} | {lengths} | {res} | {path} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
-    lines += ["", "Under 'save' the backward reads Δ from Out where the identity applies: without query lengths, "
-              "not through their guard (`identities.delta_from_output`)."]
+    lines += ["", "Under 'save' the bfloat16 dq, dk (and the rows' statistics) read Δ = +/(dO × O) from the saved "
+              "Out (`identities.delta_from_output`, through the query lengths' guard too); the slopes' float32 "
+              "gradient sums P × dP over the keys itself, since a 16-bit forward's Out carries its dots' rounding "
+              "of P on a GPU (until 2026-12-06 it read Out as well: 5.1e-2 and 7.3e-3 on the pallas 'save' rows "
+              "without query lengths)."]
     write_results(OUT.value, lines)
 
 

@@ -850,12 +850,16 @@ def test_a_score_mod_arrays_own_gradient_kernel_fills_the_gpu_over_a_batch():
     1024, N = 8, H = 64 in float32 on the H200: split-K cuts it until its programs fill the
     machine. The batch of 2 around the heads came first and could at most double the programs
     (the cost model's gain 1.96×, under the 2× a cut must pay), and that ended the search: the
-    gradient ran as one program walking all 2 × 8 × 1024 × 1024 scores."""
+    gradient ran as one program walking all 2 × 8 × 1024 × 1024 scores. Slopes in float64 (a
+    gradient finer than Out: it sums P × dP over the keys for Δ itself, ``identities``) split
+    over the queries' tiles instead, and fill it too."""
     h200 = machines.load("h200")
-    (onf,) = [o for o in _alibi_adjoint_plan((2, 1024, 8, 64), (2, 1024, 8, 64), jnp.linspace(0.1, 0.5, 8), h200,
-                                             None, "float32", is_causal=True) if "const" in o.dnf.name]
-    assert [h for h in onf.history if h.startswith("split_k(")] == ["split_k(n_kv, 8)", "split_k(s, 32)"]
-    assert int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"])) >= h200.multiprocessors
+    for dtype, split in ((jnp.float32, "split_k(s, 32)"), (jnp.float64, "split_k(t, 32)")):
+        (onf,) = [o for o in _alibi_adjoint_plan((2, 1024, 8, 64), (2, 1024, 8, 64),
+                                                 jnp.linspace(0.1, 0.5, 8, dtype=dtype), h200, None, "float32",
+                                                 is_causal=True) if "const" in o.dnf.name]
+        assert [h for h in onf.history if h.startswith("split_k(")] == ["split_k(n_kv, 8)", split]
+        assert int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"])) >= h200.multiprocessors
 
 
 def test_a_named_plan_that_does_not_fit_says_it_is_the_presets(monkeypatch):

@@ -130,6 +130,83 @@ def test_a_rounded_output_is_not_read_back_its_value_before_rounding_is():
         assert rel_err(np.asarray(a.astype(jnp.float32)), b) <= 2 ** -7
 
 
+@pytest.mark.parametrize("kv_lengths", [False, True])
+def test_the_identity_reads_through_a_query_length_guard(kv_lengths):
+    """Out = (t < L[b] ? Σ_s P × V : 0), and dOut is guarded alike (jax.nn's rows past a query
+    length are 0 and pass no cotangent back): Δ = +/(dO × O) holds on both sides of the guard
+    (0 = 0 past it), so the adjoint reads Out instead of summing P × dP over the keys. A batch
+    element of length 0 (every row guarded) has finite, zero gradients."""
+    B, T, N, H = 3, 7, 2, 3
+    r = np.random.default_rng(11)
+    q, k, v, g = (r.standard_normal((B, T, N, H)) for _ in range(4))
+    ql = np.asarray([7, 4, 0], np.int32)
+    kl = np.asarray([5, 7, 3], np.int32) if kv_lengths else None
+    kern = mha_kernel(None, None, False, True, kv_lengths)
+    with compat.enable_x64_context(True):
+        specs = [S(x.shape, np.float64) for x in (q, k, v)] + [S((B,), np.int32)] * (1 + kv_lengths)
+        adj, aspecs = _saved_adjoint(kern, specs)
+        assert identities.DELTA_FROM_OUTPUT in adj.derivation(*aspecs).rules_used()
+        extra = dict(key_value_seq_lengths=jnp.asarray(kl)) if kv_lengths else {}
+        got = jax.grad(lambda *a: jnp.sum(moajax.dot_product_attention(
+            *a, query_seq_lengths=jnp.asarray(ql), **extra) * g), argnums=(0, 1, 2))(q, k, v)
+    want = R.mha_variants(q, k, v, query_seq_lengths=ql, key_value_seq_lengths=kl, dout=g)[:3]
+    for a, b in zip(got, want):
+        assert np.all(np.isfinite(a)) and rel_err(a, b) <= F64
+    assert not np.any(np.asarray(got[0])[2])  # (every row of batch element 2 past its length)
+
+
+def test_a_finer_gradient_recomputes_delta_rather_than_read_a_16_bit_output():
+    """bfloat16 attention with ALiBi slopes in float32: the 16-bit forward's Out carries its
+    dots' rounding of P (a GPU's), so Δ = +/(dO × O) is good to 2⁻⁹. dQ, dK and dV (bfloat16)
+    read it; the slopes' float32 gradient sums P × dP over the keys itself (Σ_s dS cancels
+    only against its own P: bench/results/table_grad_precision.md)."""
+    from moajax.api import _check_score_mod
+
+    slopes = jnp.linspace(0.1, 0.4, 4, dtype=jnp.float32)
+    fn = _check_score_mod(lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j), jnp.bfloat16)
+    kern = mha_kernel(None, None, True, score_mod=fn)
+    specs = [S((1, 6, 4, 8), jnp.bfloat16), S((1, 5, 2, 8), jnp.bfloat16), S((1, 5, 2, 8), jnp.bfloat16),
+             S((4,), jnp.float32)]
+    adj, aspecs = _saved_adjoint(kern, specs)
+    dnf = adj.dnf(*aspecs)
+    held = {i.name for i in dnf.inputs if i.name.startswith("saved") and i.dtype == np.float32
+            and i.shape == (6, 4, 8)}  # (Out before rounding, in its rows' layout)
+    assert held
+    reads = {o.name: {x.array for x in D.reads(o.body)} for o in dnf.outputs}
+    (d_slopes,) = [o.name for o in dnf.outputs if o.dtype == np.float32]
+    assert not reads[d_slopes] & held and "value" in reads[d_slopes]  # (dP = dO +.× ⍉V, summed)
+    assert all(reads[o.name] & held for o in dnf.outputs if o.name != d_slopes and o.name != "d_value")
+
+
+@pytest.mark.parametrize("guarded", ["s", "t"])
+def test_a_cotangents_guard_on_the_summed_variable_keeps_it_in_the_sum(guarded):
+    """Y = +/(P × V) over s; the adjoint's Σ_s P × Σ_e ((g < 2) ? dY : 0) × V. A guard on t
+    moves out of Σ_s with dY (Δ = Σ_e ((t < 2) ? dY : 0) × Y); one on s cannot — moved out,
+    it left s unbound, or read the output's own s (found by review, 2026-12-06)."""
+    T, S_, E = 3, 4, 2
+    f = np.float64
+    t, s, e = Var("t", T), Var("s", S_), Var("e", E)
+
+    def mul(a, b):
+        return D.Call("mul", (a, b))
+
+    ins = (D.InputSpec("P", (T, S_), ("t", "s"), np.dtype(f)), D.InputSpec("V", (S_, E), ("s", "e"), np.dtype(f)))
+    y = D.Output("y", (T, E), ("t", "e"), (t, e), D.Red("add", s, mul(D.Read("P", (t, s), f), D.Read("V", (s, e), f))))
+    g = D.Call("lt", (D.IndexValue({"s": s, "t": t}[guarded]), D.Lit(2, np.int32)))
+    dy = D.Call("where", (g, D.Read("d_out", (t, e), f), D.Lit(0.0, f)))
+    body = D.Red("add", s, mul(D.Read("P", (t, s), f), D.Red("add", e, mul(dy, D.Read("V", (s, e), f)))))
+    adj = D.DNF("adjoint", ins + (D.InputSpec("d_out", (T, E), ("t", "e"), np.dtype(f)),
+                                  D.InputSpec("y", (T, E), ("t", "e"), np.dtype(f))),
+                (D.Output("d_x", (T, S_), ("t", "s"), (t, s), body),))
+    new, applied = identities.delta_from_output(adj, D.DNF("forward", ins, (y,)), {"d_out": "y"}, {"y": "y"}, {})
+    assert [a.rule for a in applied] == ([] if guarded == "s" else [identities.DELTA_FROM_OUTPUT])
+    r = np.random.default_rng(0)
+    p, v, d = r.standard_normal((T, S_)), r.standard_normal((S_, E)), r.standard_normal((T, E))
+    with compat.enable_x64_context(True):
+        got, want = (np.asarray(reference.to_jax(x)(p, v, d, p @ v)) for x in (new, adj))
+    assert rel_err(got, want) <= F64
+
+
 @settings(max_examples=150, deadline=None)
 @given(expressions(max_ops=6))
 def test_delta_from_output_keeps_the_meaning_of_random_adjoints(case):
