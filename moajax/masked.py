@@ -9,7 +9,10 @@ reduces to the identity (Σ: 0; ⌈ and the online softmax: the mask fill), a pr
 the tiles of w between the least lower and the greatest upper bound over its rows — causal,
 local-window and length masks skip whole tiles instead of computing and masking them.
 Of the tiles it walks, those on which every bound holds at every point (``interior_tiles``)
-need no mask at all: c ? x : y is x there (``Skip.interior``).
+need no mask at all: c ? x : y is x there (``Skip.interior``). A comparison that does not read
+w (coefficient 0: a query row inside its length, t < ⟨b⟩ψL) under which B is a plain 0 is a
+row condition (``Skip.rows``): a program where it fails at every row walks no tile — dQ's
+programs past a query length, whose cotangent rows are 0.
 
 The mask fill m₀ (``large_negative``: −0.7·max, the max capped at float32's, jax.nn's) is not −∞: a row whose every key is
 masked averages V over all keys. exp(m₀ − X), with X a row statistic (the row max or log-sum),
@@ -240,14 +243,21 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
         if isinstance(x, D.Call) and x.op == "where":
             for a in conjuncts(x.children[0]):
                 aff = comparison(a)
-                if aff is not None and abs(aff.coeff(w)) == 1 and a not in [c for c, _ in cands]:
+                if aff is not None and abs(aff.coeff(w)) in (0, 1) and a not in [c for c, _ in cands]:
                     cands.append((a, aff))
-    bounds, kept, shifts, stats = [], [], [], []
+    bounds, kept, shifts, stats, rows = [], [], [], [], []
     for a, aff in cands:
-        if aff in bounds:
+        if aff in bounds or aff in rows:
             continue
         val, xs = _Under(a)(body)
         if not _identity(monoid, val):
+            continue
+        if aff.coeff(w) == 0:
+            # a condition on the rows: the identity at every w where it fails, but only as a
+            # plain 0 (a max's fill, exp(m₀ − X), holds for rows keeping a key, and a row failing
+            # it keeps none)
+            if monoid == "add" and not xs:
+                rows.append(aff)
             continue
         # ⌈ (and the online pass) leave out m₀ only in a row keeping a key; Σ through exp(m₀ − X)
         uses = monoid == "max" or bool(xs)
@@ -257,8 +267,9 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
             shifts.append(set(of.free) if isinstance(of, D.Red) else set(st.max_vars))
         shifts += [set(x.free) for x in xs]  # the row variables of each statistic X
         stats += [x for x in sorted(xs, key=D.show) if x not in stats]
-    if not bounds:
-        return None
+    if not bounds:  # (row conditions alone: only for a walk, which has tiles to leave out)
+        walked = onf.axis_of(w).role == "sequential"
+        return Skip(st.name, w, (), (), None, of, rows=tuple(rows)) if rows and walked else None
     # a row variable that a later stage reduces this one's results over is no row of the
     # softmax: split-K's part index s_o, whose parts the monoid combine joins. The kept key
     # is then sought over the whole walk (a part with no key contributes 0 to the combine)
@@ -273,9 +284,9 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
         guard = _row_guard(st, red, monoid, body, stats)
     if guard is None and any(kept):  # nor that: keep the exact bounds only
         bounds, kept = [b for b, k in zip(bounds, kept) if not k], [False] * sum(not k for k in kept)
-        if not bounds:
+        if not bounds and not rows:
             return None
-    return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of)
+    return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of, rows=tuple(rows))
 
 
 def _fill(exprs) -> float | None:
@@ -454,7 +465,8 @@ def _div(x, d: int, xp):
 def tile_span(skip: Skip, tile: int, ntiles: int, box, read_value, xp, guard_ok=True):
     """(first tile, number of tiles) of ``skip.var`` a program with rows ``box`` walks: from
     the least lower bound to the greatest upper bound over its rows (kept bounds only where
-    ``guard_ok``), clipped to the axis."""
+    ``guard_ok``), clipped to the axis; none where a row condition (``Skip.rows``) fails at
+    every row of the box."""
     w = skip.var
     lo, hi = 0, w.extent - 1
     for b, kept in zip(skip.bounds, skip.kept):
@@ -473,6 +485,8 @@ def tile_span(skip: Skip, tile: int, ntiles: int, box, read_value, xp, guard_ok=
             hi = new
     lo = xp.clip(lo, 0, w.extent - 1)
     empty = hi < lo  # no w kept (hi may be negative: a part wholly past a length)
+    for c in skip.rows:  # fails at every row: the body is the identity at every w
+        empty = xp.logical_or(empty, _extreme(c, box, read_value, xp, upper=True) < 0)
     hi = xp.clip(hi, 0, w.extent - 1)
     # both ≥ 0 here: a truncating division is the floor (Triton lowers jnp's floor_divide of
     # integers wrongly: a bool subtracted from an i32)
@@ -514,7 +528,8 @@ def masked_fraction(onf: ONF, skip: Skip) -> float:
         return visited
     box = _grid_box(onf, {t for b in static for t, _ in b.terms} - {w}, padded=True)
     first, end = interior_tiles(static, w, axis.tile, box, None, np)
-    sk = dataclasses.replace(skip, bounds=tuple(static), kept=(False,) * len(static), guard=None)
+    sk = dataclasses.replace(skip, bounds=tuple(static), kept=(False,) * len(static), guard=None,
+                             rows=tuple(c for c in skip.rows if all(isinstance(t, Var) for t, _ in c.terms)))
     # the interior lies inside the visited span of the exact bounds (the guard only widens it)
     vfirst, vcount = tile_span(sk, axis.tile, axis.ntiles, _grid_box(onf, box.keys() | {w}), None, np)
     inside = np.clip(np.minimum(end, vfirst + vcount) - np.maximum(first, vfirst), 0, None)
@@ -548,7 +563,8 @@ def visited_fraction(onf: ONF, skip: Skip) -> float:
         return 1.0
     static = lambda a: all(isinstance(t, Var) for t, _ in a.terms)  # noqa: E731
     keep = [(b, k) for b, k in zip(skip.bounds, skip.kept) if static(b)]
-    if not keep:
+    rows = tuple(c for c in skip.rows if static(c))
+    if not keep and not rows:
         return 1.0
     guard = skip.guard
     if isinstance(guard, RowGuard):  # the model takes rows as keeping keys (the statistics are data)
@@ -556,8 +572,8 @@ def visited_fraction(onf: ONF, skip: Skip) -> float:
         keep = [(b, False) for b, _ in keep]
     elif guard is not None:
         guard = Guard(guard.var, tuple(c for c in guard.conds if static(c)), tuple(c for c in guard.exempt if static(c)))
-    sk = Skip(skip.stage, w, tuple(b for b, _ in keep), tuple(k for _, k in keep), guard, skip.of)
-    vars_ = {t for b in sk.bounds for t, _ in b.terms if isinstance(t, Var)}
+    sk = Skip(skip.stage, w, tuple(b for b, _ in keep), tuple(k for _, k in keep), guard, skip.of, rows=rows)
+    vars_ = {t for b in sk.bounds + sk.rows for t, _ in b.terms if isinstance(t, Var)}
     if guard is not None:
         vars_ |= {t for c in guard.conds + guard.exempt for t, _ in c.terms if isinstance(t, Var)}
     box = _grid_box(onf, vars_)

@@ -405,7 +405,11 @@ class Skip:
     ``interior`` (``rewrites.unmask_interior``): the tiles where every bound holds over the
     whole tile and all the program's rows are walked in a loop of their own that takes the
     bounds as true — c ? x : y is x there, no comparison and no select per element; only the
-    boundary tiles (a causal walk's diagonal ones) evaluate the mask."""
+    boundary tiles (a causal walk's diagonal ones) evaluate the mask.
+    ``rows``: conditions on the rows alone (coefficient 0 on var: a query row inside its
+    length, t < ⟨b⟩ψL) outside which the body is the identity at every w, with no kept key
+    assumed: a program where one fails at every row walks no tile (dQ's programs past a query
+    length, whose cotangent rows are 0)."""
 
     stage: str
     var: Var
@@ -414,9 +418,11 @@ class Skip:
     guard: Guard | RowGuard | None
     of: D.Expr
     interior: bool = False
+    rows: tuple = ()  # Affine, coefficient 0 on var
 
     def text(self) -> str:
-        b = ", ".join(a.text() + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.bounds, self.kept))
+        b = ", ".join([a.text() + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.bounds, self.kept)]
+                      + [f"rows: {a.text()}" for a in self.rows])
         g = f"; ⁽ᵏ⁾ where {self.guard.text()}" if any(self.kept) else ""
         i = "; interior tiles unmasked" if self.interior else ""
         return f"{self.stage} over {self.var.name}: {b}{g}{i}"
@@ -855,6 +861,8 @@ class ONF:
                     "now holds (a rewrite changed it after skip_masked): derive the skip again")
             if len(sk.kept) != len(sk.bounds) or any(abs(b.coeff(sk.var)) != 1 for b in sk.bounds):
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} has a bound that does not bound {sk.var.name}")
+            if any(c.coeff(sk.var) != 0 for c in sk.rows):
+                raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} has a row condition that reads {sk.var.name}")
             if any(sk.kept) and sk.guard is None:
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} relies on kept keys but has no guard")
             if isinstance(sk.guard, RowGuard) and not sk.guard.stats and not (isinstance(st, OnlineStage)

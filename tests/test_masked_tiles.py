@@ -314,6 +314,36 @@ def test_keys_past_a_length_are_never_read_per_batch_element(impl):
     assert not np.all(np.isfinite(walked[0]))
 
 
+@pytest.mark.parametrize("kvlen", [False, True])
+def test_dq_programs_past_a_query_length_walk_no_tile(kvlen):
+    """dQ = Σ_s dS × K: past a query length the cotangent's rows are 0 (jax.nn's), so dS is 0
+    at every key — a plain 0, no kept key assumed. The skip records the row condition
+    (``Skip.rows``): a program whose rows all fail it walks no tile; one with a row inside
+    walks its keys. The forward's online pass records none: its fill is left out only in a
+    row keeping a key, and a row past its length keeps none (jax.nn's average over V)."""
+    from moajax import dnf as D
+
+    Tn = Sn = 256
+    kern, specs, d = _dnf(T=Tn, S=Sn, K=4, qlen=True, kvlen=kvlen)
+    h200 = machines.load("h200")
+    adj, aspecs = kern.saved_adjoint(*specs)
+    (dq,) = [o for o in schedule.derive_plan(adj.dnf(*aspecs), h200) if o.dnf.outputs[0].name == "d_query"]
+    (sk,) = [sk for sk in dq.skips if sk.var.name == "s"]
+    assert [c.text() for c in sk.rows] == ["−t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0"] and not any(sk.kept)
+    assert "rows: −t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0" in dq.pretty()
+    assert all(not x.rows for x in schedule.derive(kern.saving_forward(*specs).dnf(*specs), h200).skips)
+    tile, ntiles = dq.axis_of(sk.var).tile, dq.axis_of(sk.var).ntiles
+    rows = dq.axis_of(next(v for c in sk.rows for v, _ in c.terms if isinstance(v, type(sk.var)))).tile
+    assert ntiles > 1 and rows < Tn
+    for length in (0, rows, rows + 1, Tn):
+        read = lambda r: np.array(length if "query" in D.show(r) else Sn)  # noqa: E731, B023
+        for i in range(Tn // rows):
+            box = {v: ((i * rows, (i + 1) * rows - 1) if v.name == "t" else (0, v.extent - 1))
+                   for c in sk.bounds + sk.rows for v, _ in c.terms if isinstance(v, type(sk.var))}
+            first, count = masked.tile_span(sk, tile, ntiles, box, read, np)
+            assert int(count) == (0 if i * rows >= length else ntiles)
+
+
 def test_a_cpu_loops_the_batch_a_length_bound_reads():
     """On a CPU the grid is vectorised but for the ``cpu_loop`` axes: a walk bounded by
     ⟨b⟩ψlengths then spans the batch's longest length. The batch axis joins the loop where a
@@ -330,7 +360,7 @@ def test_a_cpu_loops_the_batch_a_length_bound_reads():
         plan = schedule.derive_plan(adj.dnf(*args), cpu)
         for onf in plan if isinstance(plan, tuple) else (plan,):
             scatters = any(onf.scatter_var(st) is not None for st in onf.program.stages)
-            if onf.skips:
+            if any(sk.bounds for sk in onf.skips):  # (a row condition alone loops nothing)
                 seen.add(scatters)
                 assert ("b" in onf.knobs.cpu_loop) == (not scatters)
     assert seen == {True, False}

@@ -104,7 +104,7 @@ def span(ev, skips, v: Var):
         return 0, axis.ntiles
     firsts, ends = [], []
     for sk in skips:
-        vars_ = {t for b in sk.bounds for t, _ in b.terms if isinstance(t, Var)}
+        vars_ = {t for b in sk.bounds + sk.rows for t, _ in b.terms if isinstance(t, Var)}
         affine = sk.guard is not None and not isinstance(sk.guard, RowGuard)
         if affine:
             vars_ |= {t for c in sk.guard.conds + sk.guard.exempt for t, _ in c.terms if isinstance(t, Var)}
