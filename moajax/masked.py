@@ -245,31 +245,29 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
                 aff = comparison(a)
                 if aff is not None and abs(aff.coeff(w)) in (0, 1) and a not in [c for c, _ in cands]:
                     cands.append((a, aff))
-    bounds, kept, shifts, stats, rows = [], [], [], [], []
+    bounds, kept, shifts, stats, conds, conds_kept = [], [], [], [], [], []
     for a, aff in cands:
-        if aff in bounds or aff in rows:
+        if aff in bounds or aff in conds:
             continue
         val, xs = _Under(a)(body)
         if not _identity(monoid, val):
             continue
-        if aff.coeff(w) == 0:
-            # a condition on the rows: the identity at every w where it fails, but only as a
-            # plain 0 (a max's fill, exp(m₀ − X), holds for rows keeping a key, and a row failing
-            # it keeps none)
-            if monoid == "add" and not xs:
-                rows.append(aff)
-            continue
         # ⌈ (and the online pass) leave out m₀ only in a row keeping a key; Σ through exp(m₀ − X)
         uses = monoid == "max" or bool(xs)
-        bounds.append(aff)
-        kept.append(uses)
+        if aff.coeff(w) == 0:  # a condition on the rows (``Skip.rows``)
+            if monoid == "max":  # a row failing it scores only m₀: it keeps no key, and the guard fails
+                continue
+            conds.append(aff)
+            conds_kept.append(uses)
+        else:
+            bounds.append(aff)
+            kept.append(uses)
         if monoid == "max":
             shifts.append(set(of.free) if isinstance(of, D.Red) else set(st.max_vars))
         shifts += [set(x.free) for x in xs]  # the row variables of each statistic X
         stats += [x for x in sorted(xs, key=D.show) if x not in stats]
-    if not bounds:  # (row conditions alone: only for a walk, which has tiles to leave out)
-        walked = onf.axis_of(w).role == "sequential"
-        return Skip(st.name, w, (), (), None, of, rows=tuple(rows)) if rows and walked else None
+    if not bounds and (not conds or onf.axis_of(w).role != "sequential"):
+        return None  # (row conditions alone: only for a walk, which has tiles to leave out)
     # a row variable that a later stage reduces this one's results over is no row of the
     # softmax: split-K's part index s_o, whose parts the monoid combine joins. The kept key
     # is then sought over the whole walk (a part with no key contributes 0 to the combine)
@@ -279,14 +277,16 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
     if any(w in rows for rows in shifts):
         combined = set()
     shifts = [rows - combined for rows in shifts]
-    guard = _guard(exprs, body, shifts) if any(kept) else None
-    if guard is None and any(kept):  # no closed-form guard: the rows' statistics decide
+    needs = any(kept + conds_kept)
+    guard = _guard(exprs, body, shifts) if needs else None
+    if guard is None and needs:  # no closed-form guard: the rows' statistics decide
         guard = _row_guard(st, red, monoid, body, stats)
-    if guard is None and any(kept):  # nor that: keep the exact bounds only
+    if guard is None and needs:  # nor that: keep the exact bounds only
         bounds, kept = [b for b, k in zip(bounds, kept) if not k], [False] * sum(not k for k in kept)
-        if not bounds and not rows:
+        conds, conds_kept = [c for c, k in zip(conds, conds_kept) if not k], [False] * sum(not k for k in conds_kept)
+        if not bounds and not conds:
             return None
-    return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of, rows=tuple(rows))
+    return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of, rows=tuple(conds), rows_kept=tuple(conds_kept))
 
 
 def _fill(exprs) -> float | None:
@@ -466,7 +466,7 @@ def tile_span(skip: Skip, tile: int, ntiles: int, box, read_value, xp, guard_ok=
     """(first tile, number of tiles) of ``skip.var`` a program with rows ``box`` walks: from
     the least lower bound to the greatest upper bound over its rows (kept bounds only where
     ``guard_ok``), clipped to the axis; none where a row condition (``Skip.rows``) fails at
-    every row of the box."""
+    every row of the box (a kept one: where ``guard_ok``)."""
     w = skip.var
     lo, hi = 0, w.extent - 1
     for b, kept in zip(skip.bounds, skip.kept):
@@ -485,8 +485,9 @@ def tile_span(skip: Skip, tile: int, ntiles: int, box, read_value, xp, guard_ok=
             hi = new
     lo = xp.clip(lo, 0, w.extent - 1)
     empty = hi < lo  # no w kept (hi may be negative: a part wholly past a length)
-    for c in skip.rows:  # fails at every row: the body is the identity at every w
-        empty = xp.logical_or(empty, _extreme(c, box, read_value, xp, upper=True) < 0)
+    for c, kept in zip(skip.rows, skip.rows_kept):  # fails at every row: the identity at every w
+        fails = _extreme(c, box, read_value, xp, upper=True) < 0
+        empty = xp.logical_or(empty, xp.logical_and(fails, guard_ok) if kept else fails)
     hi = xp.clip(hi, 0, w.extent - 1)
     # both ≥ 0 here: a truncating division is the floor (Triton lowers jnp's floor_divide of
     # integers wrongly: a bool subtracted from an i32)
@@ -528,8 +529,9 @@ def masked_fraction(onf: ONF, skip: Skip) -> float:
         return visited
     box = _grid_box(onf, {t for b in static for t, _ in b.terms} - {w}, padded=True)
     first, end = interior_tiles(static, w, axis.tile, box, None, np)
-    sk = dataclasses.replace(skip, bounds=tuple(static), kept=(False,) * len(static), guard=None,
-                             rows=tuple(c for c in skip.rows if all(isinstance(t, Var) for t, _ in c.terms)))
+    rows = tuple(c for c in skip.rows if all(isinstance(t, Var) for t, _ in c.terms))
+    sk = dataclasses.replace(skip, bounds=tuple(static), kept=(False,) * len(static), guard=None, rows=rows,
+                             rows_kept=(False,) * len(rows))
     # the interior lies inside the visited span of the exact bounds (the guard only widens it)
     vfirst, vcount = tile_span(sk, axis.tile, axis.ntiles, _grid_box(onf, box.keys() | {w}), None, np)
     inside = np.clip(np.minimum(end, vfirst + vcount) - np.maximum(first, vfirst), 0, None)
@@ -563,21 +565,22 @@ def visited_fraction(onf: ONF, skip: Skip) -> float:
         return 1.0
     static = lambda a: all(isinstance(t, Var) for t, _ in a.terms)  # noqa: E731
     keep = [(b, k) for b, k in zip(skip.bounds, skip.kept) if static(b)]
-    rows = tuple(c for c in skip.rows if static(c))
+    rows = [(c, k) for c, k in zip(skip.rows, skip.rows_kept) if static(c)]
     if not keep and not rows:
         return 1.0
     guard = skip.guard
     if isinstance(guard, RowGuard):  # the model takes rows as keeping keys (the statistics are data)
         guard = None
-        keep = [(b, False) for b, _ in keep]
+        keep, rows = [(b, False) for b, _ in keep], [(c, False) for c, _ in rows]
     elif guard is not None:
         guard = Guard(guard.var, tuple(c for c in guard.conds if static(c)), tuple(c for c in guard.exempt if static(c)))
-    sk = Skip(skip.stage, w, tuple(b for b, _ in keep), tuple(k for _, k in keep), guard, skip.of, rows=rows)
+    sk = Skip(skip.stage, w, tuple(b for b, _ in keep), tuple(k for _, k in keep), guard, skip.of,
+              rows=tuple(c for c, _ in rows), rows_kept=tuple(k for _, k in rows))
     vars_ = {t for b in sk.bounds + sk.rows for t, _ in b.terms if isinstance(t, Var)}
     if guard is not None:
         vars_ |= {t for c in guard.conds + guard.exempt for t, _ in c.terms if isinstance(t, Var)}
     box = _grid_box(onf, vars_)
-    ok = guard_holds(guard, box, None, np) if any(sk.kept) else True
+    ok = guard_holds(guard, box, None, np) if any(sk.kept + sk.rows_kept) else True
     _, count = tile_span(sk, axis.tile, axis.ntiles, box, None, np, ok)
     return float(np.mean(count)) / axis.ntiles
 

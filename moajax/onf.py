@@ -407,9 +407,11 @@ class Skip:
     bounds as true — c ? x : y is x there, no comparison and no select per element; only the
     boundary tiles (a causal walk's diagonal ones) evaluate the mask.
     ``rows``: conditions on the rows alone (coefficient 0 on var: a query row inside its
-    length, t < ⟨b⟩ψL) outside which the body is the identity at every w, with no kept key
-    assumed: a program where one fails at every row walks no tile (dQ's programs past a query
-    length, whose cotangent rows are 0)."""
+    length, t < ⟨b⟩ψL) outside which the body is the identity at every w: a program where one
+    fails at every row walks no tile — dQ's programs past a query length, whose cotangent rows
+    are 0. One marked in ``rows_kept`` is exact only for rows that keep a key, as a kept bound:
+    it empties the walk only where ``guard`` holds (dV's key tiles past a key length walk no
+    query where every query keeps a key: exp(m₀ − lse) = 0 there)."""
 
     stage: str
     var: Var
@@ -419,11 +421,12 @@ class Skip:
     of: D.Expr
     interior: bool = False
     rows: tuple = ()  # Affine, coefficient 0 on var
+    rows_kept: tuple = ()  # bool per row condition
 
     def text(self) -> str:
         b = ", ".join([a.text() + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.bounds, self.kept)]
-                      + [f"rows: {a.text()}" for a in self.rows])
-        g = f"; ⁽ᵏ⁾ where {self.guard.text()}" if any(self.kept) else ""
+                      + [f"rows: {a.text()}" + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.rows, self.rows_kept)])
+        g = f"; ⁽ᵏ⁾ where {self.guard.text()}" if any(self.kept + self.rows_kept) else ""
         i = "; interior tiles unmasked" if self.interior else ""
         return f"{self.stage} over {self.var.name}: {b}{g}{i}"
 
@@ -861,9 +864,9 @@ class ONF:
                     "now holds (a rewrite changed it after skip_masked): derive the skip again")
             if len(sk.kept) != len(sk.bounds) or any(abs(b.coeff(sk.var)) != 1 for b in sk.bounds):
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} has a bound that does not bound {sk.var.name}")
-            if any(c.coeff(sk.var) != 0 for c in sk.rows):
+            if any(c.coeff(sk.var) != 0 for c in sk.rows) or len(sk.rows_kept) != len(sk.rows):
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} has a row condition that reads {sk.var.name}")
-            if any(sk.kept) and sk.guard is None:
+            if any(sk.kept + sk.rows_kept) and sk.guard is None:
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} relies on kept keys but has no guard")
             if isinstance(sk.guard, RowGuard) and not sk.guard.stats and not (isinstance(st, OnlineStage)
                                                                               and st.logit is sk.of):

@@ -153,6 +153,8 @@ CASES = {
     "causal": dict(is_causal=True),
     "window": dict(local_window_size=(2, 1)),
     "causal, kv lengths, one empty": dict(is_causal=True, key_value_seq_lengths=np.array([11, 0], np.int32)),
+    # dK and dV's key tiles past a length walk no query where every query keeps a key
+    "kv lengths": dict(key_value_seq_lengths=np.array([5, 11], np.int32)),
     "window, both lengths": dict(local_window_size=(3, 0), query_seq_lengths=np.array([6, 9], np.int32),
                                  key_value_seq_lengths=np.array([4, 11], np.int32)),
     # T > S with a window: the last rows keep no key (fully masked: jax.nn's average of V)
@@ -342,6 +344,38 @@ def test_dq_programs_past_a_query_length_walk_no_tile(kvlen):
                    for c in sk.bounds + sk.rows for v, _ in c.terms if isinstance(v, type(sk.var))}
             first, count = masked.tile_span(sk, tile, ntiles, box, read, np)
             assert int(count) == (0 if i * rows >= length else ntiles)
+
+
+def test_dkv_programs_past_a_key_length_walk_no_tile_where_every_query_keeps_a_key():
+    """dK and dV over key tiles past a key length: dK's Σ_t dS × Q is a plain 0 there, dV's
+    Σ_t P × dO is 0 only in rows that keep a key (P = exp(m₀ − lse)): a kept row condition
+    (``Skip.rows_kept``), used where the guard holds — every query keeps some key (a key
+    length of 0 fails it: jax.nn's average over V gives every key a share of dV)."""
+
+    Tn = Sn = 256
+    kern, specs, _ = _dnf(T=Tn, S=Sn, K=4, kvlen=True)
+    adj, aspecs = kern.saved_adjoint(*specs)
+    (dkv,) = [o for o in schedule.derive_plan(adj.dnf(*aspecs), machines.load("h200"))
+              if o.dnf.outputs[0].name == "d_key"]
+    skips = [sk for sk in dkv.skips if sk.var.name == "t"]
+    assert sorted(sk.rows_kept for sk in skips) == [(False,), (True,)]
+    assert all([c.text() for c in sk.rows] == ["−s + ⟨b⟩ψkey_value_seq_lengths − 1 ≥ 0"] for sk in skips)
+    s_axis = dkv.axis_of(next(v for c in skips[0].rows for v, _ in c.terms if isinstance(v, type(skips[0].var))))
+    assert s_axis.ntiles > 1
+    tile, ntiles = dkv.axis_of(skips[0].var).tile, dkv.axis_of(skips[0].var).ntiles
+    for length in (0, s_axis.tile, s_axis.tile + 1, Sn):
+        read = lambda r: np.array(length)  # noqa: E731, B023
+        for j in range(s_axis.ntiles):
+            spans = []
+            for sk in skips:  # the program's key tile j; the walked queries whole
+                conds = sk.bounds + sk.rows + ((sk.guard.conds + sk.guard.exempt) if sk.guard is not None else ())
+                box = {v: ((j * s_axis.tile, (j + 1) * s_axis.tile - 1) if v.name == "s" else (0, v.extent - 1))
+                       for c in conds for v, _ in c.terms if isinstance(v, type(sk.var))}
+                ok = masked.guard_holds(sk.guard, box, read, np) if any(sk.rows_kept) else True
+                spans.append(int(masked.tile_span(sk, tile, ntiles, box, read, np, ok)[1]))
+            past = j * s_axis.tile >= length
+            assert spans == [0 if past and (length > 0 or not k) else ntiles
+                             for k in (any(sk.rows_kept) for sk in skips)]
 
 
 def test_a_cpu_loops_the_batch_a_length_bound_reads():

@@ -110,7 +110,7 @@ def span(ev, skips, v: Var):
             vars_ |= {t for c in sk.guard.conds + sk.guard.exempt for t, _ in c.terms if isinstance(t, Var)}
         box = _box(ev, vars_, v)
         read = _read(ev)
-        if not any(sk.kept):
+        if not any(sk.kept + sk.rows_kept):
             ok = True
         elif affine:
             ok = masked.guard_holds(sk.guard, box, read, _fold)
