@@ -28,10 +28,13 @@ OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "table_grad_pr
 
 
 def rows(impls) -> list:
-    """(case, query lengths, residuals, path, [error of slopes, dq, dk, dv]) per case, policy and
+    """(case, slopes' dtype, query lengths, residuals, path, [error of slopes, dq, dk, dv, the slopes' floor])
+    per case, policy and
     implementation in ``impls`` ("pallas" on a GPU; "pallas_interpret" runs the schedule
     ``runtime.gpu_machine`` gives on the CPU; "xla"), against float64 (XLA on the widened
     inputs; jax_enable_x64 must be on)."""
+    import itertools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -45,23 +48,27 @@ def rows(impls) -> list:
         q = jnp.asarray(r.normal(size=(1, T, 8, H)), jnp.bfloat16)
         k, v = (jnp.asarray(r.normal(size=(1, S, 4, H)), jnp.bfloat16) for _ in range(2))
         w = jnp.asarray(r.normal(size=(1, T, 8, H)), jnp.float32)
-        slopes = jnp.asarray(r.uniform(0.05, 0.5, size=8), jnp.float32)
-        for lengths in (None, jnp.asarray([T * 17 // 30], jnp.int32)):
-            for res in ("save", "none"):
-                def loss(slopes, q, k, v, impl, res=res, lengths=lengths):
-                    mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
-                    o = moajax.dot_product_attention(q, k, v, score_mod=mod, query_seq_lengths=lengths,
-                                                     implementation=impl, onf=Preset.of(residuals=res))
-                    return jnp.sum(o.astype(w.dtype) * w)
+        drawn = r.uniform(0.05, 0.5, size=8)
+        for sdt, lengths, res in itertools.product(("float32", "bfloat16"), (None, jnp.asarray([T * 17 // 30], jnp.int32)),
+                                                   ("save", "none")):
+            slopes = jnp.asarray(drawn, sdt)
 
-                grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-                want = grad(*(x.astype(jnp.float64) for x in (slopes, q, k, v)), "xla")
-                for impl in impls:
-                    got = jax.jit(grad, static_argnums=4)(slopes, q, k, v, impl)
-                    errs = [float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)) / jnp.max(jnp.abs(b)))
-                            for a, b in zip(got, want)]
-                    out.append((f"{T}, {S}, {H}", "—" if lengths is None else str(int(lengths[0])), res,
-                                impl.replace("_interpret", ""), errs))
+            def loss(slopes, q, k, v, impl, res=res, lengths=lengths):
+                mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
+                o = moajax.dot_product_attention(q, k, v, score_mod=mod, query_seq_lengths=lengths,
+                                                 implementation=impl, onf=Preset.of(residuals=res))
+                return jnp.sum(o.astype(w.dtype) * w)
+
+            grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+            want = grad(*(x.astype(jnp.float64) for x in (slopes, q, k, v)), "xla")
+            for impl in impls:
+                got = jax.jit(grad, static_argnums=4)(slopes, q, k, v, impl)
+                errs = [float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)) / jnp.max(jnp.abs(b)))
+                        for a, b in zip(got, want)]
+                # the floor: the float64 slopes' gradient rounded to the slopes' dtype
+                floor = float(jnp.max(jnp.abs(want[0].astype(sdt).astype(jnp.float64) - want[0])) / jnp.max(jnp.abs(want[0])))
+                out.append((f"{T}, {S}, {H}", sdt, "—" if lengths is None else str(int(lengths[0])), res,
+                            impl.replace("_interpret", ""), errs + [floor]))
     return out
 
 
@@ -78,20 +85,30 @@ def main(argv):
     runtime.gpu_machine = lambda path="pallas": h200  # the H200's schedules, run in interpret mode
     runtime.schedules.cache_clear()
     lines = [f"# A bfloat16 score_mod table's gradient against float64 ({machine_line()})", "",
-             "`python scripts/precision_table_grad.py` — attention with ALiBi slopes (float32, closed over: "
+             "`python scripts/precision_table_grad.py` — attention with ALiBi slopes (float32 or bfloat16, closed over: "
              "score − slope[h]·|i − j|), bfloat16 q, k, v [1, T, 8, H] and [1, S, 4, H] (GQA), the loss "
              "sum(out × w); error = max |grad − float64's| over max |float64's|. 'pallas': the H200's Pallas "
              "schedule in interpret mode (16-bit dots); 'xla': the CPU's kernels. Nothing is timed. On a GPU, "
              "`scripts/gpu_check.py` section 7 runs the same rows on the device.", "",
-             "| T, S, H | query lengths | residuals | path | slopes | dq | dk | dv |",
-             "|---|---|---|---|---:|---:|---:|---:|"]
-    for case, lengths, res, path, errs in rows(("pallas_interpret", "xla")):
-        lines.append(f"| {case} | {lengths} | {res} | {path} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
+             "| T, S, H | slopes | query lengths | residuals | path | slopes' gradient | dq | dk | dv | its floor |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for case, sdt, lengths, res, path, errs in rows(("pallas_interpret", "xla")):
+        lines.append(f"| {case} | {sdt} | {lengths} | {res} | {path} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
     lines += ["", "Under 'save' the bfloat16 dq, dk (and the rows' statistics) read Δ = +/(dO × O) from the saved "
-              "Out (`identities.delta_from_output`, through the query lengths' guard too); the slopes' float32 "
-              "gradient sums P × dP over the keys itself, since a 16-bit forward's Out carries its dots' rounding "
-              "of P on a GPU (until 2026-12-06 it read Out as well: 5.1e-2 and 7.3e-3 on the pallas 'save' rows "
-              "without query lengths)."]
+              "Out (`identities.delta_from_output`, through the query lengths' guard too); float32 slopes' gradient "
+              "sums P × dP over the keys itself, since a 16-bit forward's Out carries its dots' rounding of P on a GPU "
+              "(until 2026-12-06 it read Out as well: 5.1e-2 and 7.3e-3 on the pallas 'save' rows without query "
+              "lengths).", "",
+              "bfloat16 slopes: their gradient is bfloat16, as wide as Out, so under 'save' it reads Δ from Out; and "
+              "in the saved adjoint the two paths into the bfloat16 product slope × |i − j| (through the row's "
+              "numerator and through its sum) are rounded to bfloat16 and summed in bfloat16 apart, two sums that "
+              "cancel (in 'none' they meet in one term: 2.1e-3 and 2.6e-3 on XLA). On the Pallas schedule even 'none' "
+              "is off (1.2e-1 at 30, 2, 8), cause not pinned down: the gradient's sums over t and s are bfloat16 "
+              "in its DNF (rounded per term, the sums' dtype the table's), and its kernel has only 16-bit outputs "
+              "(`Knobs.lowp_dots`); rounding dS only for a tensor core's dot, not in a multiply-and-sum, was tried "
+              "and changed nothing here. Open: cotangents kept in float32 through a widening cast, summed in "
+              "float32 and rounded once where they leave the kernel. 'its floor': the float64 slopes' gradient "
+              "rounded to the slopes' dtype, against itself."]
     write_results(OUT.value, lines)
 
 
