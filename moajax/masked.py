@@ -527,13 +527,14 @@ def masked_fraction(onf: ONF, skip: Skip) -> float:
     static = [b for b in skip.bounds if all(isinstance(t, Var) for t, _ in b.terms)]
     if not skip.interior or visited == 0.0 or axis.role != "sequential" or axis.ntiles <= 1 or not static:
         return visited
-    box = _grid_box(onf, {t for b in static for t, _ in b.terms} - {w}, padded=True)
-    first, end = interior_tiles(static, w, axis.tile, box, None, np)
     rows = tuple(c for c in skip.rows if all(isinstance(t, Var) for t, _ in c.terms))
+    # one set of variables for both boxes: their arrays span the same grid tiles
+    vars_ = {t for b in static + list(rows) for t, _ in b.terms} - {w}
+    first, end = interior_tiles(static, w, axis.tile, _grid_box(onf, vars_, padded=True), None, np)
     sk = dataclasses.replace(skip, bounds=tuple(static), kept=(False,) * len(static), guard=None, rows=rows,
                              rows_kept=(False,) * len(rows))
     # the interior lies inside the visited span of the exact bounds (the guard only widens it)
-    vfirst, vcount = tile_span(sk, axis.tile, axis.ntiles, _grid_box(onf, box.keys() | {w}), None, np)
+    vfirst, vcount = tile_span(sk, axis.tile, axis.ntiles, _grid_box(onf, vars_ | {w}), None, np)
     inside = np.clip(np.minimum(end, vfirst + vcount) - np.maximum(first, vfirst), 0, None)
     return max(0.0, visited - float(np.mean(inside)) / axis.ntiles)
 

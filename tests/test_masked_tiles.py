@@ -378,6 +378,28 @@ def test_dkv_programs_past_a_key_length_walk_no_tile_where_every_query_keeps_a_k
                              for k in (any(sk.rows_kept) for sk in skips)]
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_a_static_row_condition_beside_a_static_bound(impl):
+    """A score_mod masking i ≥ 5 and j ≥ 7 with −∞: dQ's walk over s gets the bound s ≤ 6 and
+    the row condition t ≤ 4, over other variables. The cost model's share of masked tiles
+    built its box from the bounds' variables alone and raised KeyError on t (found by review,
+    2026-12-06); the gradients are those of no skip, bit for bit."""
+    q, k, v, g = _qkv()
+
+    def mod(s, b, h, i, j):
+        return jax.numpy.where((i < 5) & (j < 7), s, -jax.numpy.inf)
+
+    def run(skip):
+        def f(q, k, v):
+            return moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl,
+                                                onf=Preset.of(tiles=TILES, skip=skip))
+        out, vjp = jax.vjp(f, q, k, v)
+        return [np.asarray(x) for x in [out, *vjp(g)]]
+
+    for a, b in zip(run(None), run(False)):
+        assert np.array_equal(a, b) and np.all(np.isfinite(a))
+
+
 def test_a_cpu_loops_the_batch_a_length_bound_reads():
     """On a CPU the grid is vectorised but for the ``cpu_loop`` axes: a walk bounded by
     ⟨b⟩ψlengths then spans the batch's longest length. The batch axis joins the loop where a
