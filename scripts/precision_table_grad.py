@@ -105,9 +105,10 @@ def main(argv):
               "cancel (in 'none' they meet in one term: 2.1e-3 and 2.6e-3 on XLA). On the Pallas schedule even 'none' "
               "is off (1.2e-1 at 30, 2, 8), cause not pinned down: the gradient's sums over t and s are bfloat16 "
               "in its DNF (rounded per term, the sums' dtype the table's). Tried, each changing nothing here: "
-              "`lowp_dots=False`; rounding dS only for a tensor core's dot, not in a multiply-and-sum; a float32 "
-              "accumulator in a walk of a 16-bit Σ. Next suspect: split-K partials held in memory in the sum's "
-              "dtype. Open: cotangents kept in float32 through a widening cast, summed in float32 and rounded once "
+              "`lowp_dots=False`; rounding dS only for a tensor core's dot, not in a multiply-and-sum; float32 sums "
+              "carried by both loops of a walk (`tiles.evaluate`). At this shape the adjoint is one kernel walking "
+              "the 4 kv heads, no split. Open: cotangents kept in float32 through a widening cast, summed in "
+              "float32 and rounded once "
               "where they leave the kernel. 'its floor': the float64 slopes' gradient rounded to the slopes' "
               "dtype, against itself."]
     write_results(OUT.value, lines)
