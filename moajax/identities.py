@@ -21,7 +21,7 @@ narrower dtype is rounded: reading it would change the value, so the rule does n
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from moajax import dnf as D
 from moajax.ix import Ix, Var
@@ -75,6 +75,17 @@ def _guards_hold(pattern: list, term: list, params, env: dict) -> bool:
     """Does each of Y's guards (``pattern``, over Y's variables ``params``, at the element σ
     ``env``) stand among the cotangent's (``term``)? Where one fails, Y is 0 and so is dY."""
     return all(any(D.match(p, t, params, env) is not None for t in term) for p in pattern)
+
+
+class _Held(NamedTuple):
+    """A forward output Y = (guards ? c · Σ_s G : 0) as the adjoint can read it back."""
+
+    y: D.Output  # the value held (its float32 statistic before rounding, for a 16-bit output)
+    y_in: str  # the adjoint input holding it
+    form: tuple  # ``_form``: (s, c's num, c's den, G's num, G's den)
+    vars: tuple  # the output's own variables (those its cotangent dY indexes)
+    guards: list  # ``_guards``
+    width: int  # the output's own itemsize (``delta_from_output``: a finer gradient recomputes)
 
 
 def _bare(e: D.Expr) -> D.Expr:
@@ -194,7 +205,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
     outs = {o.name: o for o in forward.outputs}
     stats = [(saved[o.name], o) for o in forward.outputs if o.name in saved]
     shapes = {i.name: i.shape for i in adjoint.inputs}
-    forms = {}  # forward output name → (Output, adjoint input holding it, its form)
+    forms = {}  # forward output name → _Held
     for yname, y_in in value_of.items():
         y = own = outs[yname]
         if isinstance(_bare(y.body), D.Convert):
@@ -210,7 +221,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
         guards, body = _guards(read_statistics(y.body, [st for st in stats if st[1].name != y.name], shapes))
         form = _form(body)
         if form is not None:
-            forms[yname] = (y, y_in, form, own.vars, guards, own.dtype.itemsize)
+            forms[yname] = _Held(y, y_in, form, own.vars, guards, own.dtype.itemsize)
     out_names = {v.name for o in adjoint.outputs for v in o.vars}
     applied: dict = {}
 
@@ -246,25 +257,26 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
                 continue
             e = cu.var
             cn, cd = factors(cu.body)
-            dys = [f for f in cn if _guarded_read(f)[1] is not None and _guarded_read(f)[1].array in of_cotangent]
+            reads = [(f, *_guarded_read(f)) for f in cn]
+            dys = [(f, gs, r) for f, gs, r in reads if r is not None and r.array in of_cotangent]
             if cd or len(dys) != 1:
                 continue
-            dy_guards, dy = _guarded_read(dys[0])
+            (dy_f, dy_guards, dy), = dys
             rest = num[:i] + num[i + 1:]
             # (dY with its guards is what moves out of Σ_s: a guard reading s keeps it in)
-            if s in dys[0].free or e not in dy.free or any(e in f.free for f in rest + den):
+            if s in dy_f.free or e not in dy.free or any(e in f.free for f in rest + den):
                 continue
             y = of_cotangent[dy.array]
-            w = [f for f in cn if f is not dys[0]]
+            w = [f for f in cn if f is not dy_f]
             # Σ_s F × W at the element of Y whose cotangent dY is (dY indexes Y's own variables)
-            at_dy = {v: i for v, i in zip(y[3], dy.index) if v in y[0].vars}
-            if not _guards_hold(y[4], dy_guards, y[0].vars, at_dy):
+            at_dy = {v: i for v, i in zip(y.vars, dy.index) if v in y.y.vars}
+            if not _guards_hold(y.guards, dy_guards, y.y.vars, at_dy):
                 continue
             inner = reuse(s, rest + w, den, x.dtype, (y, at_dy))
             if inner is None:
                 continue
             n2, d2 = factors(inner)
-            body = D.quotient([dys[0]] + [f for f in n2 if e in f.free], [f for f in d2 if e in f.free], x.dtype)
+            body = D.quotient([dy_f] + [f for f in n2 if e in f.free], [f for f in d2 if e in f.free], x.dtype)
             outer_n, outer_d = [f for f in n2 if e not in f.free], [f for f in d2 if e not in f.free]
             if e.name in out_names:  # the sum now stands on its own: named apart from the outputs' axes
                 fresh = Var(D.fresh_name(f"{e.name}_", out_names | {v.name for v in D.bound_vars(body)}), e.extent)
@@ -282,7 +294,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
         # off float64 reading O, 1.1e-3 recomputing: bench/results/table_grad_precision.md)
         nonlocal usable, of_cotangent
         width = o.dtype.itemsize
-        usable = {y: f for y, f in forms.items() if f[5] >= width}
+        usable = {y: f for y, f in forms.items() if f.width >= width}
         of_cotangent = {ct: usable[y] for ct, y in cotangent_of.items() if y in usable}
         return dataclasses.replace(o, body=D.transform(o.body, rewrite)) if usable else o
 
