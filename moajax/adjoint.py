@@ -10,7 +10,8 @@ and ψ-reduces to a DNF (only the inputs and the cotangents indexed):
     catenation      A ⧺ B                  dA = a₀ △ dY,  dB = a₀ ▽ dY
     scalar maps     f(A, B)                dA = dY × ∂f/∂a (summed over the axes a scalar
                                            operand is extended along); where, max/min by selection
-    cast            cast(A)                dA = cast(dY) (to A's dtype)
+    cast            cast(A)                dA = cast(dY) to A's dtype where the cast narrows; a
+                                           widening cast passes dY on as it is (below)
     reductions      +/ A                   dA = Ω-broadcast of dY along the reduced axis
                     ⌈/ A, ⌊/ A             dA = (A = Y) × dY ÷ #(A = Y)  (selection; ties share, as in JAX)
                     ×/ A                   dAᵢ = dY × ×/ over j ≠ i of Aⱼ
@@ -23,7 +24,13 @@ and ψ-reduces to a DNF (only the inputs and the cotangents indexed):
     held constant   stop_gradient(A)       none (softmax and logsumexp: the softmax identity)
 
 ``vjp`` runs the rules over a DAG in reverse topological order, adding the cotangents of a
-node used more than once. An operation with no rule (an Ω body that captures an array instead
+node used more than once. A cotangent is carried in the widest dtype that reached it (a
+bfloat16 operand of a float32 expression gets a float32 cotangent: its rules read the operand
+widened, exactly), so the paths into a 16-bit value are summed before they are rounded, once,
+to the dtype of the array asked for. Rounded at each widening cast, a bfloat16 ALiBi table's
+gradient was the difference of two bfloat16 sums (through a softmax row's numerator and
+through its sum) that cancel: 1.2e-1 off float64 where its floor is 1.9e-3
+(bench/results/table_grad_precision.md). An operation with no rule (an Ω body that captures an array instead
 of taking it as an argument) raises ``AdjointError`` naming it. Integer and bool
 values have no cotangent.
 """
@@ -59,6 +66,22 @@ def zeros(shape, dims, dtype) -> moa.Array:
 
 def zeros_like(A: moa.Array) -> moa.Array:
     return zeros(A.shape, A.dims, A.dtype)
+
+
+def joined(a, b) -> np.dtype:
+    """The dtype two cotangents meet in: the wider of two floating dtypes (float32 for float16
+    beside bfloat16, as JAX promotes them), so that neither is rounded."""
+    a, b = np.dtype(a), np.dtype(b)
+    if a == b:
+        return a
+    if a.itemsize == b.itemsize:  # (two 16-bit floats; no two wider floats share a size)
+        return np.dtype(np.float32)
+    return a if a.itemsize > b.itemsize else b
+
+
+def widened(x: moa.Array, dtype) -> moa.Array:
+    """A primal operand read beside a cotangent of ``dtype`` (a floating one widened, exactly)."""
+    return moa.cast(x, dtype) if differentiable(x.dtype) and x.dtype != dtype else x
 
 
 def broadcast_lead(n: int, dim: str, Y: moa.Array) -> moa.Array:
@@ -114,9 +137,9 @@ def outer_as_omega(node: moa.Outer, A: moa.Array, B: moa.Array) -> moa.Array:
 def _scalar_map(node: moa.Map, g, need):
     """∂f/∂operand × dY for each operand of a scalar-extended op."""
     op = node.op.name
-    a = node.args[0]
-    b = node.args[1] if len(node.args) > 1 else None
-    y = node
+    a = widened(node.args[0], g.dtype)
+    b = widened(node.args[1], g.dtype) if len(node.args) > 1 else None
+    y = widened(node, g.dtype)
     if op == "add":
         out = [g, g]
     elif op == "sub":
@@ -170,7 +193,8 @@ def products_but_one(A: moa.Array) -> moa.Array:
 
 
 def _psi_embed(index, shape, dims, dtype, g):
-    """dY placed at the constant partial ``index`` of an array of ``shape``, zeros elsewhere."""
+    """dY placed at the constant partial ``index`` of an array of ``shape``, zeros (of ``dtype``,
+    the cotangent's) elsewhere."""
     if not index:
         return g
     rest = _psi_embed(index[1:], shape[1:], dims[1:], dtype, g)
@@ -197,7 +221,7 @@ def _rule(node, g, need):
     if isinstance(node, moa.StopGradient):
         return [None]
     if isinstance(node, moa.Cast):
-        return [moa.cast(g, A.dtype)]
+        return [moa.cast(g, joined(g.dtype, A.dtype))]
     if isinstance(node, moa.Transpose):
         return [moa.transpose(g, tuple(np.argsort(node.perm)))]
     if isinstance(node, moa.Reverse):
@@ -208,12 +232,12 @@ def _rule(node, g, need):
         return [moa.reshape(g, A.shape, dims=A.dims, gamma=node.gamma)]
     if isinstance(node, moa.Take):
         k, n = node.count, A.shape[0]
-        return [_place(g, 0 if k >= 0 else n - abs(k), n, A.dims, A.dtype)]
+        return [_place(g, 0 if k >= 0 else n - abs(k), n, A.dims, g.dtype)]
     if isinstance(node, moa.Drop):
         k, n = node.count, A.shape[0]
-        return [_place(g, k if k >= 0 else 0, n, A.dims, A.dtype)]
+        return [_place(g, k if k >= 0 else 0, n, A.dims, g.dtype)]
     if isinstance(node, moa.Psi):
-        return [_psi_embed(node.index, A.shape, A.dims, A.dtype, g)]
+        return [_psi_embed(node.index, A.shape, A.dims, g.dtype, g)]
     if isinstance(node, moa.Catenate):
         n = node.a.shape[0]
         return [moa.take(n, g) if need[0] else None, moa.drop(n, g) if need[1] else None]
@@ -231,15 +255,15 @@ def _rule(node, g, need):
             # (``kernel.label_selections``); the reference evaluates A once
             # (``reference.Evaluator.reduce_once``). Not clamped: clamping the count would hide a
             # miss as a wrong finite value. (A compiled tangent kernel reads the saved A too)
-            hit = moa.eq(A, broadcast_lead(n, dim, node))
+            hit = moa.eq(A, broadcast_lead(n, dim, node))  # (compared in A's own dtype)
             count = moa.sum(moa.cast(hit, g.dtype), 0)
             return [moa.where(hit, broadcast_lead(n, dim, g / count), 0.0)]
         if node.monoid.name == "mul":
-            return [broadcast_lead(n, dim, g) * products_but_one(A)]
+            return [broadcast_lead(n, dim, g) * widened(products_but_one(A), g.dtype)]
         raise AdjointError(f"no adjoint rule for the reduction {moa._ops.OPS[node.monoid.op].symbol}/ ({node.monoid.name})")
     if isinstance(node, moa.Inner):
         if node.monoid.name == "add" and node.op.name == "mul":
-            B = node.b
+            A, B = widened(A, g.dtype), widened(node.b, g.dtype)
             da = contract_trailing(g, B, B.rank - 1) if need[0] else None
             if need[1]:
                 at = moveaxis(A, A.rank - 1, 0)  # [l, p…]
@@ -261,7 +285,7 @@ def _through(equivalent, node, g, need):
     expression of the same array: built over a fresh placeholder per operand (so that an
     operand used twice, as in A +.× A, gets each use's share), which is then put back."""
     holders = [moa.array(f"_operand{i}_{c.uid}", c.shape, c.dims, c.dtype) for i, c in enumerate(node.children)]
-    grads = vjp([equivalent(node, *holders)], [g], holders)
+    grads = vjp([equivalent(node, *holders)], [g], holders, carried=True)
     back = dict(zip(holders, node.children))
     return [moa.substitute(d, back) if n and d is not None else None for d, n in zip(grads, need)]
 
@@ -283,7 +307,7 @@ def _omega(node: moa.Omega, g, need):
         def cell_adjoint(*xs, i=i):
             cells, dy = xs[:k], xs[k]
             body = moa.substitute(node.body, dict(zip(node.cells, cells)))
-            (d,) = vjp([body], [dy], [cells[i]])
+            (d,) = vjp([body], [dy], [cells[i]], carried=True)
             if d is None:
                 unreached.append(i)
                 return zeros_like(cells[i])
@@ -317,9 +341,12 @@ def bound_inside(node: moa.Omega, cell: moa.Cell) -> bool:
 # ----------------------------------------------------------------------------- the driver
 
 
-def vjp(outputs: Sequence[moa.Array], cotangents: Sequence[moa.Array], wrt: Sequence[moa.Array]) -> tuple:
+def vjp(outputs: Sequence[moa.Array], cotangents: Sequence[moa.Array], wrt: Sequence[moa.Array], *,
+        carried: bool = False) -> tuple:
     """The cotangents (moa expressions) of the nodes ``wrt`` for Σᵢ ⟨outputᵢ, cotangentᵢ⟩:
-    one per node of ``wrt``, None where no output depends on it (or it is not differentiable)."""
+    one per node of ``wrt``, None where no output depends on it (or it is not differentiable);
+    each in its node's dtype, rounded once from the dtype it was carried in (``carried``: left
+    in that dtype, for a rule that goes on deriving through it)."""
     for o, c in zip(outputs, cotangents):
         if tuple(o.shape) != tuple(c.shape):
             raise ValueError(f"vjp: cotangent shape {list(c.shape)} does not match output shape {list(o.shape)}")
@@ -334,6 +361,9 @@ def vjp(outputs: Sequence[moa.Array], cotangents: Sequence[moa.Array], wrt: Sequ
         if not differentiable(node.dtype):
             return
         prev = ct.get(node.uid)
+        if prev is not None and prev.dtype != d.dtype:  # two paths meet in the wider dtype
+            wide = joined(prev.dtype, d.dtype)
+            prev, d = moa.cast(prev, wide), moa.cast(d, wide)
         ct[node.uid] = d if prev is None else moa.add(prev, d)
 
     for o, c in zip(outputs, cotangents):
@@ -349,8 +379,11 @@ def vjp(outputs: Sequence[moa.Array], cotangents: Sequence[moa.Array], wrt: Sequ
         for c, d in zip(x.children, _rule(x, g, need)):
             if d is not None and reaches[c.uid]:
                 add(c, d)
-    return tuple(ct.get(w.uid) for w in wrt)
+    found = (ct.get(w.uid) for w in wrt)
+    if carried:
+        return tuple(found)
+    return tuple(d if d is None else moa.cast(d, w.dtype) for d, w in zip(found, wrt))
 
 
 __all__ = ["AdjointError", "vjp", "zeros", "zeros_like", "differentiable", "contract_trailing", "broadcast_lead",
-           "general_inner", "outer_as_omega", "products_but_one", "check_closed"]
+           "general_inner", "outer_as_omega", "products_but_one", "check_closed", "joined", "widened"]

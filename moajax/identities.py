@@ -189,7 +189,8 @@ def _form(body: D.Expr):
 
 
 def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str, str],
-                      value_of: Mapping[str, str], saved: Mapping[str, str]) -> tuple[D.DNF, list]:
+                      value_of: Mapping[str, str], saved: Mapping[str, str], *,
+                      rounded: bool = True) -> tuple[D.DNF, list]:
     """Apply output-reuse and Δ-from-output everywhere they match in ``adjoint``.
 
     output-reuse:   a · Σ_s G (the sum the forward's output Y = c · Σ_s G is made of, at any
@@ -200,8 +201,12 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
 
     ``cotangent_of``: adjoint input (d_out) → the forward output it is the cotangent of;
     ``value_of``: forward output → the adjoint input holding its value; ``saved``: forward
-    output that is a saved statistic → the adjoint input holding it. Returns the rewritten
-    DNF and what was applied (each distinct rewrite once)."""
+    output that is a saved statistic → the adjoint input holding it. ``rounded``: the
+    forward's values carry its dots' rounding (a GPU's: 16-bit operands, TF32), so Δ read
+    from them is good only to that rounding; a gradient finer than the output, or one that
+    sums Δ over rows and keys (``_summed_over_rows_and_keys``), then recomputes it (on a CPU
+    the forward's float32 dots round only their sums: False, and each gradient reads it).
+    Returns the rewritten DNF and what was applied (each distinct rewrite once)."""
     outs = {o.name: o for o in forward.outputs}
     stats = [(saved[o.name], o) for o in forward.outputs if o.name in saved]
     shapes = {i.name: i.shape for i in adjoint.inputs}
@@ -249,7 +254,7 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
         num, den = factors(x.body)
         out = reuse(s, num, den, x.dtype)
         if out is not None:
-            applied.setdefault(x, Applied(OUTPUT_REUSE, D.show(x), D.show(out)))
+            pending.setdefault(x, Applied(OUTPUT_REUSE, D.show(x), D.show(out)))
             return out
         for i, c in enumerate(num):  # Δ-from-output: a contraction with a cotangent inside
             cu = _bare(c)
@@ -282,29 +287,75 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
                 fresh = Var(D.fresh_name(f"{e.name}_", out_names | {v.name for v in D.bound_vars(body)}), e.extent)
                 body, e = D.substitute(body, {e: Ix.of(fresh)}), fresh
             out = D.quotient([D.Red("add", e, body)] + outer_n, outer_d, x.dtype)
-            applied.setdefault(x, Applied(DELTA_FROM_OUTPUT, D.show(x), D.show(out)))
+            pending.setdefault(x, Applied(DELTA_FROM_OUTPUT, D.show(x), D.show(out)))
+            deltas.append(out)
             return out
         return None
 
     def rewritten(o: D.Output) -> D.Output:
-        # a 16-bit output's value (held before rounding or not) carries its kernel's 16-bit
-        # dots: a GPU rounds P to 16 bits for Σ_s P × V, so Δ = +/(dO × O) is +/(P × dP) only
-        # to 2⁻⁹ of itself. A gradient in a finer dtype recomputes its sum rather than inherit
-        # that (an ALiBi slopes' float32 gradient, whose rows' Σ_s dS should cancel, was 5.1e-2
-        # off float64 reading O, 1.1e-3 recomputing: bench/results/table_grad_precision.md)
+        # where ``rounded``: a 16-bit output's value (held before rounding or not) carries its
+        # kernel's 16-bit dots (a GPU rounds P to 16 bits for Σ_s P × V), so Δ = +/(dO × O) is
+        # +/(P × dP) only to 2⁻⁹ of itself. A gradient in a finer dtype recomputes its sum
+        # rather than inherit that (an ALiBi slopes' float32 gradient, whose rows' Σ_s dS should
+        # cancel, was 5.1e-2 off float64 reading O, 1.1e-3 recomputing:
+        # bench/results/table_grad_precision.md); so does one that sums Δ over rows and keys
+        # alike, whatever its dtype (``_summed_over_rows_and_keys``)
         nonlocal usable, of_cotangent
         width = o.dtype.itemsize
-        usable = {y: f for y, f in forms.items() if f.width >= width}
+        usable = {y: f for y, f in forms.items() if f.width >= width or not rounded}
         of_cotangent = {ct: usable[y] for ct, y in cotangent_of.items() if y in usable}
-        return dataclasses.replace(o, body=D.transform(o.body, rewrite)) if usable else o
+        if not usable:
+            return o
+        pending.clear()
+        deltas.clear()
+        body = D.transform(o.body, rewrite)
+        if rounded and _summed_over_rows_and_keys(body, deltas):
+            return o
+        for x, a in pending.items():
+            applied.setdefault(x, a)
+        return dataclasses.replace(o, body=body)
 
     if not forms:
         return adjoint, []
     usable, of_cotangent = {}, {}
+    pending: dict = {}  # this output's rewrites, kept only where the output keeps them
+    deltas: list = []  # this output's Δs read from the output
     new = tuple(rewritten(o) for o in adjoint.outputs)
     if all(a.body is b.body for a, b in zip(new, adjoint.outputs)):
         return adjoint, []
     return D.DNF(adjoint.name, adjoint.inputs, new), list(applied.values())
+
+
+def _summed_over_rows_and_keys(body: D.Expr, deltas: list) -> bool:
+    """Does one of ``deltas`` (each a row's Δ, read from the output: its free variables are
+    the row's) stand in ``body`` under a sum over one of its row's variables and under a sum
+    over another variable (a key)?
+
+    Σ_s dS = Σ_s P × (dP − Δ) is 0 in every row, so a gradient that sums dS × w over rows and
+    keys (a score_mod table's: w = |i − j| for ALiBi's slopes) is the small difference of the rows' Σ_s P × w, and a Δ off by δ in a row adds δ × Σ_s P × w,
+    which no cancellation takes away. A 16-bit forward's Δ = +/(dO × O) is off by 2⁻⁹ of itself
+    (a GPU rounds P for Σ_s P × V): bfloat16 ALiBi slopes' gradient, summed in float32 and
+    rounded once, was 1.6e-1 off float64 reading it and 2.1e-3 recomputing, its floor 1.9e-3
+    (bench/results/table_grad_precision.md). dQ (a sum over keys only) and dK (over rows only)
+    read it, as FlashAttention-2's backward does. A Δ not found again (a later rewrite took it
+    apart): its sums unknown, so True."""
+    sites = {id(x): x for x in deltas}
+    seen, found = set(), set()
+    stack = [(body, frozenset())]
+    while stack:
+        e, around = stack.pop()
+        if (id(e), around) in seen:
+            continue
+        seen.add((id(e), around))
+        x = sites.get(id(e))
+        if x is not None:
+            found.add(id(e))
+            if any(v in x.free for v in around) and any(v not in x.free for v in around):
+                return True
+            continue
+        inner = around | {e.var} if isinstance(e, D.Red) else around
+        stack.extend((c, inner) for c in e.children)
+    return len(found) < len(sites)
 
 
 # ----------------------------------------------------------------------------- saved statistics

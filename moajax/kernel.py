@@ -514,26 +514,47 @@ class Kernel:
             wrt = tuple(i for i in sorted(wrt) if floats[i])
             held = (labels or True) if outs is not None else False
             unread = chosen[0][1] if held else None
-            adj = self._adjoint_for(key[0], options, held, wrt=tuple(self.params[i].name for i in wrt), unread=unread)
-            full = self._adjoint_for(key[0], options, held, unread=unread)
-            plan = getattr(backward_preset, "plan", None)
-            if isinstance(plan, tuple) and sorted(n for g in plan for n in g) != sorted(full.output_names):
-                # no partition of the cotangents: the whole adjoint refuses it, named, whichever
-                # argnums asked (a fuzz: the smaller adjoint took some)
-                adj, wrt, preset = full, tuple(i for i, f in enumerate(floats) if f), backward_preset
-            else:
-                preset = _plan_of_some(backward_preset, full, adj)
             arrays = [*args, *cts, *saved, *(outs or ())]
-            if not levels:
-                grads = adj(*arrays, implementation=implementation, residuals="none", onf=preset, **options)
-            else:
+
+            def kernel_of(rounded: bool):
+                """(the adjoint kernel to run, the args whose cotangents it gives, its Preset)"""
+                adj = self._adjoint_for(key[0], options, held, wrt=tuple(self.params[i].name for i in wrt),
+                                        unread=unread, rounded=rounded)
+                full = self._adjoint_for(key[0], options, held, unread=unread, rounded=rounded)
+                plan = getattr(backward_preset, "plan", None)
+                if isinstance(plan, tuple) and sorted(n for g in plan for n in g) != sorted(full.output_names):
+                    # no partition of the cotangents: the whole adjoint refuses it, named, whichever
+                    # argnums asked (a fuzz: the smaller adjoint took some)
+                    return full, tuple(i for i, f in enumerate(floats) if f), backward_preset
                 bk = adj
                 for batched in levels:
                     flags = (*map(bool, batched), *ct_batched, *(True,) * (len(saved) + len(outs or ())))
                     bk = bk.batched(flags, summed=tuple(j for j, i in enumerate(wrt) if not batched[i]))
-                grads = bk.compiled(*arrays, onf=preset, implementation=implementation, residuals="none",
-                                    **options)(*arrays)
-            grads = dict(zip(wrt, grads if isinstance(grads, tuple) else (grads,)))
+                return bk, wrt, _plan_of_some(backward_preset, full, adj)
+
+            def run(bk, preset, *arrays):
+                if not levels:
+                    out = bk(*arrays, implementation=implementation, residuals="none", onf=preset, **options)
+                else:
+                    out = bk.compiled(*arrays, onf=preset, implementation=implementation, residuals="none",
+                                      **options)(*arrays)
+                return out if isinstance(out, tuple) else (out,)
+
+            # the backward reads what its forward saved, and a GPU's forward may round its dots
+            # (``adjoint``'s ``rounded``): each platform runs the adjoint for its forward, one
+            # kernel where the two derive the same DNF (all but a gradient that Δ read from a
+            # rounded Out would spoil: a score_mod table's)
+            (rk, wrt, rp) = kernel_of(_gpu_dots_round(key[0][0]))
+            xk, _, xp = kernel_of(False)
+            if not held or all(a.body is b.body for a, b in zip(rk.dnf(*arrays, **options).outputs,
+                                                                 xk.dnf(*arrays, **options).outputs)):
+                grads = run(xk, xp, *arrays)
+            elif implementation in runtime.GPU_BACKENDS:  # (their interpret modes round as a GPU)
+                grads = run(rk, rp, *arrays)
+            else:  # (XLA on a GPU takes TF32 for float32 dots by default, and rounds too)
+                grads = compat.platform_dependent(*arrays, cpu=functools.partial(run, xk, xp),
+                                                  cuda=functools.partial(run, rk, rp))
+            grads = dict(zip(wrt, grads))
             return [grads[i] if i in grads else runtime.zero_cotangent(a) for i, a in enumerate(args)]
 
         def backward(args, saved, outs, cts, wrt):
@@ -710,8 +731,13 @@ class Kernel:
         lifted, stats = self.row_statistics(outs, labels)
         unread = None
         if stats:
-            adj = self._adjoint_for(shape_key, options, labels or True)
-            reads = {r.array for r in adj.dnf(*self._saved_args(specs, options, labels), **options).reads()}
+            # what either backward reads: the one after a CPU's forward and the one after a
+            # GPU's (``adjoint``'s ``rounded``) take the same saved values
+            args = self._saved_args(specs, options, labels)
+            reads = set()
+            for rounded in (True, False):
+                adj = self._adjoint_for(shape_key, options, labels or True, rounded=rounded)
+                reads |= {r.array for r in adj.dnf(*args, **options).reads()}
             first = len(self.params) + len(outs)  # (after the primals and the cotangents)
             unread = tuple(sorted(i for i, p, x in zip(_statistic_ids(lifted, stats), adj.params[first:], stats)
                                   if p.name not in reads and not _is_selected(x))) or None
@@ -894,20 +920,22 @@ class Kernel:
         return hit
 
     def _adjoint_for(self, shape_key, options, saved: bool | tuple = False, wrt=None,
-                     unread: tuple | None = None) -> "Kernel":
+                     unread: tuple | None = None, rounded: bool | None = None) -> "Kernel":
         """The adjoint kernel (cached per shapes and options) that ``compiled`` runs backward
-        (``saved``, ``wrt``, ``unread``: as for ``adjoint``)."""
+        (``saved``, ``wrt``, ``unread``, ``rounded``: as for ``adjoint``)."""
         import jax
 
-        key = (shape_key, tuple(sorted(options.items())), saved, wrt, unread)
+        rounded = _gpu_dots_round(shape_key[0]) if rounded is None else bool(rounded)
+        key = (shape_key, tuple(sorted(options.items())), saved, wrt, unread, rounded)
         hit = self._derived.get(key)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shape_key[0]]
-            hit = self._derived[key] = self.adjoint(*specs, wrt=wrt, saved=saved, unread=unread, **options)
+            hit = self._derived[key] = self.adjoint(*specs, wrt=wrt, saved=saved, unread=unread, rounded=rounded,
+                                                    **options)
         return hit
 
     def adjoint(self, *specs, wrt=None, saved: bool | tuple = False, unread: tuple | None = None,
-                **options) -> "Kernel":
+                rounded: bool | None = None, **options) -> "Kernel":
         """The backward of this kernel as a ``Kernel`` (``moajax.adjoint``: derived in the algebra).
 
         Its inputs are the primals, then one cotangent per output (``d_<output>``, ρ and dims
@@ -918,10 +946,16 @@ class Kernel:
         also takes the forward's row statistics (``row_statistics``: ``saved0``, …) and reads
         them where it would recompute them (the derivative still flows through them); ``saved``
         a tuple of labels: the values so labelled too (``row_statistics``); ``unread``: the
-        statistics left out (``row_statistics``; the saving forward's: ``statistics_read``)."""
+        statistics left out (``row_statistics``; the saving forward's: ``statistics_read``);
+        ``rounded``: the forward it reads ran with rounded dots (a GPU's: 16-bit operands or
+        TF32), so the gradients that such a Δ = +/(dO × O) would spoil recompute it
+        (``identities.delta_from_output``); False: an XLA forward on a CPU, every gradient
+        reads it; None: as a GPU's dots would for these dtypes (``_gpu_dots_round``).
+        ``compiled`` runs each where its forward ran."""
         from moajax import adjoint as _adjoint
 
         key = self._key(specs or self.example_specs(), options)
+        rounded = _gpu_dots_round(key[0]) if rounded is None else bool(rounded)
         inputs, expr = self._build(specs or self.example_specs(), options)[:2]
         outs = expr if isinstance(expr, tuple) else (expr,)
         names = self._names_for(outs)
@@ -990,7 +1024,7 @@ class Kernel:
             forward = fwd.dnf(*specs[:n], **opts)
             return _identities.delta_from_output(
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
-                saved=dict(zip(stat_names, saved_names)))
+                saved=dict(zip(stat_names, saved_names)), rounded=rounded)
 
         self._sign(backward, ct_names + saved_names + value_names, f"{self.name}_adjoint",
                    f"The adjoint of {self.name}, derived by moajax.adjoint.")
@@ -1105,6 +1139,21 @@ class Kernel:
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)
         return f"<moajax kernel {self.name}({sig})>"
+
+
+def _gpu_dots_round(specs) -> bool:
+    """Do a GPU's dots round what this kernel's forward computes, for inputs of these (shape,
+    dtype) ``specs``, so that Δ read from its Out would spoil a gradient (``identities``)? Where
+    a floating input is 16-bit: its dots take 16-bit operands (``lowp_dots``), P rounded to
+    2⁻⁹. Not counted: TF32's float32 dots (P to 2⁻¹¹, JAX's default on a GPU), left to read Out
+    — recomputing Δ there, a relative-position table's fused adjoint (its four outputs, the
+    "atomic" plan's kernel; causal, T = S = 1024, 8 heads of 64) needed 338.8 KB of shared
+    memory on the A100 (163 KB), where reading Out fits; and TF32's error in a table's
+    gradient is unmeasured (no GPU yet)."""
+    from moajax import adjoint as _adjoint
+
+    sizes = [np.dtype(dt).itemsize for _, dt in specs if _adjoint.differentiable(dt)]
+    return bool(sizes) and min(sizes) < 4
 
 
 def _plan_of_some(preset, full: "Kernel", some: "Kernel"):

@@ -790,7 +790,13 @@ def factor_out_of_dots(onf: ONF) -> ONF:
     unrounded — their probabilities then miss the forward's row sums."""
     stages = tuple(o.map_exprs(lambda e: _below_top(e, factored)) if isinstance(o, Stage) else o.map_exprs(factored)
                    for o in onf.program.stages)
-    return onf.replace(program=Program(stages, onf.program.outputs), note="factor_out_of_dots")
+    out = onf.replace(program=Program(stages, onf.program.outputs), note="factor_out_of_dots")
+    # a sum over one element whose body does not use it (split_k's inner part of 1, Σ_{n_kv_i<1}
+    # of a bfloat16 table's gradient split 8 ways over 8 heads) is its body once factored: its
+    # axis, named by no variable now, goes with it (a loop of one)
+    named = {v.name for v in out.program.vars()}
+    gone = {a.name for a in out.axes if a.name not in named and a.extent == 1}
+    return out.replace(axes=tuple(a for a in out.axes if a.name not in gone)) if gone else out
 
 
 # ----------------------------------------------------------------------------- separate walks

@@ -194,8 +194,12 @@ class PallasBackend(Backend):
             folded = self._folded_dot(a, b, da, db, (v,), out_dtype)
             if folded is not None:
                 return folded
-        # small or batched tiles: multiply and sum (Triton's dot needs 2-D tiles ≥ 16)
-        datas, vs = align([Named(da.astype(out_dtype), a.vars), Named(db.astype(out_dtype), b.vars)], self.rank)
+        # small or batched tiles: multiply and sum (Triton's dot needs 2-D tiles ≥ 16), each
+        # operand as it is, not rounded to 16 bits (``operands``): no tensor core takes it, and
+        # a float32 factor rounded per term spoils a sum whose terms cancel (bfloat16 ALiBi
+        # slopes' gradient: Σ_t Σ_s of P × dP × |i − j| and of P × Δ × |i − j|, apart)
+        datas, vs = align([Named(a.data.astype(out_dtype), a.vars), Named(b.data.astype(out_dtype), b.vars)],
+                          self.rank)
         prod = datas[0] * datas[1]
         ax = vs.index(v)
         return Named(jnp.sum(prod, axis=ax), vs[:ax] + vs[ax + 1:])

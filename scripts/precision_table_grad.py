@@ -50,10 +50,17 @@ def rows(impls) -> list:
         w = jnp.asarray(r.normal(size=(1, T, 8, H)), jnp.float32)
         drawn = r.uniform(0.05, 0.5, size=8)
         for sdt, lengths, res in itertools.product(("float32", "bfloat16"), (None, jnp.asarray([T * 17 // 30], jnp.int32)),
-                                                   ("save", "none")):
+                                                   ("save", "none", "jax.nn")):
             slopes = jnp.asarray(drawn, sdt)
+            at = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(S)[None, :])
 
-            def loss(slopes, q, k, v, impl, res=res, lengths=lengths):
+            def nn_loss(slopes, q, k, v, impl, lengths=lengths):
+                # jax.nn with the same scores: the bias −slope[h]·|i − j| in the slopes' dtype
+                bias = (-slopes[:, None, None] * at.astype(slopes.dtype))[None]
+                o = jax.nn.dot_product_attention(q, k, v, bias=bias, query_seq_lengths=lengths, implementation=impl)
+                return jnp.sum(o.astype(w.dtype) * w)
+
+            def loss(slopes, q, k, v, impl, res="none" if res == "jax.nn" else res, lengths=lengths):
                 mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
                 o = moajax.dot_product_attention(q, k, v, score_mod=mod, query_seq_lengths=lengths,
                                                  implementation=impl, onf=Preset.of(residuals=res))
@@ -61,14 +68,19 @@ def rows(impls) -> list:
 
             grad = jax.grad(loss, argnums=(0, 1, 2, 3))
             want = grad(*(x.astype(jnp.float64) for x in (slopes, q, k, v)), "xla")
-            for impl in impls:
+            if res == "jax.nn":  # (its own float64 agrees with moajax's to 1e-12 or so)
+                grad, impls_ = jax.grad(nn_loss, argnums=(0, 1, 2, 3)), ("xla",)
+            else:
+                impls_ = impls
+            for impl in impls_:
                 got = jax.jit(grad, static_argnums=4)(slopes, q, k, v, impl)
                 errs = [float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)) / jnp.max(jnp.abs(b)))
                         for a, b in zip(got, want)]
                 # the floor: the float64 slopes' gradient rounded to the slopes' dtype
                 floor = float(jnp.max(jnp.abs(want[0].astype(sdt).astype(jnp.float64) - want[0])) / jnp.max(jnp.abs(want[0])))
-                out.append((f"{T}, {S}, {H}", sdt, "—" if lengths is None else str(int(lengths[0])), res,
-                            impl.replace("_interpret", ""), errs + [floor]))
+                out.append((f"{T}, {S}, {H}", sdt, "—" if lengths is None else str(int(lengths[0])),
+                            "—" if res == "jax.nn" else res,
+                            "jax.nn" if res == "jax.nn" else impl.replace("_interpret", ""), errs + [floor]))
     return out
 
 
@@ -94,23 +106,27 @@ def main(argv):
              "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
     for case, sdt, lengths, res, path, errs in rows(("pallas_interpret", "xla")):
         lines.append(f"| {case} | {sdt} | {lengths} | {res} | {path} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
-    lines += ["", "Under 'save' the bfloat16 dq, dk (and the rows' statistics) read Δ = +/(dO × O) from the saved "
-              "Out (`identities.delta_from_output`, through the query lengths' guard too); float32 slopes' gradient "
-              "sums P × dP over the keys itself, since a 16-bit forward's Out carries its dots' rounding of P on a GPU "
-              "(until 2026-12-06 it read Out as well: 5.1e-2 and 7.3e-3 on the pallas 'save' rows without query "
-              "lengths).", "",
-              "bfloat16 slopes: their gradient is bfloat16, as wide as Out, so under 'save' it reads Δ from Out; and "
-              "in the saved adjoint the two paths into the bfloat16 product slope × |i − j| (through the row's "
-              "numerator and through its sum) are rounded to bfloat16 and summed in bfloat16 apart, two sums that "
-              "cancel (in 'none' they meet in one term: 2.1e-3 and 2.6e-3 on XLA). On the Pallas schedule even 'none' "
-              "is off (1.2e-1 at 30, 2, 8), cause not pinned down: the gradient's sums over t and s are bfloat16 "
-              "in its DNF (rounded per term, the sums' dtype the table's). Tried, each changing nothing here: "
-              "`lowp_dots=False`; rounding dS only for a tensor core's dot, not in a multiply-and-sum; float32 sums "
-              "carried by both loops of a walk (`tiles.evaluate`). At this shape the adjoint is one kernel walking "
-              "the 4 kv heads, no split. Open: cotangents kept in float32 through a widening cast, summed in "
-              "float32 and rounded once "
-              "where they leave the kernel. 'its floor': the float64 slopes' gradient rounded to the slopes' "
-              "dtype, against itself."]
+    lines += ["", "'jax.nn': jax.grad of jax.nn.dot_product_attention (XLA) with the same scores, the bias "
+              "−slope[h]·|i − j| computed in the slopes' dtype (no residuals to choose). 'its floor': the float64 "
+              "slopes' gradient rounded to the slopes' dtype, against itself.", "",
+              "The slopes' gradient sums dS × |i − j| over rows and keys, where Σ_s dS = 0 in every row: it is the "
+              "small difference of large sums. Three changes of 2026-12-06 keep it there:",
+              "- the adjoint carries each cotangent in the widest dtype that reached it and rounds it once "
+              "(`moajax.adjoint`): before, the two paths into the bfloat16 product slope × |i − j| (through a row's "
+              "numerator and through its sum) were each rounded to bfloat16 at the cast back to float32 and "
+              "summed in bfloat16 apart — 1.2e-1 (save, xla) and 1.2e-1 (none, pallas) at 30, 2, 8;",
+              "- a Pallas multiply-and-sum (a contraction no tensor core takes: its operands share a variable) "
+              "takes its float32 factor unrounded (`pallas_kernels/lower.py`); rounded to bfloat16 for the "
+              "16-bit dots, per term, the 'save' pallas row at 30, 2, 8 was 8.7e-2 with the other two changes alone (an ad hoc run);",
+              "- after a forward whose dots round (a GPU's 16-bit dots, P to 2⁻⁹; not TF32, not measured), a "
+              "gradient summing Δ over rows and keys recomputes Δ rather than read it from Out "
+              "(`identities._summed_over_rows_and_keys`), as a float32 gradient beside a bfloat16 Out already did "
+              "(5.1e-2 → 1.1e-3 at 30, 2, 8 before this). dq and dk read Δ from Out, as FlashAttention-2's "
+              "backward does. On a CPU the forward's float32 Out is read by every gradient (XLA's dots round only "
+              "their sums): the 'xla' rows read it, the 'pallas' rows (the GPU's schedule) recompute.",
+              "Before these, the bfloat16-slopes rows were (slopes' gradient): 30, 2, 8 — save pallas 2.6e-1, save "
+              "xla 1.2e-1, none pallas 1.2e-1, none xla 2.1e-3; with lengths 4.9e-1, 1.3e-1, 3.5e-2, 5.8e-3; 64, 64, "
+              "32 — 1.3e-2, 7.8e-3, 8.9e-3, 2.6e-3; with lengths 1.9e-2, 9.1e-3, 1.9e-2, 8.1e-3."]
     write_results(OUT.value, lines)
 
 

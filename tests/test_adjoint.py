@@ -114,6 +114,58 @@ def test_the_softmax_identity_holds_the_max_constant():
     assert any(isinstance(x, moa.Map) and x.op.name == "eq" for x in moa.nodes(dm))  # selection
 
 
+def test_paths_into_a_16_bit_operand_meet_in_float32_and_round_once():
+    """x bfloat16 read through two widening casts: Y = float32(x) × a − float32(x) × b, with
+    a = 1 + 3·2⁻¹² and b = 1 (float32). dx = a − b = 3·2⁻¹², a bfloat16 value: the two paths'
+    cotangents are summed in float32, then rounded once. Rounded at each cast (before
+    2026-12-06) they were bfloat16 1 and −1, and dx came out 0."""
+    bf16 = jnp.bfloat16
+    x = moa.array("x", (4,), ("n",), bf16)
+    a, b = (moa.array(n, (4,), ("n",), np.float32) for n in ("a", "b"))
+    y = moa.cast(x, np.float32) * a - moa.cast(x, np.float32) * b
+    d_y = moa.array("d_y", (4,), ("n",), np.float32)
+    (dx,) = adjoint.vjp([y], [d_y], [x])
+    assert dx.dtype == bf16  # (the cotangent of x, in x's dtype)
+    dnf, _ = reduce_to_dnf("adjoint", [x, a, b, d_y], (dx,), ("d_x",), record=False)
+    one = np.ones(4, np.float32)
+    got = reference.to_jax(dnf)(np.ones(4, bf16), one + 3 * 2.0 ** -12, one, one)
+    assert got.dtype == bf16 and np.array_equal(np.asarray(got, np.float64), np.full(4, 3 * 2.0 ** -12))
+
+
+def test_a_16_bit_subexpressions_rules_read_its_values_widened():
+    """Z = float32(⌈/ (exp(X) × X) +.× W) for bfloat16 X [3 4], W [4 2]: the cotangent reaching
+    the bfloat16 part is float32, and each rule (the inner product, the max's selection, ×,
+    exp) reads the bfloat16 values it needs widened, exactly. Against float64 of the same
+    formula on those rounded values (dX = G·Wᵀ at the max rows × exp(X)(1 + X)), rounded to
+    bfloat16 once: within one bfloat16 ulp (2⁻⁷ of the value; float32 sums and float64 may
+    round to neighbours)."""
+    bf16 = jnp.bfloat16
+    X = moa.array("X", (3, 4), ("t", "d"), bf16)
+    W = moa.array("W", (4, 2), ("d", "f"), bf16)
+    U = moa.exp(X) * X
+    Z = moa.cast(moa.reduce("max", U @ W, 0), np.float32)
+    g = moa.array("g", (2,), ("f",), np.float32)
+    dX, dW = adjoint.vjp([Z], [g], [X, W])
+    assert dX.dtype == bf16 and dW.dtype == bf16
+    dnf, _ = reduce_to_dnf("adjoint", [X, W, g], (dX, dW), ("d_X", "d_W"), record=False)
+    r = np.random.default_rng(3)
+    xv, wv = (np.asarray(r.standard_normal(sh), bf16) for sh in ((3, 4), (4, 2)))
+    gv = r.standard_normal(2).astype(np.float32)
+    got = [np.asarray(v, np.float64) for v in reference.to_jax(dnf)(xv, wv, gv)]
+    x64, w64 = np.asarray(xv, np.float64), np.asarray(wv, np.float64)
+    e64 = np.asarray(np.exp(xv.astype(np.float32)).astype(bf16), np.float64)  # exp(X) as bfloat16 rounds it
+    u = np.asarray((e64 * x64).astype(bf16), np.float64)  # U, rounded as its bfloat16 product
+    v = np.asarray((u @ w64).astype(bf16), np.float64)  # U +.× W in bfloat16
+    hit = (v == v.max(axis=0)).astype(np.float64)
+    dv = hit * gv / hit.sum(axis=0)  # [t f]
+    du = dv @ w64.T
+    want_x = du * (e64 + x64 * e64)  # d(exp(X) × X) = (exp(X) + X·exp(X)) dU
+    want_w = u.T @ dv
+    for got_, want in ((got[0], want_x), (got[1], want_w)):
+        rounded = np.asarray(want.astype(bf16), np.float64)
+        assert np.all(np.abs(got_ - rounded) <= 2.0 ** -7 * np.abs(rounded) + 1e-30)
+
+
 def test_operations_without_a_rule_are_named():
     a = moa.array("a", (3, 4), "t s", np.float64)
     w = moa.array("w", (4,), "s", np.float64)

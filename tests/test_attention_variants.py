@@ -857,3 +857,37 @@ def test_bfloat16_grouped_gradient_runs_eager_and_jitted():
     for grads in (jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)):
         for a, b in zip(grads, want):
             assert a.dtype == jnp.bfloat16 and scaled_err(np.asarray(a, np.float64), b) <= 2.0**-6
+
+
+def test_a_bfloat16_tables_gradient_over_grouped_heads_under_a_causal_skip(monkeypatch):
+    """bfloat16 GQA (4 query heads over 2 kv heads), causal, with a relative-position table in
+    bfloat16, residuals "save", on the H200's Pallas schedule (interpret mode): the table's
+    gradient recomputes Δ after a 16-bit forward (``identities``), in a kernel walking the kv
+    heads one at a time, whose causal skip checks every row's saved max over the heads it
+    walks. That check read the max at ⟨b t (g + 2·n_kv)⟩ with both heads' tiles at once, not a
+    window (an ONFError, before ``skipping.rows_keep_keys`` stepped one tile where a
+    statistic's index mixes the walked variable with another). Against XLA on the same
+    bfloat16 inputs: 2e-2 of the largest entry (bfloat16 operands, dots and Out on both)."""
+    from moajax import machines, runtime
+    from moajax.schedule import Preset
+
+    h200 = machines.load("h200")
+    r = np.random.default_rng(14)
+    q, g = (jnp.asarray(r.standard_normal((2, 8, 4, 4)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(r.standard_normal((2, 8, 2, 4)), jnp.bfloat16) for _ in range(2))
+    table = jnp.asarray(np.random.default_rng(15).standard_normal(6), jnp.bfloat16)
+
+    def loss(table, impl):
+        mod = lambda s, b, h, qi, ki: s + table[qi - ki + 2]  # noqa: E731
+        out = moajax.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, is_causal=True,
+                                           onf=Preset.of(residuals="save"))
+        return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
+
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": h200)
+    runtime.schedules.cache_clear()
+    try:
+        want = np.asarray(jax.jit(jax.grad(loss), static_argnums=1)(table, "xla"), np.float64)
+        got = np.asarray(jax.jit(jax.grad(loss), static_argnums=1)(table, "pallas_interpret"), np.float64)
+    finally:
+        runtime.schedules.cache_clear()
+    assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))

@@ -850,13 +850,15 @@ def test_a_score_mod_arrays_own_gradient_kernel_fills_the_gpu_over_a_batch():
     1024, N = 8, H = 64 in float32 on the H200: split-K cuts it until its programs fill the
     machine. The batch of 2 around the heads came first and could at most double the programs
     (the cost model's gain 1.96×, under the 2× a cut must pay), and that ended the search: the
-    gradient ran as one program walking all 2 × 8 × 1024 × 1024 scores. Slopes in float64 (a
-    gradient finer than Out: it sums P × dP over the keys for Δ itself, ``identities``) split
-    over the queries' tiles instead, and fill it too."""
+    gradient ran as one program walking all 2 × 8 × 1024 × 1024 scores. Slopes in float64 read
+    Δ from Out too (float32 dots, not rounded to 16 bits: ``kernel._gpu_dots_round``). After a
+    bfloat16 forward the slopes' gradient sums P × dP over the keys for Δ itself
+    (``identities``), splits over the queries' tiles instead, and fills it too."""
     h200 = machines.load("h200")
-    for dtype, split in ((jnp.float32, "split_k(s, 32)"), (jnp.float64, "split_k(t, 32)")):
+    for dtype, slopes, split in (("float32", jnp.float32, "split_k(s, 32)"), ("float32", jnp.float64, "split_k(s, 32)"),
+                                 ("bfloat16", jnp.float32, "split_k(t, 32)")):
         (onf,) = [o for o in _alibi_adjoint_plan((2, 1024, 8, 64), (2, 1024, 8, 64),
-                                                 jnp.linspace(0.1, 0.5, 8, dtype=dtype), h200, None, "float32",
+                                                 jnp.linspace(0.1, 0.5, 8, dtype=slopes), h200, None, dtype,
                                                  is_causal=True) if "const" in o.dnf.name]
         assert [h for h in onf.history if h.startswith("split_k(")] == ["split_k(n_kv, 8)", split]
         assert int(np.prod([a.ntiles for a in onf.axes if a.role == "grid"])) >= h200.multiprocessors
@@ -1039,3 +1041,21 @@ def test_the_seeds_plans_with_a_score_mod_array_match_xla(profile, plan, mod, B,
     finally:
         runtime.gpu_machine = saved
         runtime.schedules.cache_clear()
+
+
+@pytest.mark.parametrize("profile", ["h200", "delta-a100", "delta-a40"])
+def test_a_bfloat16_tables_gradient_derives_its_own_kernel(profile):
+    """ALiBi slopes in bfloat16 beside bfloat16 q, k, v (B = 2, T = S = 256, N = 8, H = 64): the
+    slopes' gradient recomputes Δ after the 16-bit forward, in a kernel of its own that
+    split-K cuts over the 8 heads 8 ways. Its 16-bit dots then take the factors out of them
+    (``rewrites.factor_out_of_dots``), and the sum over the split's inner part of 1 went with
+    them, leaving an axis no variable named: on the A100 and A40 no ONF validated, and
+    lowered for CUDA the gradient ran as XLA loops."""
+    import dataclasses
+
+    m = dataclasses.replace(machines.load(profile), spill_check=False)
+    onfs = _alibi_adjoint_plan((2, 256, 8, 64), (2, 256, 8, 64), jnp.linspace(0.1, 0.5, 8, dtype=jnp.bfloat16), m,
+                               None, "bfloat16")
+    (table,) = [o for o in onfs if o.dnf.name.endswith("d_score_mod_const0")]
+    assert {a.name for a in table.axes} <= {v.name for v in table.program.vars()}
+    assert "s1" in {v.name for v in table.program.vars()}  # (Δ summed over the keys)

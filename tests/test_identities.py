@@ -27,10 +27,11 @@ F64 = 1e-10
 S = jax.ShapeDtypeStruct
 
 
-def _saved_adjoint(kern, specs, **options):
-    """(the adjoint that reads the forward's statistics and outputs, its argument specs)."""
+def _saved_adjoint(kern, specs, rounded=True, **options):
+    """(the adjoint that reads the forward's statistics and outputs, its argument specs);
+    ``rounded``: after a forward whose dots round (a GPU's), or not (an XLA forward on a CPU)."""
     key = kern._key(specs, options)
-    adj = kern._adjoint_for(key, options, True)
+    adj = kern._adjoint_for(key, options, True, rounded=rounded)
     outs = kern._build(specs, options)[1]
     outs = outs if isinstance(outs, tuple) else (outs,)
     cts = [S(o.shape, o.dtype) for o in outs]
@@ -176,6 +177,45 @@ def test_a_finer_gradient_recomputes_delta_rather_than_read_a_16_bit_output():
     (d_slopes,) = [o.name for o in dnf.outputs if o.dtype == np.float32]
     assert not reads[d_slopes] & held and "value" in reads[d_slopes]  # (dP = dO +.× ⍉V, summed)
     assert all(reads[o.name] & held for o in dnf.outputs if o.name != d_slopes and o.name != "d_value")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_table_gradient_recomputes_delta_after_a_forward_with_rounded_dots(dtype):
+    """ALiBi slopes in the queries' dtype (bfloat16 or float32): the slopes' gradient sums dS ×
+    |i − j| over rows and keys, the difference of the rows' sums (Σ_s dS = 0), so a Δ read from
+    an Out its dots rounded (a GPU's: 16-bit operands, TF32) adds each row's error unreduced.
+    After such a forward it sums P × dP over the keys itself, whatever its dtype; after an XLA
+    forward on a CPU (``rounded=False``: its float32 dots round only their sums) it reads Out,
+    as dQ and dK do after either (bench/results/table_grad_precision.md)."""
+    from moajax.api import _check_score_mod
+
+    slopes = jnp.linspace(0.1, 0.4, 4, dtype=dtype)
+    fn = _check_score_mod(lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j), dtype)
+    kern = mha_kernel(None, None, True, score_mod=fn)
+    specs = [S((1, 6, 4, 8), dtype), S((1, 5, 2, 8), dtype), S((1, 5, 2, 8), dtype), S((4,), dtype)]
+    for rounded in (True, False):
+        adj, aspecs = _saved_adjoint(kern, specs, rounded=rounded)
+        dnf = adj.dnf(*aspecs)
+        held = {i.name for i in dnf.inputs if i.name.startswith("saved") and i.shape == (6, 4, 8)} | {"out"}
+        reads = {o.name: {x.array for x in D.reads(o.body)} for o in dnf.outputs}
+        d_slopes = dnf.outputs[-1].name
+        assert bool(reads[d_slopes] & held) is not rounded, rounded
+        assert "value" in reads[d_slopes]  # (dP = dO +.× ⍉V, summed either way)
+        assert all(reads[o.name] & held for o in dnf.outputs[:2]), rounded  # dQ, dK
+
+
+def test_delta_summed_over_rows_and_keys_is_found_where_it_stands():
+    """``_summed_over_rows_and_keys`` on hand-built sums of a row's Δ(t): under Σ_t alone (dK's
+    form), under Σ_s alone (dQ's), under both (a table's), and a Δ the body no longer holds."""
+    t, s, e = Var("t", 3), Var("s", 4), Var("e", 2)
+    f = np.dtype(np.float64)
+    delta = D.Red("add", e, D.Call("mul", (D.Read("d_out", (t, e), f), D.Read("out", (t, e), f))))
+    w = D.Read("w", (t, s), f)
+    term = D.Call("mul", (w, delta))
+    assert not identities._summed_over_rows_and_keys(D.Red("add", t, term), [delta])
+    assert not identities._summed_over_rows_and_keys(D.Red("add", s, term), [delta])
+    assert identities._summed_over_rows_and_keys(D.Red("add", t, D.Red("add", s, term)), [delta])
+    assert identities._summed_over_rows_and_keys(D.Red("add", t, w), [delta])  # (not found: its sums unknown)
 
 
 @pytest.mark.parametrize("guarded", ["s", "t"])

@@ -245,6 +245,21 @@ def test_a_16_bit_calls_float32_kernels_take_the_config_too(kernel):
         assert all(o.knobs.dot_precision == "highest" and o.knobs.lowp_dots for o in plan if o not in f32)
 
 
+def _alibi_case(monkeypatch, slopes_dtype):
+    """bfloat16 GQA q [1 30 8 8], k, v [1 2 4 8], float32 loss weights w, ALiBi slopes (8) of
+    ``slopes_dtype``; the H200's schedules for the Pallas paths (interpret mode)."""
+    from moajax import machines, runtime
+
+    h200 = machines.load("h200")
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": h200)
+    runtime.schedules.cache_clear()
+    r = np.random.default_rng(1)
+    q = jnp.asarray(r.normal(size=(1, 30, 8, 8)), jnp.bfloat16)
+    k, v = (jnp.asarray(r.normal(size=(1, 2, 4, 8)), jnp.bfloat16) for _ in range(2))
+    w = jnp.asarray(r.normal(size=(1, 30, 8, 8)), jnp.float32)
+    return q, k, v, w, jnp.asarray(r.uniform(0.05, 0.5, size=8), slopes_dtype)
+
+
 def test_a_bfloat16_gpu_forward_rounds_no_scaled_query_so_a_tables_gradient_holds(monkeypatch):
     """bfloat16 GQA with ALiBi slopes (float32, closed over) and query lengths, H = 8 (scale
     1/√8, not a power of two), S = 2: the slopes' gradient sums dS over rows whose two keys
@@ -255,18 +270,11 @@ def test_a_bfloat16_gpu_forward_rounds_no_scaled_query_so_a_tables_gradient_hold
     path is 0.35 % off. The dots now take Q and K as read (``rewrites.factor_out_of_dots``).
     Bound 2e-2 of the largest entry: bfloat16 operands and Out (the XLA path's 3.5e-3)."""
     import moajax
-    from moajax import machines, runtime
+    from moajax import runtime
     from moajax.schedule import Preset
 
-    h200 = machines.load("h200")
-    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": h200)
-    runtime.schedules.cache_clear()
-    r = np.random.default_rng(1)
-    q = jnp.asarray(r.normal(size=(1, 30, 8, 8)), jnp.bfloat16)
-    k, v = (jnp.asarray(r.normal(size=(1, 2, 4, 8)), jnp.bfloat16) for _ in range(2))
-    w = jnp.asarray(r.normal(size=(1, 30, 8, 8)), jnp.float32)
+    q, k, v, w, slopes = _alibi_case(monkeypatch, jnp.float32)
     lengths = jnp.asarray([17], jnp.int32)
-    slopes = jnp.asarray(r.uniform(0.05, 0.5, size=8), jnp.float32)
 
     def loss(slopes, q, k, v, impl):
         mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
@@ -278,5 +286,40 @@ def test_a_bfloat16_gpu_forward_rounds_no_scaled_query_so_a_tables_gradient_hold
         want = jax.grad(loss)(*(x.astype(jnp.float64) for x in (slopes, q, k, v)), "xla")
         got = jax.jit(jax.grad(loss), static_argnums=4)(slopes, q, k, v, "pallas_interpret")
         assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 2e-2
+    finally:
+        runtime.schedules.cache_clear()
+
+
+@pytest.mark.parametrize("residuals", ["save", "none"])
+def test_a_bfloat16_tables_gradient_is_summed_in_float32_and_rounded_once(residuals, monkeypatch):
+    """bfloat16 ALiBi slopes (the case above, with and without query lengths): the slopes'
+    gradient Σ over rows and keys of dS × |i − j| is the difference of two sums that nearly
+    cancel (through each row's numerator and through its sum). It is now carried in float32
+    and rounded to bfloat16 once (``adjoint``: a cotangent keeps the widest dtype that
+    reached it); a GPU kernel's multiply-and-sum takes its float32 factor unrounded (no tensor
+    core takes it); after a GPU's forward the gradient recomputes Δ (``identities``). Before:
+    the two sums each rounded to bfloat16 apart, 1.2e-1 to 4.9e-1 off float64 under "save",
+    and 3.5e-2 to 1.2e-1 on the Pallas schedule under "none"
+    (bench/results/table_grad_precision.md). Bound 2e-2 of the largest entry, as above."""
+    import moajax
+    from moajax import runtime
+    from moajax.schedule import Preset
+
+    q, k, v, w, slopes = _alibi_case(monkeypatch, jnp.bfloat16)
+
+    def loss(slopes, q, k, v, impl, lengths):
+        mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
+        o = moajax.dot_product_attention(q, k, v, score_mod=mod, query_seq_lengths=lengths, implementation=impl,
+                                         onf=Preset.of(residuals=residuals))
+        return jnp.sum(o.astype(w.dtype) * w)
+
+    try:
+        for lengths in (None, jnp.asarray([17], jnp.int32)):
+            want = jax.grad(loss)(*(x.astype(jnp.float64) for x in (slopes, q, k, v)), "xla", lengths)
+            for impl in ("pallas_interpret", "xla"):
+                got = jax.jit(jax.grad(loss), static_argnums=4)(slopes, q, k, v, impl, lengths)
+                assert got.dtype == jnp.bfloat16
+                err = float(jnp.max(jnp.abs(got.astype(jnp.float64) - want)) / jnp.max(jnp.abs(want)))
+                assert err <= 2e-2, (impl, lengths, err)
     finally:
         runtime.schedules.cache_clear()

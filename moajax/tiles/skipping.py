@@ -172,7 +172,12 @@ def rows_keep_keys(ev, guard: RowGuard, v: Var):
     if v in ev.ranges or not any(v in x.free for x in guard.stats) or axis.ntiles <= 1:
         return check(ev) > 0
     per = 1  # tiles a step: a power of two that divides the number of tiles
-    while axis.ntiles % (2 * per) == 0 and 2 * per * axis.tile <= max(ROW_CHECK_ELEMENTS, axis.tile):
+    # (one tile a step where a statistic's index moves with v and another variable in one axis,
+    # ⟨b t (g + 2·n_kv)⟩ψm with the group whole: a window only while v takes its tile's values,
+    # as the walk's own reads take them)
+    alone = all(ix.as_shifted_var() is not None for x in guard.stats for r in D.reads(x) for ix in r.index
+                if v in ix.free_vars())
+    while alone and axis.ntiles % (2 * per) == 0 and 2 * per * axis.tile <= max(ROW_CHECK_ELEMENTS, axis.tile):
         per *= 2
     size = per * axis.tile
 
