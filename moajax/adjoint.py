@@ -80,8 +80,14 @@ def joined(a, b) -> np.dtype:
 
 
 def widened(x: moa.Array, dtype) -> moa.Array:
-    """A primal operand read beside a cotangent of ``dtype`` (a floating one widened, exactly)."""
-    return moa.cast(x, dtype) if differentiable(x.dtype) and x.dtype != dtype else x
+    """A primal operand read beside a cotangent of ``dtype`` (a floating one widened, exactly):
+    a constant as its own dtype holds it (bfloat16's 0.3 is 0.30078125, as the forward used it;
+    widened from the Python number, a tie of maximum(x, 0.1) at x = bfloat16(0.1) was missed)."""
+    if not differentiable(x.dtype) or x.dtype == dtype:
+        return x
+    if isinstance(x, moa.Literal):
+        return moa.Literal(float(np.asarray(x.value, x.dtype)), dtype, weak=x.weak)
+    return moa.cast(x, dtype)
 
 
 def broadcast_lead(n: int, dim: str, Y: moa.Array) -> moa.Array:
@@ -367,8 +373,9 @@ def vjp(outputs: Sequence[moa.Array], cotangents: Sequence[moa.Array], wrt: Sequ
         ct[node.uid] = d if prev is None else moa.add(prev, d)
 
     for o, c in zip(outputs, cotangents):
-        if reaches[o.uid]:
-            add(o, c)
+        if reaches[o.uid]:  # (a seed narrower than its output is read in the output's dtype)
+            add(o, c if not differentiable(c.dtype) or joined(c.dtype, o.dtype) == c.dtype
+                else moa.cast(c, joined(c.dtype, o.dtype)))
     for x in reversed(order):  # users before operands
         g = ct.get(x.uid)
         if g is None or x.uid in targets and not x.children:

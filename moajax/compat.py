@@ -34,7 +34,7 @@ def triton_compiler_params(plgpu, num_warps: int, num_stages: int):
     return cls(num_warps=num_warps, num_stages=num_stages)
 
 
-def platform_dependent(*args, cpu, cuda, default=None):
+def platform_dependent(*args, cpu, cuda, default=None, differentiable: bool = False):
     """Per-platform lowering inside one jitted function: ``cuda(*args)`` where it is lowered for
     CUDA, ``cpu(*args)`` elsewhere (and ``default``, where given, on other platforms than the
     CPU). ``lax.platform_dependent`` traces every branch at every call: on a CPU each call
@@ -42,11 +42,14 @@ def platform_dependent(*args, cpu, cuda, default=None):
     slower for it: bench/results/trace_cpu_epyc_avx2.md). Here only the CPU branch is traced at the call
     (it gives the output shapes); the others are traced when, and only when, a lowering for
     their platform asks (``jit(...).lower(lowering_platforms=("cuda",))`` offline included).
-    Falls back to ``lax.platform_dependent`` where this JAX lacks the pieces."""
+    Falls back to ``lax.platform_dependent`` where this JAX lacks the pieces, and takes it where
+    JAX must differentiate through the choice (``differentiable``: the primitive has no
+    derivative rules; JAX's is a cond on the platform's index, which has them): every branch
+    is traced then."""
     from jax import lax
 
     prim = _platform_call_primitive()
-    if prim is None or default not in (None, cpu):
+    if prim is None or differentiable or default not in (None, cpu):
         return lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=default or cpu)
     closed, shapes = jax.make_jaxpr(cpu, return_shape=True)(*args)
     if closed.effects:  # the primitive declares none: a branch with effects (a callback) keeps JAX's own

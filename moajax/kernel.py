@@ -525,12 +525,13 @@ class Kernel:
                 if isinstance(plan, tuple) and sorted(n for g in plan for n in g) != sorted(full.output_names):
                     # no partition of the cotangents: the whole adjoint refuses it, named, whichever
                     # argnums asked (a fuzz: the smaller adjoint took some)
-                    return full, tuple(i for i, f in enumerate(floats) if f), backward_preset
-                bk = adj
+                    bk, args_of, preset = full, tuple(i for i, f in enumerate(floats) if f), backward_preset
+                else:
+                    bk, args_of, preset = adj, wrt, _plan_of_some(backward_preset, full, adj)
                 for batched in levels:
                     flags = (*map(bool, batched), *ct_batched, *(True,) * (len(saved) + len(outs or ())))
-                    bk = bk.batched(flags, summed=tuple(j for j, i in enumerate(wrt) if not batched[i]))
-                return bk, wrt, _plan_of_some(backward_preset, full, adj)
+                    bk = bk.batched(flags, summed=tuple(j for j, i in enumerate(args_of) if not batched[i]))
+                return bk, args_of, preset
 
             def run(bk, preset, *arrays):
                 if not levels:
@@ -544,17 +545,17 @@ class Kernel:
             # (``adjoint``'s ``rounded``): each platform runs the adjoint for its forward, one
             # kernel where the two derive the same DNF (all but a gradient that Δ read from a
             # rounded Out would spoil: a score_mod table's)
-            (rk, wrt, rp) = kernel_of(_gpu_dots_round(key[0][0]))
-            xk, _, xp = kernel_of(False)
-            if not held or all(a.body is b.body for a, b in zip(rk.dnf(*arrays, **options).outputs,
+            xk, given, xp = kernel_of(False)
+            rk, _, rp = kernel_of(True) if held is not False and self.gpu_dots_round(key[0], options) else (xk, given, xp)
+            if rk is xk or all(a.body is b.body for a, b in zip(rk.dnf(*arrays, **options).outputs,
                                                                  xk.dnf(*arrays, **options).outputs)):
                 grads = run(xk, xp, *arrays)
             elif implementation in runtime.GPU_BACKENDS:  # (their interpret modes round as a GPU)
                 grads = run(rk, rp, *arrays)
-            else:  # (XLA on a GPU takes TF32 for float32 dots by default, and rounds too)
+            else:  # JAX's own choice, which JAX differentiates (grad of grad, a jvp of the grad)
                 grads = compat.platform_dependent(*arrays, cpu=functools.partial(run, xk, xp),
-                                                  cuda=functools.partial(run, rk, rp))
-            grads = dict(zip(wrt, grads))
+                                                  cuda=functools.partial(run, rk, rp), differentiable=True)
+            grads = dict(zip(given, grads))
             return [grads[i] if i in grads else runtime.zero_cotangent(a) for i, a in enumerate(args)]
 
         def backward(args, saved, outs, cts, wrt):
@@ -735,7 +736,7 @@ class Kernel:
             # GPU's (``adjoint``'s ``rounded``) take the same saved values
             args = self._saved_args(specs, options, labels)
             reads = set()
-            for rounded in (True, False):
+            for rounded in {self.gpu_dots_round(shape_key, options), False}:
                 adj = self._adjoint_for(shape_key, options, labels or True, rounded=rounded)
                 reads |= {r.array for r in adj.dnf(*args, **options).reads()}
             first = len(self.params) + len(outs)  # (after the primals and the cotangents)
@@ -750,15 +751,18 @@ class Kernel:
         labels = tuple(labels)
         return self.with_row_statistics(labels, self.statistics_read(self._key(specs, options), options, labels))
 
-    def saved_adjoint(self, *specs, labels: tuple = (), **options) -> tuple:
+    def saved_adjoint(self, *specs, labels: tuple = (), rounded: bool | None = None, **options) -> tuple:
         """(the adjoint ``jax.grad`` runs where the forward saves its statistics (and the values
         labelled ``labels``) and outputs, the specs of its arguments: primals, cotangents,
         saved values, outputs). The saved values are those it reads (``statistics_read``), as
-        ``saving_forward`` writes them."""
+        ``saving_forward`` writes them. ``rounded`` (``adjoint``): None, the one a GPU runs;
+        False, a CPU's (they differ only where a GPU's forward rounds its dots to 16 bits and a
+        gradient sums Δ over rows and keys)."""
         labels = tuple(labels)
         key = self._key(specs, options)
         unread = self.statistics_read(key, options, labels)
-        return self._adjoint_for(key, options, labels or True, unread=unread), self._saved_args(specs, options, labels, unread)
+        return (self._adjoint_for(key, options, labels or True, unread=unread, rounded=rounded),
+                self._saved_args(specs, options, labels, unread))
 
     def _saved_args(self, specs, options, labels: tuple = (), unread: tuple | None = None) -> list:
         """The specs of a saved adjoint's arguments: primals, cotangents, the saved values
@@ -925,7 +929,7 @@ class Kernel:
         (``saved``, ``wrt``, ``unread``, ``rounded``: as for ``adjoint``)."""
         import jax
 
-        rounded = _gpu_dots_round(shape_key[0]) if rounded is None else bool(rounded)
+        rounded = self.gpu_dots_round(shape_key, options) if rounded is None else bool(rounded)
         key = (shape_key, tuple(sorted(options.items())), saved, wrt, unread, rounded)
         hit = self._derived.get(key)
         if hit is None:
@@ -933,6 +937,23 @@ class Kernel:
             hit = self._derived[key] = self.adjoint(*specs, wrt=wrt, saved=saved, unread=unread, rounded=rounded,
                                                     **options)
         return hit
+
+    def gpu_dots_round(self, shape_key, options) -> bool:
+        """Do a GPU's dots round what this kernel's forward computes, for these shapes and
+        dtypes (``_key``), so that Δ read from its Out would spoil a gradient (``identities``)?
+        Where every floating output is 16-bit: its dots then take 16-bit operands
+        (``schedule._lowp_dots``: P rounded to 2⁻⁹ for P +.× V). Not counted: TF32's float32
+        dots (P to 2⁻¹¹, JAX's default on a GPU), left to read Out — recomputing Δ there, a
+        relative-position table's fused adjoint (its four outputs, the "atomic" plan's
+        kernel; causal, T = S = 1024, 8 heads of 64) needed 338.8 KB of shared memory on the
+        A100 (163 KB), where reading Out fits; and TF32's error in a table's gradient is
+        unmeasured (no GPU yet)."""
+        import jax
+        import jax.numpy as jnp  # (NumPy's issubdtype does not count bfloat16 as floating)
+
+        outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[2].outputs
+        sizes = [np.dtype(o.dtype).itemsize for o in outs if jnp.issubdtype(o.dtype, jnp.floating)]
+        return bool(sizes) and all(n == 2 for n in sizes)
 
     def adjoint(self, *specs, wrt=None, saved: bool | tuple = False, unread: tuple | None = None,
                 rounded: bool | None = None, **options) -> "Kernel":
@@ -950,12 +971,12 @@ class Kernel:
         ``rounded``: the forward it reads ran with rounded dots (a GPU's: 16-bit operands or
         TF32), so the gradients that such a Δ = +/(dO × O) would spoil recompute it
         (``identities.delta_from_output``); False: an XLA forward on a CPU, every gradient
-        reads it; None: as a GPU's dots would for these dtypes (``_gpu_dots_round``).
+        reads it; None: as a GPU's dots would for these dtypes (``gpu_dots_round``).
         ``compiled`` runs each where its forward ran."""
         from moajax import adjoint as _adjoint
 
         key = self._key(specs or self.example_specs(), options)
-        rounded = _gpu_dots_round(key[0]) if rounded is None else bool(rounded)
+        rounded = self.gpu_dots_round(key, options) if rounded is None else bool(rounded)
         inputs, expr = self._build(specs or self.example_specs(), options)[:2]
         outs = expr if isinstance(expr, tuple) else (expr,)
         names = self._names_for(outs)
@@ -1139,21 +1160,6 @@ class Kernel:
     def __repr__(self):
         sig = ", ".join(f"{p.name}[{' '.join(p.dims)}]" for p in self.params)
         return f"<moajax kernel {self.name}({sig})>"
-
-
-def _gpu_dots_round(specs) -> bool:
-    """Do a GPU's dots round what this kernel's forward computes, for inputs of these (shape,
-    dtype) ``specs``, so that Δ read from its Out would spoil a gradient (``identities``)? Where
-    a floating input is 16-bit: its dots take 16-bit operands (``lowp_dots``), P rounded to
-    2⁻⁹. Not counted: TF32's float32 dots (P to 2⁻¹¹, JAX's default on a GPU), left to read Out
-    — recomputing Δ there, a relative-position table's fused adjoint (its four outputs, the
-    "atomic" plan's kernel; causal, T = S = 1024, 8 heads of 64) needed 338.8 KB of shared
-    memory on the A100 (163 KB), where reading Out fits; and TF32's error in a table's
-    gradient is unmeasured (no GPU yet)."""
-    from moajax import adjoint as _adjoint
-
-    sizes = [np.dtype(dt).itemsize for _, dt in specs if _adjoint.differentiable(dt)]
-    return bool(sizes) and min(sizes) < 4
 
 
 def _plan_of_some(preset, full: "Kernel", some: "Kernel"):

@@ -39,7 +39,7 @@ TOKENS = flags.DEFINE_integer("tokens", 1024, "T (= S)")
 def _forget():
     """Every derived kernel and compiled function forgotten, so that the next trace derives
     the adjoints afresh under whichever rule is in force."""
-    import sys as _sys
+    import importlib
 
     import jax
 
@@ -50,7 +50,7 @@ def _forget():
         if isinstance(k, Kernel):
             k._derived.clear()
             k._compiled.clear()
-    _sys.modules["moajax.kernels.attention"]._mha_kernel.cache_clear()
+    importlib.import_module("moajax.kernels.attention")._mha_kernel.cache_clear()
     runtime.schedules.cache_clear()
     jax.clear_caches()
 
@@ -118,7 +118,7 @@ def main(argv):
             lines.append(f"| {case} | {name} | {min(ts):.4f} | {statistics.median(ts):.4f} | {min(ts) / base:.2f}× | "
                          f"{temp:.1f} | {main_err:.1e} | {'—' if slope_err is None else f'{slope_err:.1e}'} |")
     lines += ["", "vs carried: the contender's best time over the carried one's (above 1: slower). On a CPU the "
-              "saving forward's Out is read by the slopes' gradient either way (``kernel._gpu_dots_round``: only "
+              "saving forward's Out is read by the slopes' gradient either way (``Kernel.gpu_dots_round``: only "
               "after a GPU's 16-bit dots does it recompute Δ)."]
     write_results(OUT.value, lines)
 

@@ -6,7 +6,7 @@ B ∈ {2, 4}, N ∈ {8, 16}, H ∈ {64, 128}, MHA and GQA over 2 kv heads, on ev
 each derived as a GPU derives it (its spill check on: the first table tiling that compiles
 clean, else the one that spills least). Per configuration: the spill bytes of each kernel of
 the adjoint's default plan (dQ, dK with dV, the slopes' gradient; a kernel more where the
-documents' gather is staged).
+documents' gather is staged). ``--dtype bfloat16``: q, k, v and the slopes in bfloat16.
 
 The table appends a section for the code it runs on (its git commit), so two runs — one on an
 older checkout through PYTHONPATH — compare the same rows.
@@ -35,6 +35,11 @@ KINDS = ("ALiBi", "ALiBi in documents", "ALiBi, the masked fill's kernel")
 KIND = flags.DEFINE_multi_enum("kind", list(KINDS[:2]), KINDS,
                                "the score_mods: the third is the kernel a call with the slopes as a jit argument "
                                "compiles beside ALiBi's, for a table that holds ±∞ (the select of −∞, a mask on data)")
+DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                          "q, k, v and the slopes' dtype (bfloat16: 16-bit dots, the slopes' gradient recomputing Δ)")
+BATCH = flags.DEFINE_list("batch", ["2", "4"], "B values")
+HEADS = flags.DEFINE_list("heads", ["8", "16"], "N values")
+HEAD_DIM = flags.DEFINE_list("head_dim", ["64", "128"], "H values")
 
 
 def main(argv):
@@ -57,10 +62,12 @@ def main(argv):
     dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
 
+    dt = jnp.dtype(DTYPE.value)
+
     def adjoint(fn, b, n, k, h, masked_fill=False):
-        specs = [jax.ShapeDtypeStruct((b, 1024, n, h), np.float32)]
-        specs += [jax.ShapeDtypeStruct((b, 1024, k, h), np.float32)] * 2
-        mod = _check_score_mod(fn, np.dtype(np.float32))
+        specs = [jax.ShapeDtypeStruct((b, 1024, n, h), dt)]
+        specs += [jax.ShapeDtypeStruct((b, 1024, k, h), dt)] * 2
+        mod = _check_score_mod(fn, dt)
         mod = mod.as_infinite() if masked_fill else mod
         kern = mha_kernel(None, None, k != n, False, False, mod)
         consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
@@ -69,15 +76,16 @@ def main(argv):
 
     doc = jnp.asarray(np.repeat(np.arange(4), (100, 400, 300, 224)), jnp.int32)
     gpus = gpu_report.gpus()
-    lines = [f"## At {commit}{' plus uncommitted changes' if dirty else ''}{f' ({LABEL.value})' if LABEL.value else ''}",
+    lines = [f"## At {commit}{' plus uncommitted changes' if dirty else ''}{f' ({LABEL.value})' if LABEL.value else ''}"
+             f"{', ' + DTYPE.value if DTYPE.value != 'float32' else ''}",
              "", f"{machine_line().rstrip('.')}; ptxas {ptx.ptxas_version()}; no GPU used.", "",
              "| B | N | kv heads | H | score_mod | " + " | ".join(m.name for m in gpus) + " |",
              "|---:|---:|---:|---:|---|" + "---|" * len(gpus)]
     spilled = 0
-    for b, n, h, gqa, kind in itertools.product((2, 4), (8, 16), (64, 128), (False, True),
-                                                [x for x in KINDS if x in KIND.value]):
+    for b, n, h, gqa, kind in itertools.product(map(int, BATCH.value), map(int, HEADS.value), map(int, HEAD_DIM.value),
+                                                (False, True), [x for x in KINDS if x in KIND.value]):
         k = 2 if gqa else n
-        slopes = jnp.asarray(2.0 ** -np.arange(1, n + 1), jnp.float32)
+        slopes = jnp.asarray(2.0 ** -np.arange(1, n + 1), dt)
 
         def alibi(s, hh, qi, ki, slopes=slopes):
             return s + slopes[hh] * (ki - qi).astype(s.dtype)

@@ -132,10 +132,35 @@ def test_paths_into_a_16_bit_operand_meet_in_float32_and_round_once():
     assert got.dtype == bf16 and np.array_equal(np.asarray(got, np.float64), np.full(4, 3 * 2.0 ** -12))
 
 
+def test_a_16_bit_constant_is_read_widened_as_its_own_dtype_holds_it():
+    """float32(maximum(x, 0.1)) and float32(x × 0.3) for bfloat16 x: the cotangent reaching
+    them is float32, and the rules read the constants as bfloat16 holds them (0.1 → 0.10009765625,
+    0.3 → 0.30078125), as the forward used them. Widened from the Python numbers (found by
+    review), a tie at x = bfloat16(0.1) was missed (dx 1, where JAX gives ½) and dx of x × 0.3 was
+    a bfloat16 ulp off g × bfloat16(0.3)."""
+    bf16 = jnp.bfloat16
+    x = moa.array("x", (3,), ("i",), bf16)
+    xv = np.asarray([0.1, 0.2, 0.05], bf16)
+
+    def dx(y, g):
+        d = moa.array("d", y.shape, y.dims, y.dtype)
+        (grad,) = adjoint.vjp([y], [d], [x])
+        dnf, _ = reduce_to_dnf("adjoint", [x, d], (grad,), ("d_x",), record=False)
+        return np.asarray(reference.to_jax(dnf)(xv, g), np.float64)
+
+    g = np.full(3, 1.5, np.float32)
+    want = jax.grad(lambda x: jnp.sum(jnp.maximum(x, bf16(0.1)).astype(np.float32) * 1.5))(jnp.asarray(xv))
+    assert np.array_equal(dx(moa.cast(moa.maximum(x, 0.1), np.float32), g), np.asarray(want, np.float64))  # ½ at the tie
+    exact = np.asarray(np.asarray(1.5 * float(np.asarray(0.3, bf16)), np.float64).astype(bf16), np.float64)
+    assert np.array_equal(dx(moa.cast(x * 0.3, np.float32), g), np.full(3, exact))
+
+
 def test_a_16_bit_subexpressions_rules_read_its_values_widened():
     """Z = float32(⌈/ (exp(X) × X) +.× W) for bfloat16 X [3 4], W [4 2]: the cotangent reaching
     the bfloat16 part is float32, and each rule (the inner product, the max's selection, ×,
-    exp) reads the bfloat16 values it needs widened, exactly. Against float64 of the same
+    exp) reads the bfloat16 values it needs widened, exactly (without ``widened`` the rules
+    raise MoATypeError: this bound cannot tell carried cotangents from rounded ones — the test
+    above does). Against float64 of the same
     formula on those rounded values (dX = G·Wᵀ at the max rows × exp(X)(1 + X)), rounded to
     bfloat16 once: within one bfloat16 ulp (2⁻⁷ of the value; float32 sums and float64 may
     round to neighbours)."""

@@ -891,3 +891,37 @@ def test_a_bfloat16_tables_gradient_over_grouped_heads_under_a_causal_skip(monke
     finally:
         runtime.schedules.cache_clear()
     assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("residuals", ["auto", "save"])
+def test_second_derivatives_of_a_bfloat16_table_run_the_backward_of_each_platform(residuals):
+    """bfloat16 q, k, v with bfloat16 ALiBi slopes: a GPU's 16-bit forward rounds its dots, so
+    the backward a GPU runs recomputes Δ for the slopes' gradient where a CPU's reads Out, and
+    the call holds both, chosen by platform. JAX differentiates through that choice: a jvp of
+    the gradient (a Hessian-vector product) and grad of grad run (the first choice, a
+    primitive of moajax's, had no derivative rule). Against the same derivatives of the call on
+    the inputs widened to float64: 2e-2 of the largest entry, as for the first derivatives
+    (bfloat16 q, k, v, Out and cotangents; 4.2e-3 and 1.1e-3 seen)."""
+    from moajax.schedule import Preset
+
+    r = np.random.default_rng(1)
+    q = jnp.asarray(r.normal(size=(1, 6, 2, 4)), jnp.bfloat16)
+    k, v = (jnp.asarray(r.normal(size=(1, 5, 2, 4)), jnp.bfloat16) for _ in range(2))
+    w = jnp.asarray(r.normal(size=(1, 6, 2, 4)), jnp.float32)
+    slopes = jnp.asarray([0.2, 0.4], jnp.bfloat16)
+
+    def f(slopes, q, k, v):
+        mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
+        o = moajax.dot_product_attention(q, k, v, score_mod=mod, onf=Preset.of(residuals=residuals))
+        return jnp.sum(o.astype(w.dtype) * w)
+
+    def second(slopes, q, k, v):
+        hvp = jax.jvp(lambda s: jax.grad(f)(s, q, k, v), (slopes,), (slopes,))[1]
+        gg = jax.grad(lambda s: jnp.sum(jax.grad(f)(s, q, k, v).astype(w.dtype) ** 2))(slopes)
+        return hvp, gg
+
+    got = second(slopes, q, k, v)
+    want = second(*(x.astype(jnp.float64) for x in (slopes, q, k, v)))
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.all(np.isfinite(a)) and np.max(np.abs(a - b)) <= 2e-2 * np.max(np.abs(b)), (a, b)

@@ -851,7 +851,7 @@ def test_a_score_mod_arrays_own_gradient_kernel_fills_the_gpu_over_a_batch():
     machine. The batch of 2 around the heads came first and could at most double the programs
     (the cost model's gain 1.96×, under the 2× a cut must pay), and that ended the search: the
     gradient ran as one program walking all 2 × 8 × 1024 × 1024 scores. Slopes in float64 read
-    Δ from Out too (float32 dots, not rounded to 16 bits: ``kernel._gpu_dots_round``). After a
+    Δ from Out too (float32 dots, not rounded to 16 bits: ``Kernel.gpu_dots_round``). After a
     bfloat16 forward the slopes' gradient sums P × dP over the keys for Δ itself
     (``identities``), splits over the queries' tiles instead, and fills it too."""
     h200 = machines.load("h200")

@@ -193,6 +193,8 @@ def test_a_table_gradient_recomputes_delta_after_a_forward_with_rounded_dots(dty
     fn = _check_score_mod(lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j), dtype)
     kern = mha_kernel(None, None, True, score_mod=fn)
     specs = [S((1, 6, 4, 8), dtype), S((1, 5, 2, 8), dtype), S((1, 5, 2, 8), dtype), S((4,), dtype)]
+    # (a GPU's forward rounds its dots to 16 bits only for a 16-bit Out; TF32 is not counted)
+    assert kern.gpu_dots_round(kern._key(specs, {}), {}) is (dtype == jnp.bfloat16)
     for rounded in (True, False):
         adj, aspecs = _saved_adjoint(kern, specs, rounded=rounded)
         dnf = adj.dnf(*aspecs)
