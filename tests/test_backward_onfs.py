@@ -1059,3 +1059,32 @@ def test_a_bfloat16_tables_gradient_derives_its_own_kernel(profile):
     (table,) = [o for o in onfs if o.dnf.name.endswith("d_score_mod_const0")]
     assert {a.name for a in table.axes} <= {v.name for v in table.program.vars()}
     assert "s1" in {v.name for v in table.program.vars()}  # (Δ summed over the keys)
+
+
+def test_a_bfloat16_tables_gradient_lowers_for_cuda_as_pallas_kernels(monkeypatch):
+    """jit(grad) of bfloat16 attention with bfloat16 ALiBi slopes (B = 2, T = S = 256, N = 8,
+    H = 64) lowered for CUDA offline: the backward is chosen per platform (the GPU's recomputes
+    Δ for the slopes' gradient, ``Kernel.gpu_dots_round``) under JAX's platform_dependent, and
+    the CUDA lowering holds the GPU's kernels — dQ, dK with dV, the slopes' gradient, each
+    twice (the table is a jit argument: the kernels that take it finite and those with the
+    masked fill) — not XLA loops."""
+    from moajax import runtime
+    from moajax.ptx import triton_kernels
+
+    m = dataclasses.replace(machines.load("h200"), spill_check=False)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": m)
+    runtime.schedules.cache_clear()
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 256, 8, 64), jnp.bfloat16),) * 3 + (S((8,), jnp.bfloat16),)
+
+    def loss(q, k, v, c):
+        mod = lambda s, b, h, i, j: s - c[h] * jnp.abs(i - j)  # noqa: E731
+        return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod).astype(jnp.float32))
+
+    try:
+        names = [k.name.removeprefix("moajax_mha_score_mod_mh_") for k in
+                 triton_kernels(jax.grad(loss, argnums=(0, 1, 2, 3)), *args) if "adjoint" in k.name]
+    finally:
+        runtime.schedules.cache_clear()
+    assert sorted(set(names)) == ["adjoint_saved_d_key_d_value", "adjoint_saved_d_query",
+                                  "adjoint_saved_d_score_mod_const0"], names
