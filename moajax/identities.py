@@ -202,10 +202,10 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
     ``cotangent_of``: adjoint input (d_out) → the forward output it is the cotangent of;
     ``value_of``: forward output → the adjoint input holding its value; ``saved``: forward
     output that is a saved statistic → the adjoint input holding it. ``rounded``: the
-    forward's values carry its dots' rounding (a GPU's: 16-bit operands, TF32), so Δ read
-    from them is good only to that rounding; a gradient finer than the output, or one that
-    sums Δ over rows and keys (``_summed_over_rows_and_keys``), then recomputes it (on a CPU
-    the forward's float32 dots round only their sums: False, and each gradient reads it).
+    forward's values carry its dots' rounding (a GPU's 16-bit dots: ``Kernel.gpu_dots_round``),
+    so Δ read from them is good only to that rounding; a gradient finer than the output, or
+    one that sums Δ over rows and keys (``_summed_over_rows_and_keys``), then recomputes it (on
+    a CPU the forward's float32 dots round only their sums: False, and each gradient reads it).
     Returns the rewritten DNF and what was applied (each distinct rewrite once)."""
     outs = {o.name: o for o in forward.outputs}
     stats = [(saved[o.name], o) for o in forward.outputs if o.name in saved]
@@ -332,11 +332,12 @@ def _summed_over_rows_and_keys(body: D.Expr, deltas: list) -> bool:
     over another variable (a key)?
 
     Σ_s dS = Σ_s P × (dP − Δ) is 0 in every row, so a gradient that sums dS × w over rows and
-    keys (a score_mod table's: w = |i − j| for ALiBi's slopes) is the small difference of the rows' Σ_s P × w, and a Δ off by δ in a row adds δ × Σ_s P × w,
-    which no cancellation takes away. A 16-bit forward's Δ = +/(dO × O) is off by 2⁻⁹ of itself
-    (a GPU rounds P for Σ_s P × V): bfloat16 ALiBi slopes' gradient, summed in float32 and
-    rounded once, was 1.6e-1 off float64 reading it and 2.1e-3 recomputing, its floor 1.9e-3
-    (bench/results/table_grad_precision.md). dQ (a sum over keys only) and dK (over rows only)
+    keys (a score_mod table's: w = |i − j| for ALiBi's slopes) is the small difference of the
+    rows' Σ_s P × w, and a Δ off by δ in a row adds δ × Σ_s P × w, which no cancellation takes
+    away. A 16-bit forward's Δ = +/(dO × O) is off by 2⁻⁹ of itself (a GPU rounds P for
+    Σ_s P × V): bfloat16 ALiBi slopes' gradient, summed in float32 and rounded once, was 1.6e-1
+    off float64 reading it (an ad hoc run on the H200's schedule in interpret mode) and 2.7e-3
+    recomputing, its floor 1.9e-3 (bench/results/table_grad_precision.md). dQ (a sum over keys only) and dK (over rows only)
     read it, as FlashAttention-2's backward does. A Δ not found again (a later rewrite took it
     apart): its sums unknown, so True."""
     sites = {id(x): x for x in deltas}

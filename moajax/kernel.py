@@ -946,7 +946,7 @@ class Kernel:
         dots (P to 2⁻¹¹, JAX's default on a GPU), left to read Out — recomputing Δ there, a
         relative-position table's fused adjoint (its four outputs, the "atomic" plan's
         kernel; causal, T = S = 1024, 8 heads of 64) needed 338.8 KB of shared memory on the
-        A100 (163 KB), where reading Out fits; and TF32's error in a table's gradient is
+        A100 (163 KB; an ad hoc derivation), where reading Out fits; and TF32's error in a table's gradient is
         unmeasured (no GPU yet)."""
         import jax
         import jax.numpy as jnp  # (NumPy's issubdtype does not count bfloat16 as floating)
@@ -968,8 +968,8 @@ class Kernel:
         them where it would recompute them (the derivative still flows through them); ``saved``
         a tuple of labels: the values so labelled too (``row_statistics``); ``unread``: the
         statistics left out (``row_statistics``; the saving forward's: ``statistics_read``);
-        ``rounded``: the forward it reads ran with rounded dots (a GPU's: 16-bit operands or
-        TF32), so the gradients that such a Δ = +/(dO × O) would spoil recompute it
+        ``rounded``: the forward it reads ran with rounded dots (a GPU's 16-bit dots), so the
+        gradients that such a Δ = +/(dO × O) would spoil recompute it
         (``identities.delta_from_output``); False: an XLA forward on a CPU, every gradient
         reads it; None: as a GPU's dots would for these dtypes (``gpu_dots_round``).
         ``compiled`` runs each where its forward ran."""

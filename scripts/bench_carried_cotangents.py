@@ -66,13 +66,11 @@ def main(argv):
     import moajax
     from moajax import adjoint
     from moajax.timing import alternating, machine_line, write_results
+    from plain_block import block_params
 
     T, D, N, H, F = TOKENS.value, 512, 8, 64, 1408
     r = np.random.default_rng(0)
-    shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, N, H), "wv": (D, N, H), "wo": (N, H, D),
-              "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
-    p = {k: jnp.asarray((1.0 if k.endswith("norm") else 0.0) + r.standard_normal(s) / np.sqrt(s[0]), jnp.bfloat16)
-         for k, s in shapes.items()}
+    p = block_params(r, D, N, H, F, jnp.bfloat16)
     x = jnp.asarray(r.standard_normal((1, T, D)), jnp.bfloat16)
     gb = jnp.asarray(r.standard_normal((1, T, D)), jnp.float32)
 

@@ -37,14 +37,11 @@ def _block(args, lines):
 
     import moajax
     from moajax.timing import alternating
-    from plain_block import plain_block, rms_norm
+    from plain_block import block_params, plain_block, rms_norm
 
     T, D, N, H, F = args.tokens, 512, 8, 64, 1408
     r = np.random.default_rng(0)
-    shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, N, H), "wv": (D, N, H), "wo": (N, H, D),
-              "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
-    p = {k: jnp.asarray((1.0 if k.endswith("norm") else 0.0) + r.standard_normal(s) / np.sqrt(s[0]), jnp.float32)
-         for k, s in shapes.items()}
+    p = block_params(r, D, N, H, F, jnp.float32)
     x = jnp.asarray(r.standard_normal((1, T, D)), jnp.float32)
     g = jnp.asarray(r.standard_normal((1, T, D)), jnp.float32)
 

@@ -13,6 +13,18 @@ def rms_norm(x, w, eps: float = 1e-6):
     return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+def block_params(r, D: int, N: int, H: int, F: int, dtype) -> dict:
+    """The block's params dict (``moajax.transformer_block``'s), drawn from the NumPy generator
+    ``r``: each weight standard normal over √(its fan-in), the norms' weights 1 plus that."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, N, H), "wv": (D, N, H), "wo": (N, H, D),
+              "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+    return {k: jnp.asarray((1.0 if k.endswith("norm") else 0.0) + r.standard_normal(s) / np.sqrt(s[0]), dtype)
+            for k, s in shapes.items()}
+
+
 def rope(x, theta: float):
     """x [B, T, N, H]: the pair (x_i, x_{i+H/2}) turned by t·θ^(−2i/H)."""
     import jax.numpy as jnp
