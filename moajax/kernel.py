@@ -946,8 +946,11 @@ class Kernel:
         dots (P to 2⁻¹¹, JAX's default on a GPU), left to read Out — recomputing Δ there, a
         relative-position table's fused adjoint (its four outputs, the "atomic" plan's
         kernel; causal, T = S = 1024, 8 heads of 64) needed 338.8 KB of shared memory on the
-        A100 (163 KB; an ad hoc derivation), where reading Out fits; and TF32's error in a table's gradient is
-        unmeasured (no GPU yet)."""
+        A100 (163 KB; an ad hoc derivation), where reading Out fits; and reading it costs a
+        table's gradient little: with TF32 emulated (operands truncated, or rounded, on the
+        H200's schedule in interpret mode) it was 7.6e-4 to 1.9e-3 off float64 (3.6e-4 to
+        1.1e-3 rounded) against 5.9e-4 to 2.0e-3 (2.5e-4 to 3.3e-4) recomputing, dq, dk and
+        dv of the same runs up to 3.4e-3 (9.6e-4) (bench/results/table_grad_precision_tf32.md)."""
         import jax
         import jax.numpy as jnp  # (NumPy's issubdtype does not count bfloat16 as floating)
 

@@ -12,7 +12,9 @@ Of the tiles it walks, those on which every bound holds at every point (``interi
 need no mask at all: c ? x : y is x there (``Skip.interior``). A comparison that does not read
 w (coefficient 0: a query row inside its length, t < ⟨b⟩ψL) under which B is a plain 0 is a
 row condition (``Skip.rows``): a program where it fails at every row walks no tile — dQ's
-programs past a query length, whose cotangent rows are 0.
+programs past a query length, whose cotangent rows are 0. So is a row condition under which
+nothing reads the stage's values (``dead_rows``: c ? x : y reads x only where c holds) — the
+forward's programs past a query length, whose output rows are 0 whatever their walk gives.
 
 The mask fill m₀ (``large_negative``: −0.7·max, the max capped at float32's, jax.nn's) is not −∞: a row whose every key is
 masked averages V over all keys. exp(m₀ − X), with X a row statistic (the row max or log-sum),
@@ -266,7 +268,10 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
             shifts.append(set(of.free) if isinstance(of, D.Red) else set(st.max_vars))
         shifts += [set(x.free) for x in xs]  # the row variables of each statistic X
         stats += [x for x in sorted(xs, key=D.show) if x not in stats]
-    if not bounds and (not conds or onf.axis_of(w).role != "sequential"):
+    # rows whose values nothing reads (``dead_rows``): left out like rows whose terms are all
+    # the identity, and exempt from the guard (they need keep no key)
+    dead = [c for c in (dead_rows(onf, st) if red is None else ()) if c.coeff(w) == 0 and c not in conds]
+    if not bounds and (not (conds or dead) or onf.axis_of(w).role != "sequential"):
         return None  # (row conditions alone: only for a walk, which has tiles to leave out)
     # a row variable that a later stage reduces this one's results over is no row of the
     # softmax: split-K's part index s_o, whose parts the monoid combine joins. The kept key
@@ -278,15 +283,17 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
         combined = set()
     shifts = [rows - combined for rows in shifts]
     needs = any(kept + conds_kept)
-    guard = _guard(exprs, body, shifts) if needs else None
+    guard = _guard(exprs, body, shifts, dead) if needs else None
     if guard is None and needs:  # no closed-form guard: the rows' statistics decide
         guard = _row_guard(st, red, monoid, body, stats)
     if guard is None and needs:  # nor that: keep the exact bounds only
         bounds, kept = [b for b, k in zip(bounds, kept) if not k], [False] * sum(not k for k in kept)
         conds, conds_kept = [c for c, k in zip(conds, conds_kept) if not k], [False] * sum(not k for k in conds_kept)
-        if not bounds and not conds:
+        if not bounds and not conds and not dead:
             return None
-    return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of, rows=tuple(conds), rows_kept=tuple(conds_kept))
+    return Skip(st.name, w, tuple(bounds), tuple(kept), guard, of, rows=tuple(conds + dead),
+                rows_kept=tuple(conds_kept) + (False,) * len(dead),
+                rows_dead=(False,) * len(conds) + (True,) * len(dead) if dead else ())
 
 
 def _fill(exprs) -> float | None:
@@ -347,9 +354,10 @@ def _joined_key(conds, keys):
     return None
 
 
-def _guard(exprs, body, row_sets) -> Guard | None:
+def _guard(exprs, body, row_sets, dead=()) -> Guard | None:
     """∀ rows ∃ key: the masking conditions of the scores hold — the key variable being the
-    one the masks use that no row statistic X is indexed by."""
+    one the masks use that no row statistic X is indexed by; rows failing a condition in
+    ``dead`` (``dead_rows``) are exempt."""
     atoms = _masking_atoms(exprs)
     if not atoms:
         return None
@@ -372,11 +380,79 @@ def _guard(exprs, body, row_sets) -> Guard | None:
         if c in conds_keep or c in exempt:
             continue
         if c.coeff(k) == 0:
-            if _Under(a)(body) == (ZERO, frozenset()):
+            if c in dead or _Under(a)(body) == (ZERO, frozenset()):
                 exempt.append(c)
                 continue
         conds_keep.append(c)
     return Guard(k, tuple(conds_keep), tuple(exempt))
+
+
+def _vars_of(c: Affine) -> set:
+    """The index variables an affine form reads, those of its runtime scalars' indices among them."""
+    return set().union(*({t} if isinstance(t, Var) else set(t.free) for t, _ in c.terms))
+
+
+def dead_rows(onf: ONF, st) -> tuple:
+    """The row conditions c (affine comparisons, over variables of the rows of stage ``st``)
+    at whose failing rows nothing reads what ``st`` computes:
+
+        c ? x : y  reads x only where c holds
+
+    so a value every read of which lies in such an x — or in a stage whose own values are dead
+    there — is dead where c fails: the forward's online pass at rows past a query length
+    (out = (t < ⟨b⟩ψL) ? sum_s3 ÷ sum_s : 0). A read at other than the reader's own index
+    (a shift, a gather) or a stage that holds an output (the caller reads it; a saving
+    forward's statistics) leaves none."""
+    prog = onf.program
+    held = {stage for _, stage in prog.outputs}
+    defs = {n: s for s in prog.stages for n in s.defines}
+    memo: dict = {}
+
+    def meet(a, b):  # (None: read nowhere, dead under any condition)
+        return b if a is None else a if b is None else a & b
+
+    def guarded_reads(e, name):  # the conditions around each read of ``name`` in e; None: one not at its rows
+        out = []
+        stack = [(e, frozenset())]
+        while stack:
+            x, conds = stack.pop()
+            if isinstance(x, D.Ref):
+                if x.stage == name:
+                    if tuple(ix.as_var() for ix in x.index) != tuple(defs[name].result_vars(name)):
+                        return None
+                    out.append(conds)
+                continue
+            if isinstance(x, D.Call) and x.op == "where":
+                taken = {comparison(a) for a in conjuncts(x.children[0])} - {None}
+                stack += [(x.children[0], conds), (x.children[1], conds | taken), (x.children[2], conds)]
+                continue
+            stack += [(c, conds) for c in x.children]
+        return out
+
+    def dead(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = frozenset()  # (read by itself through a cycle: none)
+        if defs[name].name in held or name in held:
+            return memo[name]
+        found = None
+        for other in prog.stages:
+            if other is defs[name]:
+                continue  # (an online pass's sums read its own max)
+            for e in other.exprs():
+                reads = guarded_reads(e, name) if e is not None else []
+                if reads is None:
+                    return memo[name]
+                # a read in a stage whose values are all dead where c fails is dead there too
+                later = functools.reduce(meet, (dead(n) for n in other.defines)) if reads else None
+                for conds in reads:
+                    found = meet(found, conds | (later or frozenset()))
+        rows = set(defs[name].result_vars(name))
+        memo[name] = None if found is None else frozenset(c for c in found if _vars_of(c) <= rows)
+        return memo[name]
+
+    out = functools.reduce(meet, (dead(n) for n in st.defines))
+    return tuple(sorted(out or (), key=lambda c: c.text()))
 
 
 def skips(onf: ONF) -> tuple:
@@ -586,5 +662,5 @@ def visited_fraction(onf: ONF, skip: Skip) -> float:
     return float(np.mean(count)) / axis.ntiles
 
 
-__all__ = ["derive_skip", "visited_fraction", "masked_fraction", "interior_tiles", "skips", "guard_holds", "tile_span",
+__all__ = ["derive_skip", "dead_rows", "visited_fraction", "masked_fraction", "interior_tiles", "skips", "guard_holds", "tile_span",
            "linear", "comparison", "conjuncts", "held", "COMPARISONS"]

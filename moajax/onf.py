@@ -411,7 +411,10 @@ class Skip:
     fails at every row walks no tile — dQ's programs past a query length, whose cotangent rows
     are 0. One marked in ``rows_kept`` is exact only for rows that keep a key, as a kept bound:
     it empties the walk only where ``guard`` holds (dV's key tiles past a key length walk no
-    query where every query keeps a key: exp(m₀ − lse) = 0 there)."""
+    query where every query keeps a key: exp(m₀ − lse) = 0 there). One marked in ``rows_dead``
+    holds for another reason: what the stage computes is read nowhere at the rows failing it
+    (``masked.dead_rows``: the forward's rows past a query length, out = (t < L) ? … : 0), a
+    fact of the program around the stage, which ``ONF.validate`` derives again."""
 
     stage: str
     var: Var
@@ -422,10 +425,13 @@ class Skip:
     interior: bool = False
     rows: tuple = ()  # Affine, coefficient 0 on var
     rows_kept: tuple = ()  # bool per row condition
+    rows_dead: tuple = ()  # bool per row condition (empty: none dead)
 
     def text(self) -> str:
+        dead = self.rows_dead or (False,) * len(self.rows)
         b = ", ".join([a.text() + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.bounds, self.kept)]
-                      + [f"rows: {a.text()}" + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.rows, self.rows_kept)])
+                      + [f"{'dead rows' if d else 'rows'}: {a.text()}" + (" ⁽ᵏ⁾" if k else "")
+                         for a, k, d in zip(self.rows, self.rows_kept, dead)])
         g = f"; ⁽ᵏ⁾ where {self.guard.text()}" if any(self.kept + self.rows_kept) else ""
         i = "; interior tiles unmasked" if self.interior else ""
         return f"{self.stage} over {self.var.name}: {b}{g}{i}"
@@ -866,6 +872,16 @@ class ONF:
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} has a bound that does not bound {sk.var.name}")
             if any(c.coeff(sk.var) != 0 for c in sk.rows) or len(sk.rows_kept) != len(sk.rows):
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} has a row condition that reads {sk.var.name}")
+            if sk.rows_dead and (len(sk.rows_dead) != len(sk.rows)
+                                 or any(d and k for d, k in zip(sk.rows_dead, sk.rows_kept))):
+                raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} marks its dead rows amiss")
+            if any(sk.rows_dead):
+                from moajax.masked import dead_rows  # (masked reads ONFs: imported where used)
+
+                live = [c for c, d in zip(sk.rows, sk.rows_dead) if d and c not in dead_rows(self, st)]
+                if live:
+                    raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} leaves out the rows where "
+                                   f"{live[0].text()} fails, which the program reads: derive the skip again")
             if any(sk.kept + sk.rows_kept) and sk.guard is None:
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} relies on kept keys but has no guard")
             if isinstance(sk.guard, RowGuard) and not sk.guard.stats and not (isinstance(st, OnlineStage)

@@ -1595,7 +1595,8 @@ def _loop_runtime_bounds(onf: ONF) -> ONF:
     element walks its own. Only where the walk has tiles to leave out (more than one), and in
     a kernel that scatter-adds nothing: an adjoint whose programs own key tiles and add their
     dQ partials, looped per batch element as well, ran slower with query lengths alone (1.29×
-    and 1.06× at T = S = 1024 and 2048, ``bench/results/lengths_grad_cpu.md``)."""
+    and 1.06× at T = S = 1024 and 2048, ``bench/results/lengths_grad_cpu.md``). A skip's dead
+    rows (``Skip.rows_dead``) count as its bounds do (``bench/results/lengths_forward_cpu.md``)."""
     if any(onf.scatter_var(st) is not None for st in onf.program.stages):
         return onf
     grid = {a.name for a in onf.axes if a.role == "grid" and a.ntiles > 1}
@@ -1603,7 +1604,10 @@ def _loop_runtime_bounds(onf: ONF) -> ONF:
     for sk in onf.skips:
         if onf.axis_of(sk.var).ntiles <= 1:
             continue
-        for bound in sk.bounds:
+        # (a row condition under which the values are dead too: the forward's programs past a
+        # query length walk nothing only where each batch element walks its own span)
+        dead = [c for c, d in zip(sk.rows, sk.rows_dead) if d]
+        for bound in sk.bounds + tuple(dead):
             for term, _ in bound.terms:
                 if isinstance(term, D.Read):
                     add += [v.name for v in sorted(term.free, key=lambda v: v.name)

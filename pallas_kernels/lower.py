@@ -114,6 +114,14 @@ class PallasBackend(Backend):
         self.origins = {n: tuple(origins.get(n, (0,) * len(p))[q] for q in p) for n, p in perms.items()}
 
     pow2_blocks = True
+    # interpreted on a CPU, a float32 dot under TF32 (``Knobs.dot_precision``) takes its
+    # operands as a tensor core does: "truncated" (the 13 low mantissa bits ignored, Triton's
+    # tf32 given float32 registers; triton-lang/triton#4574) or "rounded" (to nearest);
+    # None: whole, as the CPU's dot takes them (the default: a float32 test's tolerance is
+    # float32's). For studies of a GPU's float32 numerics (scripts/precision_tf32_table_grad.py);
+    # read when a kernel is traced: set before the first call, or forget what was traced
+    # (jax.clear_caches(), runtime.lowered.cache_clear())
+    interpret_tf32: str | None = None
 
     def _index(self, ev: TileEval, index, shape, what: str):
         import jax.numpy as jnp
@@ -211,6 +219,9 @@ class PallasBackend(Backend):
         from jax import lax
 
         prec = self.precision if np.dtype(x.dtype).itemsize >= 4 else None
+        if self.interpret and self.interpret_tf32 and prec == lax.Precision.DEFAULT and x.dtype == np.float32:
+            # a tensor core's TF32 operands, which a CPU's dot would take whole
+            x, y, prec = _tf32(x, self.interpret_tf32), _tf32(y, self.interpret_tf32), lax.Precision.HIGHEST
         if self.interpret and np.dtype(x.dtype).itemsize < np.dtype(out_dtype).itemsize:
             # interpreted on a CPU, whose XLA runs no 16-bit × 16-bit → float32 dot (DotThunk's
             # "Unsupported element type"): the operands widened first, as exact (a product of
@@ -246,6 +257,20 @@ class PallasBackend(Backend):
         ta = lax.transpose(da, [a.vars.index(x) for x in fa + list(vs)]).reshape(m, k)
         tb = lax.transpose(db, [b.vars.index(x) for x in fb + list(vs)]).reshape(n, k)
         return Named(self._dot(ta, tb, 1, 1, out_dtype).reshape(tuple(sa + sb)), fa + fb)
+
+
+def _tf32(x, how: str):
+    """x (float32) with TF32's 10 mantissa bits: its 13 low bits cleared ("truncated") or
+    rounded to nearest, ties away from zero ("rounded", PTX's cvt.rna.tf32.f32)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    if how not in ("truncated", "rounded"):
+        raise ValueError(f"interpret_tf32 must be None, 'truncated' or 'rounded', got {how!r}")
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    if how == "rounded":  # half of the dropped bits' unit added to the magnitude, then cut
+        bits = bits + jnp.uint32(1 << 12)
+    return lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFE000), jnp.float32)
 
 
 def _rows_follow(a: Named, b: Named, v, rank) -> bool:

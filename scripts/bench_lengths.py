@@ -15,6 +15,8 @@ past it). The column 'Δ reads O' checks that it fired on the kernel the call ru
 
 from __future__ import annotations
 
+import functools
+
 import os
 import sys
 from pathlib import Path
@@ -28,6 +30,64 @@ OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "lengths_grad_
 SEQ = flags.DEFINE_list("seq", ["1024", "2048"], "sequence lengths (T = S)")
 REPS = flags.DEFINE_integer("reps", 7, "timed rounds")
 NOTE = flags.DEFINE_string("note", "", "a line under the title (what tree ran)")
+FORWARD = flags.DEFINE_bool("forward", False, "time the forward alone (inference) instead, with the rule that leaves "
+                            "out the rows past a query length (``masked.dead_rows``) on and off; writes "
+                            "bench/results/lengths_forward_cpu.md unless --out is given")
+
+
+def forward(B: int, N: int, H: int) -> list:
+    """The forward alone (jit, no statistics saved): moajax without lengths, with query lengths,
+    the same with dead rows walked (``masked.dead_rows`` patched to find none: the tree before
+    2026-12-06's rule), with both lengths; jax.nn with query lengths and with both."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    from moajax import runtime, schedule
+    from moajax.kernels.attention import _mha_kernel
+    from moajax.timing import compiled_contenders
+
+    masked = importlib.import_module("moajax.masked")
+    rule = masked.dead_rows
+    lines = ["| T = S | contender | best s | median s | vs no lengths | temp MiB | max rel. diff vs jax.nn (same lengths) |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    r = np.random.default_rng(0)
+    for T in (int(x) for x in SEQ.value):
+        q, k, v = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(3))
+        lengths = jnp.asarray([T, T // 2], jnp.int32)
+        cases = {"moajax, no lengths": (False, False, True), "moajax, query_seq_lengths": (True, False, True),
+                 "moajax, query_seq_lengths, dead rows walked": (True, False, False),
+                 "moajax, both": (True, True, True), "jax.nn, query_seq_lengths": (True, False, None),
+                 "jax.nn, both": (True, True, None)}
+        fns = {}
+        for name, (ql, kl, dead) in cases.items():
+            kw = dict(query_seq_lengths=lengths if ql else None, key_value_seq_lengths=lengths if kl else None)
+            if dead is None:
+                fn = functools.partial(jax.nn.dot_product_attention, implementation="xla", **kw)
+            else:
+                fn = functools.partial(moajax.dot_product_attention, **kw)
+            # each moajax contender derived afresh: the rule as it stands, or patched out
+            masked.dead_rows = rule if dead is not False else (lambda onf, st: ())
+            for cached in (_mha_kernel, runtime._schedules, runtime.lowered):
+                cached.cache_clear()
+            schedule._DERIVED.clear()
+            try:
+                fns[name] = jax.jit(fn).lower(q, k, v).compile()
+            finally:
+                masked.dead_rows = rule
+        for ql, kl in ((True, False), (True, True)):  # each against jax.nn with the same lengths
+            ref = "jax.nn, query_seq_lengths" if not kl else "jax.nn, both"
+            group = {n: f for n, f in fns.items() if cases[n][:2] == (ql, kl)}
+            rows = compiled_contenders({**group, "moajax, no lengths": fns["moajax, no lengths"]}, (q, k, v),
+                                       reps=REPS.value, reference=ref, pick=lambda o: o)
+            base = min(rows["moajax, no lengths"][0])
+            for name, (ts, temp, diff) in rows.items():
+                lines.append(f"| {T} | {name}{' (with both)' if kl and name == 'moajax, no lengths' else ''} | {min(ts):.4f} | {float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | "
+                             f"{temp:.1f} | {'—' if name == 'moajax, no lengths' else f'{diff:.1e}'} |")
+    return lines
 
 
 def main(argv):
@@ -41,6 +101,23 @@ def main(argv):
     from moajax.timing import compiled_contenders, machine_line, write_results
 
     B, N, H = 2, 8, 64
+    if FORWARD.value:
+        out = OUT.value if OUT.present else str(ROOT / "bench" / "results" / "lengths_forward_cpu.md")
+        lines = [f"# Sequence lengths in the forward alone on the CPU ({machine_line()})", ""]
+        lines += [NOTE.value, ""] if NOTE.value else []
+        lines += [f"`python scripts/bench_lengths.py --forward` — B = {B}, N = {N}, H = {H}, float32, not causal, "
+                  "lengths [T, T/2] (the second sequence half padding); jit of the forward (what inference runs, and "
+                  "the forward of residuals \"none\"). Contenders alternate in one process, each group (query lengths; "
+                  f"both) with moajax without lengths; best and median of {REPS.value} rounds after a warm-up. 'dead "
+                  "rows walked': the rule that leaves out a program's walk where every row lies past its query length "
+                  "(`masked.dead_rows`, 2026-12-06) patched out, so its programs walk every key tile and the select "
+                  "drops their rows, as before.", ""]
+        lines += forward(B, N, H)
+        lines += ["", "vs no lengths: the contender's best time over moajax's without lengths in the same group. A "
+                  "quarter of the batch's query rows lie past their length; with both lengths a quarter of the keys "
+                  "too (3/8 of the scores are masked)."]
+        write_results(out, lines)
+        return
     lines = [f"# Sequence lengths under jit(grad) on the CPU ({machine_line()})", ""]
     if NOTE.value:
         lines += [NOTE.value, ""]

@@ -15,7 +15,6 @@ per argument. Nothing is timed.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,9 @@ from absl import app, flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from h200_interpret import on_the_h200s_schedule, relative_errors  # noqa: E402
 
 OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "table_grad_precision.md"), "the results file")
 
@@ -74,8 +76,7 @@ def rows(impls) -> list:
                 impls_ = impls
             for impl in impls_:
                 got = jax.jit(grad, static_argnums=4)(slopes, q, k, v, impl)
-                errs = [float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)) / jnp.max(jnp.abs(b)))
-                        for a, b in zip(got, want)]
+                errs = relative_errors(got, want)
                 # the floor: the float64 slopes' gradient rounded to the slopes' dtype
                 floor = float(jnp.max(jnp.abs(want[0].astype(sdt).astype(jnp.float64) - want[0])) / jnp.max(jnp.abs(want[0])))
                 out.append((f"{T}, {S}, {H}", sdt, "—" if lengths is None else str(int(lengths[0])),
@@ -86,16 +87,9 @@ def rows(impls) -> list:
 
 def main(argv):
     del argv
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
-    from moajax import machines, runtime
+    on_the_h200s_schedule()
     from moajax.timing import machine_line, write_results
 
-    h200 = machines.load("h200")
-    runtime.gpu_machine = lambda path="pallas": h200  # the H200's schedules, run in interpret mode
-    runtime.schedules.cache_clear()
     lines = [f"# A bfloat16 score_mod table's gradient against float64 ({machine_line()})", "",
              "`python scripts/precision_table_grad.py` — attention with ALiBi slopes (float32 or bfloat16, closed over: "
              "score − slope[h]·|i − j|), bfloat16 q, k, v [1, T, 8, H] and [1, S, 4, H] (GQA), the loss "

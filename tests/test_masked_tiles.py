@@ -321,8 +321,10 @@ def test_dq_programs_past_a_query_length_walk_no_tile(kvlen):
     """dQ = Σ_s dS × K: past a query length the cotangent's rows are 0 (jax.nn's), so dS is 0
     at every key — a plain 0, no kept key assumed. The skip records the row condition
     (``Skip.rows``): a program whose rows all fail it walks no tile; one with a row inside
-    walks its keys. The forward's online pass records none: its fill is left out only in a
-    row keeping a key, and a row past its length keeps none (jax.nn's average over V)."""
+    walks its keys. The saving forward's online pass records none: its fill is left out only
+    in a row keeping a key, a row past its length keeps none (jax.nn's average over V), and
+    its statistics are read at every row (the plain forward's rows past the length are dead:
+    test_forward_programs_past_a_query_length_walk_no_tile)."""
     from moajax import dnf as D
 
     Tn = Sn = 256
@@ -344,6 +346,100 @@ def test_dq_programs_past_a_query_length_walk_no_tile(kvlen):
                    for c in sk.bounds + sk.rows for v, _ in c.terms if isinstance(v, type(sk.var))}
             first, count = masked.tile_span(sk, tile, ntiles, box, read, np)
             assert int(count) == (0 if i * rows >= length else ntiles)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_programs_past_a_query_length_walk_no_tile(causal):
+    """The forward's out = (t < L) ? Σ_s P × V : 0 reads its online pass only where t < L: its
+    values at rows past a query length are dead (``masked.dead_rows``), so a program whose rows
+    all lie past it walks no key tile (``Skip.rows_dead``). Dead rows need keep no key, so they
+    are exempt from the causal guard: a program holding rows on both sides of the length keeps
+    its causal span (it walked every tile before 2026-12-06). The saving forward, whose row
+    statistics its backward reads at every row, records none."""
+    from moajax import dnf as D
+
+    Tn = Sn = 256
+    kern, specs, d = _dnf(T=Tn, S=Sn, K=4, qlen=True, is_causal=causal)
+    h200 = machines.load("h200")
+    onf = schedule.derive(d, h200)
+    online = next(s for s in onf.program.stages if isinstance(s, OnlineStage))
+    sk = onf.skip_of(online.name)
+    cond = "−t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0"
+    assert [c.text() for c, dead in zip(sk.rows, sk.rows_dead) if dead] == [cond] and not any(sk.rows_kept)
+    assert f"dead rows: {cond}" in onf.pretty()
+    assert [c.text() for c in masked.dead_rows(onf, online)] == [cond]
+    if causal:
+        assert [c.text() for c in sk.guard.exempt] == [cond]
+    saving = schedule.derive(kern.saving_forward(*specs, is_causal=causal).dnf(*specs, is_causal=causal), h200)
+    assert not any(any(x.rows_dead) for x in saving.skips)
+    tile, ntiles = onf.axis_of(sk.var).tile, onf.axis_of(sk.var).ntiles
+    rows = onf.axis_of(next(v for v in online.max_vars if v.name == "t")).tile
+    assert ntiles > 1 and rows < Tn
+    for length in (0, rows, rows + 1, Tn):
+        read = lambda r: np.array(length if "query" in D.show(r) else Sn)  # noqa: E731, B023
+        for i in range(Tn // rows):
+            box = {v: ((i * rows, (i + 1) * rows - 1) if v.name == "t" else (0, v.extent - 1))
+                   for c in sk.bounds + sk.rows + (sk.guard.conds + sk.guard.exempt if sk.guard else ())
+                   for v, _ in c.terms if isinstance(v, type(sk.var))}
+            ok = masked.guard_holds(sk.guard, box, read, np) if any(sk.kept) else True
+            first, count = masked.tile_span(sk, tile, ntiles, box, read, np, ok)
+            walked = ((i + 1) * rows - 1) // tile + 1 if causal else ntiles
+            assert int(count) == (0 if i * rows >= length else walked), (length, i)
+
+
+DEAD_ROWS = {
+    "query lengths": dict(query_seq_lengths=np.array([3, 9], np.int32)),
+    "query lengths, one empty": dict(query_seq_lengths=np.array([0, 6], np.int32)),
+    "causal, query lengths": dict(is_causal=True, query_seq_lengths=np.array([3, 8], np.int32)),
+    "window, both lengths": dict(local_window_size=(3, 0), query_seq_lengths=np.array([6, 2], np.int32),
+                                 key_value_seq_lengths=np.array([7, 11], np.int32)),
+    "causal, query lengths, a mask dropping the rows past them": dict(
+        is_causal=True, mask=_MASKS["past"], query_seq_lengths=np.array([6, 9], np.int32)),
+}
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("case", list(DEAD_ROWS))
+def test_a_forward_leaving_out_dead_rows_changes_no_bit(case, impl):
+    """The forward alone (no statistics saved: inference, and the forward of residuals "none")
+    leaves out the programs past a query length (tiles of 2 rows: several lie past each length
+    here): its output, and the gradient under residuals "none", bitwise those of every tile
+    walked (the interior tiles masked in both: ``test_skipping_changes_no_bit…``) and within float64's 1e-12 of the reference, finite (the dead rows' 0 ÷ 0 never
+    leaves the select that drops it)."""
+    kw = dict(DEAD_ROWS[case])
+    q, k, v, g = _qkv()
+    runs = []
+    for skip in (None, False):
+        onf = Preset.of(tiles=TILES, skip=skip, unmask_interior=False, residuals="none")
+
+        def f(q, k, v, onf=onf):
+            return moajax.dot_product_attention(q, k, v, implementation=impl, onf=onf, **kw)
+
+        out = f(q, k, v)
+        runs.append([out, *jax.vjp(f, q, k, v)[1](g)])
+    ref = [R.mha_variants(q, k, v, **kw)] + list(R.mha_variants(q, k, v, dout=g, **kw)[:3])
+    for a, b, want in zip(*runs, ref):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert np.all(np.isfinite(a))
+        assert float(np.max(np.abs(np.asarray(a) - want))) <= 1e-12 * max(float(np.max(np.abs(want))), 1.0)
+
+
+def test_a_skip_leaving_out_rows_the_program_reads_is_refused():
+    """``Skip.rows_dead`` is a fact of the program around the stage: the saving forward's
+    statistics are outputs, read at every row, so the plain forward's skip moved onto it fails
+    validation rather than leave its rows past the length unwalked."""
+    Tn = Sn = 256
+    kern, specs, d = _dnf(T=Tn, S=Sn, K=4, qlen=True)
+    h200 = machines.load("h200")
+    onf = schedule.derive(d, h200)
+    saving = schedule.derive(kern.saving_forward(*specs).dnf(*specs), h200)
+    (sk,) = [x for x in onf.skips if any(x.rows_dead)]
+    online = next(s for s in saving.program.stages if isinstance(s, OnlineStage))
+    moved = dataclasses.replace(sk, stage=online.name, of=online.logit)
+    with pytest.raises(ONFError, match="which the program reads"):
+        saving.replace(skips=(moved,)).validate()
+    with pytest.raises(ONFError, match="dead rows amiss"):
+        onf.replace(skips=(dataclasses.replace(sk, rows_dead=(True, True)),)).validate()
 
 
 def test_dkv_programs_past_a_key_length_walk_no_tile_where_every_query_keeps_a_key():

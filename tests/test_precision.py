@@ -17,7 +17,7 @@ import pytest
 
 import moajax
 from helpers import rel_err, walk_eqns
-from moajax import compat, machines, schedule
+from moajax import compat, machines, runtime, schedule
 from moajax.kernels.attention import mha_dnf
 
 
@@ -323,3 +323,56 @@ def test_a_bfloat16_tables_gradient_is_summed_in_float32_and_rounded_once(residu
                 assert err <= 2e-2, (impl, lengths, err)
     finally:
         runtime.schedules.cache_clear()
+
+
+def test_tf32_operands_are_cut_as_a_tensor_core_takes_them():
+    """``lower._tf32``: TF32 keeps float32's exponent and 10 of its 23 mantissa bits —
+    "truncated" drops the other 13 (a tensor core given float32 registers), "rounded" rounds
+    to nearest with ties away from zero (PTX's cvt.rna.tf32.f32), carrying into the exponent."""
+    import importlib
+
+    tf32 = importlib.import_module("pallas_kernels.lower")._tf32
+    u = 2.0 ** -10  # TF32's ulp at 1
+    x = np.asarray([1 + u / 2, 1 + u / 2 + 2 ** -20, -(1 + 0.75 * u), 2 - 2 ** -23, 3.0, 1 + u / 4], np.float32)
+    cut = {how: np.asarray(tf32(jnp.asarray(x), how)) for how in ("truncated", "rounded")}
+    np.testing.assert_array_equal(cut["truncated"], np.asarray([1, 1, -1, 2 - u, 3, 1], np.float32))
+    np.testing.assert_array_equal(cut["rounded"], np.asarray([1 + u, 1 + u, -(1 + u), 2, 3, 1], np.float32))
+    with pytest.raises(ValueError, match="interpret_tf32"):
+        tf32(jnp.asarray(x), "nearest")
+
+
+@moajax.kernel(example=dict(n=32, d=32, f=32), register=False)
+def _matmul(x: "n d", w: "d f"):
+    """x +.× W: one tl.dot of two 32 × 32 tiles."""
+    from moajax import moa
+
+    return moa.dot(x, w)
+
+
+@pytest.mark.parametrize("how", ["truncated", "rounded"])
+def test_interpret_mode_can_take_a_gpus_tf32_operands(how, monkeypatch):
+    """With ``PallasBackend.interpret_tf32`` set, interpret mode's float32 dots under TF32 take
+    their operands cut as a GPU's tensor cores do: x +.× W then equals the float64 product of
+    the cut operands (to float32's sums over 32 terms, 1e-6) and is TF32's 2⁻¹¹ or so off the
+    exact one; under "highest" (IEEE float32 dots) or unset, nothing is cut."""
+    import importlib
+
+    lower = importlib.import_module("pallas_kernels.lower")  # (the module: its function's name shadows it)
+    x, w = _draw((32, 32), (32, 32), seed=3)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    cut = np.asarray(lower._tf32(x, how), np.float64) @ np.asarray(lower._tf32(w, how), np.float64)
+
+    def run():  # (read when a kernel is traced: what earlier calls traced is forgotten)
+        jax.clear_caches()
+        runtime.lowered.cache_clear()
+        return _matmul(x, w, implementation="pallas_interpret")
+
+    assert rel_err(run(), exact) <= 1e-6  # unset: whole operands
+    monkeypatch.setattr(lower.PallasBackend, "interpret_tf32", how)
+    got = run()
+    assert rel_err(got, cut) <= 1e-6
+    assert rel_err(got, exact) >= 1e-5  # (TF32's cut: 2⁻¹¹ of an operand, ≈ 5e-4 of a product)
+    with jax.default_matmul_precision("highest"):
+        assert rel_err(run(), exact) <= 1e-6
+    monkeypatch.undo()
+    run()  # (nothing traced with the cut left behind)
