@@ -489,7 +489,7 @@ class Kernel:
                 # a selection's operand is always saved, whatever the policy: its backward must
                 # compare the one value (``label_selections``)
                 pays = (residuals == "save" or labels or self._selected_saved(key[0], options)
-                        or (residuals == "auto" and self._saving_pays(key[0], options)))
+                        or (residuals == "auto" and self._saving_pays(key[0], options, implementation)))
                 # only what the backward reads (``statistics_read``)
                 unread = self.statistics_read(key[0], options, labels) if pays else None
                 chosen.append((self.with_row_statistics(labels, unread).compiled(
@@ -681,20 +681,26 @@ class Kernel:
         hit._lift_from = self
         return hit
 
-    def _saving_pays(self, shape_key, options) -> bool:
+    def _saving_pays(self, shape_key, options, implementation=None) -> bool:
         """Do the forward that also outputs the row statistics and the backward that reads
-        them cost fewer flops together (cost model, this machine's default ONFs) than the
-        plain forward and the backward that recomputes them?"""
-        from moajax import cost, machines, schedule
+        them cost fewer flops together (cost model, the default ONFs of the machine the call
+        runs on: this process's GPU for a GPU implementation or a GPU's default, else this
+        machine) than the plain forward and the backward that recomputes them? Each backward
+        is the one that machine runs (``adjoint``'s ``rounded``: a GPU's for its 16-bit dots;
+        on a CPU every gradient reads Out)."""
+        from moajax import cost, machines, runtime, schedule
 
         import jax
 
+        gpu = implementation in runtime.GPU_BACKENDS or (implementation is None and runtime.has_gpu())
+        machine = runtime.gpu_machine(runtime.gpu_path(implementation)) if gpu else machines.local()
+        rounded = self.gpu_dots_round(shape_key, options) if gpu else False
         unread = self.statistics_read(shape_key, options)
-        with_saved = self._adjoint_for(shape_key, options, True, unread=unread)
+        with_saved = self._adjoint_for(shape_key, options, True, unread=unread, rounded=rounded)
 
         def flops(k, extra):
             specs = [jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]] + extra
-            plan = schedule.derive_plan(k.dnf(*specs, **options), machines.local())
+            plan = schedule.derive_plan(k.dnf(*specs, **options), machine)
             return sum(cost.estimate(o).flops for o in (plan if isinstance(plan, tuple) else (plan,)))
 
         outs = self._build([jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]], options)[1]
@@ -709,7 +715,7 @@ class Kernel:
         if not saved and not reads & {p.name for p in with_saved.params[len(self.params) + len(cts):]}:
             return False  # nothing to save: no statistic read, and no identity reads an output
         return (flops(self.with_row_statistics((), unread), []) + flops(with_saved, cts + saved + cts)
-                < flops(self, []) + flops(self._adjoint_for(shape_key, options, False), cts))
+                < flops(self, []) + flops(self._adjoint_for(shape_key, options, False, rounded=rounded), cts))
 
     def statistics_read(self, shape_key, options, labels: tuple = ()) -> tuple | None:
         """The statistics the saving forward may save (``row_statistics``) that the backward

@@ -40,10 +40,9 @@ import numpy as np
 
 from moajax import dnf as D
 from moajax.ix import Var
-from moajax.onf import ONF, Affine, Guard, OnlineStage, RowGuard, Skip, Stage
+from moajax.onf import (COMPARISONS, ONF, Affine, Guard, OnlineStage, RowGuard, Skip, Stage, comparison,  # noqa: F401
+                        conjuncts, dead_row_conditions, dead_rows, linear)
 
-_CMP = {"lt": (1, -1, -1), "le": (1, -1, 0), "gt": (-1, 1, -1), "ge": (-1, 1, 0)}  # y·a + x·b + k ≥ 0
-COMPARISONS = tuple(_CMP)
 
 ZERO, FILL, SHIFTED, TRUE, FALSE = "0", "m₀", "m₀ − X", "true", "false"
 
@@ -56,52 +55,6 @@ def _fill_of(dtype) -> float | None:
     from moajax.kernels.common import large_negative
 
     return large_negative(dtype)
-
-
-def linear(e: D.Expr) -> Affine | None:
-    """e as Σ cᵢ·xᵢ + k (index variables, runtime integer scalars), or None."""
-    while isinstance(e, (D.Tag, D.Convert)):
-        if isinstance(e, D.Convert) and np.dtype(e.dtype).kind not in "iu":
-            return None
-        e = e.children[0]
-    if isinstance(e, D.IndexValue):
-        terms = []
-        for atom, c in e.ix.terms:
-            if not isinstance(atom, Var):
-                return None  # ⌊·/d⌋, mod: not affine
-            terms.append((atom, int(c)))
-        return Affine(tuple(terms), int(e.ix.const))
-    if isinstance(e, D.Lit) and np.dtype(e.dtype).kind in "iu":
-        return Affine((), int(e.value))
-    if isinstance(e, D.Read) and np.dtype(e.dtype).kind in "iu":
-        return Affine(((e, 1),), 0)
-    if isinstance(e, D.Call) and e.op in ("add", "sub"):
-        a, b = (linear(c) for c in e.children)
-        if a is None or b is None:
-            return None
-        if e.op == "sub":
-            b = Affine(tuple((t, -c) for t, c in b.terms), -b.const)
-        return a + b
-    return None
-
-
-def comparison(c: D.Expr) -> Affine | None:
-    """An affine comparison x ⋈ y as one condition ≥ 0 (integers: x < y is y − x − 1 ≥ 0)."""
-    if not (isinstance(c, D.Call) and c.op in _CMP):
-        return None
-    x, y = (linear(a) for a in c.children)
-    if x is None or y is None:
-        return None
-    sy, sx, k = _CMP[c.op]
-    scale = lambda a, s: Affine(tuple((t, s * v) for t, v in a.terms), s * a.const)  # noqa: E731
-    return scale(y, sy) + scale(x, sx) + Affine((), k)  # (sums are kept in one term order)
-
-
-def conjuncts(c: D.Expr) -> list:
-    """The conditions a conjunction c₁ ∧ c₂ ∧ … is made of."""
-    if isinstance(c, D.Call) and c.op == "logical_and":
-        return [x for a in c.children for x in conjuncts(a)]
-    return [c]
 
 
 def held(c: D.Expr, holds) -> bool:
@@ -285,7 +238,8 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
     needs = any(kept + conds_kept)
     guard = _guard(exprs, body, shifts, dead) if needs else None
     if guard is None and needs:  # no closed-form guard: the rows' statistics decide
-        guard = _row_guard(st, red, monoid, body, stats)
+        atoms = [a for a in (dead_row_conditions(onf, st) if dead else ()) if comparison(a) in dead]
+        guard = _row_guard(st, red, monoid, body, stats, atoms)
     if guard is None and needs:  # nor that: keep the exact bounds only
         bounds, kept = [b for b, k in zip(bounds, kept) if not k], [False] * sum(not k for k in kept)
         conds, conds_kept = [c for c, k in zip(conds, conds_kept) if not k], [False] * sum(not k for k in conds_kept)
@@ -301,17 +255,19 @@ def _fill(exprs) -> float | None:
     return next((fill for _, value, fill in _selects(exprs) if value == fill), None)
 
 
-def _row_guard(st, red, monoid: str, body: D.Expr, stats: list) -> RowGuard | None:
+def _row_guard(st, red, monoid: str, body: D.Expr, stats: list, dead=()) -> RowGuard | None:
     """The guard of a mask on data (a bool mask, a score_mod's −∞): each row's statistic says
     whether it keeps a key (``RowGuard``). An online pass checks its own running max after
     its walk; a Σ through exp(m₀ − X) reads each X at its rows before it. The rows a row
     condition zeroes whatever the skip (past a query length: their cotangent is 0) are exempt,
-    as in ``_guard``. None: no fill m₀ in the body, or no statistic to read."""
+    as in ``_guard``; so are an online pass's dead rows (``dead``, comparisons: nothing reads
+    them, so a program past a query length walks nothing at all, not every tile for rows
+    still at the fill). None: no fill m₀ in the body, or no statistic to read."""
     fill = _fill([body])
     if fill is None:
         return None
     if isinstance(st, OnlineStage) and red is None:
-        return RowGuard((), fill)
+        return RowGuard((), fill, tuple(dead))
     if monoid != "add" or not stats:
         return None
     rows = set().union(*(x.free for x in stats))
@@ -385,74 +341,6 @@ def _guard(exprs, body, row_sets, dead=()) -> Guard | None:
                 continue
         conds_keep.append(c)
     return Guard(k, tuple(conds_keep), tuple(exempt))
-
-
-def _vars_of(c: Affine) -> set:
-    """The index variables an affine form reads, those of its runtime scalars' indices among them."""
-    return set().union(*({t} if isinstance(t, Var) else set(t.free) for t, _ in c.terms))
-
-
-def dead_rows(onf: ONF, st) -> tuple:
-    """The row conditions c (affine comparisons, over variables of the rows of stage ``st``)
-    at whose failing rows nothing reads what ``st`` computes:
-
-        c ? x : y  reads x only where c holds
-
-    so a value every read of which lies in such an x — or in a stage whose own values are dead
-    there — is dead where c fails: the forward's online pass at rows past a query length
-    (out = (t < ⟨b⟩ψL) ? sum_s3 ÷ sum_s : 0). A read at other than the reader's own index
-    (a shift, a gather) or a stage that holds an output (the caller reads it; a saving
-    forward's statistics) leaves none."""
-    prog = onf.program
-    held = {stage for _, stage in prog.outputs}
-    defs = {n: s for s in prog.stages for n in s.defines}
-    memo: dict = {}
-
-    def meet(a, b):  # (None: read nowhere, dead under any condition)
-        return b if a is None else a if b is None else a & b
-
-    def guarded_reads(e, name):  # the conditions around each read of ``name`` in e; None: one not at its rows
-        out = []
-        stack = [(e, frozenset())]
-        while stack:
-            x, conds = stack.pop()
-            if isinstance(x, D.Ref):
-                if x.stage == name:
-                    if tuple(ix.as_var() for ix in x.index) != tuple(defs[name].result_vars(name)):
-                        return None
-                    out.append(conds)
-                continue
-            if isinstance(x, D.Call) and x.op == "where":
-                taken = {comparison(a) for a in conjuncts(x.children[0])} - {None}
-                stack += [(x.children[0], conds), (x.children[1], conds | taken), (x.children[2], conds)]
-                continue
-            stack += [(c, conds) for c in x.children]
-        return out
-
-    def dead(name):
-        if name in memo:
-            return memo[name]
-        memo[name] = frozenset()  # (read by itself through a cycle: none)
-        if defs[name].name in held or name in held:
-            return memo[name]
-        found = None
-        for other in prog.stages:
-            if other is defs[name]:
-                continue  # (an online pass's sums read its own max)
-            for e in other.exprs():
-                reads = guarded_reads(e, name) if e is not None else []
-                if reads is None:
-                    return memo[name]
-                # a read in a stage whose values are all dead where c fails is dead there too
-                later = functools.reduce(meet, (dead(n) for n in other.defines)) if reads else None
-                for conds in reads:
-                    found = meet(found, conds | (later or frozenset()))
-        rows = set(defs[name].result_vars(name))
-        memo[name] = None if found is None else frozenset(c for c in found if _vars_of(c) <= rows)
-        return memo[name]
-
-    out = functools.reduce(meet, (dead(n) for n in st.defines))
-    return tuple(sorted(out or (), key=lambda c: c.text()))
 
 
 def skips(onf: ONF) -> tuple:

@@ -23,8 +23,11 @@ An ONF pairs a DNF (what is computed, fixed) with a schedule (how):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Iterable
+
+import numpy as np
 
 from moajax import dnf as D
 from moajax.ix import Var
@@ -349,6 +352,56 @@ class Affine:
         return (s[2:] if s.startswith("+ ") else "−" + s[2:]) + " ≥ 0"
 
 
+_CMP = {"lt": (1, -1, -1), "le": (1, -1, 0), "gt": (-1, 1, -1), "ge": (-1, 1, 0)}  # y·a + x·b + k ≥ 0
+COMPARISONS = tuple(_CMP)
+
+
+def linear(e: D.Expr) -> Affine | None:
+    """e as Σ cᵢ·xᵢ + k (index variables, runtime integer scalars), or None."""
+    while isinstance(e, (D.Tag, D.Convert)):
+        if isinstance(e, D.Convert) and np.dtype(e.dtype).kind not in "iu":
+            return None
+        e = e.children[0]
+    if isinstance(e, D.IndexValue):
+        terms = []
+        for atom, c in e.ix.terms:
+            if not isinstance(atom, Var):
+                return None  # ⌊·/d⌋, mod: not affine
+            terms.append((atom, int(c)))
+        return Affine(tuple(terms), int(e.ix.const))
+    if isinstance(e, D.Lit) and np.dtype(e.dtype).kind in "iu":
+        return Affine((), int(e.value))
+    if isinstance(e, D.Read) and np.dtype(e.dtype).kind in "iu":
+        return Affine(((e, 1),), 0)
+    if isinstance(e, D.Call) and e.op in ("add", "sub"):
+        a, b = (linear(c) for c in e.children)
+        if a is None or b is None:
+            return None
+        if e.op == "sub":
+            b = Affine(tuple((t, -c) for t, c in b.terms), -b.const)
+        return a + b
+    return None
+
+
+def comparison(c: D.Expr) -> Affine | None:
+    """An affine comparison x ⋈ y as one condition ≥ 0 (integers: x < y is y − x − 1 ≥ 0)."""
+    if not (isinstance(c, D.Call) and c.op in _CMP):
+        return None
+    x, y = (linear(a) for a in c.children)
+    if x is None or y is None:
+        return None
+    sy, sx, k = _CMP[c.op]
+    scale = lambda a, s: Affine(tuple((t, s * v) for t, v in a.terms), s * a.const)  # noqa: E731
+    return scale(y, sy) + scale(x, sx) + Affine((), k)  # (sums are kept in one term order)
+
+
+def conjuncts(c: D.Expr) -> list:
+    """The conditions a conjunction c₁ ∧ c₂ ∧ … is made of."""
+    if isinstance(c, D.Call) and c.op == "logical_and":
+        return [x for a in c.children for x in conjuncts(a)]
+    return [c]
+
+
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """∀ rows ∃ ``var``: every condition holds — each row keeps a key. ``exempt`` conditions
@@ -375,7 +428,8 @@ class RowGuard:
     after its walk of the bounded tiles; a row still at m₀ there kept no key, and takes what
     walking every tile gives it: max m₀, every weight 1 (``tiles.online``). ``exempt``:
     comparisons whose failure makes a row's every term 0, skip or not (rows past a query
-    length): those rows pass."""
+    length), or leaves a row that nothing reads (an online pass's dead rows, ``dead_rows``):
+    those rows pass."""
 
     stats: tuple  # D.Expr, each read at rows
     fill: float
@@ -413,7 +467,7 @@ class Skip:
     it empties the walk only where ``guard`` holds (dV's key tiles past a key length walk no
     query where every query keeps a key: exp(m₀ − lse) = 0 there). One marked in ``rows_dead``
     holds for another reason: what the stage computes is read nowhere at the rows failing it
-    (``masked.dead_rows``: the forward's rows past a query length, out = (t < L) ? … : 0), a
+    (``dead_rows``: the forward's rows past a query length, out = (t < L) ? … : 0), a
     fact of the program around the stage, which ``ONF.validate`` derives again."""
 
     stage: str
@@ -876,8 +930,6 @@ class ONF:
                                  or any(d and k for d, k in zip(sk.rows_dead, sk.rows_kept))):
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} marks its dead rows amiss")
             if any(sk.rows_dead):
-                from moajax.masked import dead_rows  # (masked reads ONFs: imported where used)
-
                 live = [c for c, d in zip(sk.rows, sk.rows_dead) if d and c not in dead_rows(self, st)]
                 if live:
                     raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} leaves out the rows where "
@@ -930,6 +982,75 @@ class ONF:
         for o, sname in self.program.outputs:
             if sname not in seen:
                 raise ONFError(f"{self.dnf.name}: output {o!r} maps to unknown stage {sname!r}")
+
+
+def dead_rows(onf: ONF, st) -> tuple:
+    """``dead_row_conditions`` as affine conditions (``Affine``), each once."""
+    return tuple(sorted({comparison(a) for a in dead_row_conditions(onf, st)}, key=lambda c: c.text()))
+
+
+def dead_row_conditions(onf: ONF, st) -> tuple:
+    """The row conditions c (affine comparisons, over variables of the rows of stage ``st``)
+    at whose failing rows nothing reads what ``st`` computes:
+
+        c ? x : y  reads x only where c holds
+
+    so a value every read of which lies in such an x — or in a stage whose own values are dead
+    there — is dead where c fails: the forward's online pass at rows past a query length
+    (out = (t < ⟨b⟩ψL) ? sum_s3 ÷ sum_s : 0). A read at other than the reader's own index
+    (a shift, a gather) or a stage that holds an output (the caller reads it; a saving
+    forward's statistics) leaves none. The conditions as the selects hold them (comparisons,
+    ``D.Expr``), in a fixed order."""
+    prog = onf.program
+    held = {stage for _, stage in prog.outputs}
+    defs = {n: s for s in prog.stages for n in s.defines}
+    memo: dict = {}
+
+    def meet(a, b):  # (None: read nowhere, dead under any condition)
+        return b if a is None else a if b is None else a & b
+
+    def guarded_reads(e, name):  # the conditions around each read of ``name`` in e; None: one not at its rows
+        out = []
+        stack = [(e, frozenset())]
+        while stack:
+            x, conds = stack.pop()
+            if isinstance(x, D.Ref):
+                if x.stage == name:
+                    if tuple(ix.as_var() for ix in x.index) != tuple(defs[name].result_vars(name)):
+                        return None
+                    out.append(conds)
+                continue
+            if isinstance(x, D.Call) and x.op == "where":
+                taken = {a for a in conjuncts(x.children[0]) if comparison(a) is not None}
+                stack += [(x.children[0], conds), (x.children[1], conds | taken), (x.children[2], conds)]
+                continue
+            stack += [(c, conds) for c in x.children]
+        return out
+
+    def dead(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = frozenset()  # (read by itself through a cycle: none)
+        if defs[name].name in held or name in held:
+            return memo[name]
+        found = None
+        for other in prog.stages:
+            if other is defs[name]:
+                continue  # (an online pass's sums read its own max)
+            for e in other.exprs():
+                reads = guarded_reads(e, name) if e is not None else []
+                if reads is None:
+                    return memo[name]
+                # a read in a stage whose values are all dead where c fails is dead there too
+                later = functools.reduce(meet, (dead(n) for n in other.defines)) if reads else None
+                for conds in reads:
+                    found = meet(found, conds | (later or frozenset()))
+        rows = set(defs[name].result_vars(name))
+        memo[name] = None if found is None else frozenset(a for a in found if comparison(a).vars() <= rows)
+        return memo[name]
+
+    out = functools.reduce(meet, (dead(n) for n in st.defines))
+    return tuple(sorted(out or (), key=D.show))
 
 
 def stage_vars(e: D.Expr, prefer: Iterable[Var] = ()) -> tuple:

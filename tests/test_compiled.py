@@ -910,3 +910,44 @@ def test_a_vmapped_saving_forward_names_its_statistics_and_keeps_its_gpu_tiling(
         assert o.knobs.lowp_dots, o.pretty()
         assert o.axis("t").tile >= 16 and o.axis("s").tile == onfs[0].axis("s").tile, o.pretty()
     assert onfs[1].knobs == onfs[2].knobs == onfs[0].knobs and onfs[2].axis("t").tile == onfs[0].axis("t").tile
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", None])
+def test_residuals_auto_prices_the_backward_the_call_runs(implementation, monkeypatch):
+    """residuals "auto" (``Kernel._saving_pays``) counts the flops of the ONFs of the machine
+    the call runs on — this process's GPU profile for a GPU implementation, else this machine
+    (no GPU here: None is the CPU's) — and of the backward that machine runs: a GPU's for
+    its 16-bit dots (``gpu_dots_round``), on a CPU the one reading Out (rounded False). A
+    bfloat16 ALiBi table is where the two backwards differ (test_precision.py)."""
+    import jax.numpy as jnp
+
+    from moajax import machines, runtime, schedule
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    h200 = machines.load("h200")
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": h200)
+    slopes = jnp.asarray([0.25, 0.5], jnp.bfloat16)
+    mod = _check_score_mod(lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j), jnp.bfloat16)
+    kern = mha_kernel(None, None, False, False, False, mod)
+    specs = [jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.bfloat16)] * 3 + [jax.ShapeDtypeStruct((2,), jnp.bfloat16)]
+    key = kern._key(specs, {})
+    assert kern.gpu_dots_round(key, {})  # (a GPU's forward rounds: the two backwards differ)
+    seen = {"machines": set(), "rounded": set()}
+    derive_plan, adjoint_for = schedule.derive_plan, type(kern)._adjoint_for
+
+    def spy_plan(dnf, machine, preset=None):
+        seen["machines"].add(machine.name)
+        return derive_plan(dnf, machine, preset)
+
+    def spy_adjoint(self, *a, rounded=None, **kw):
+        if a[2] is False:  # the recomputing backward's (``statistics_read`` derives both kinds reading saved values)
+            seen["rounded"].add(rounded)
+        return adjoint_for(self, *a, rounded=rounded, **kw)
+
+    monkeypatch.setattr(schedule, "derive_plan", spy_plan)
+    monkeypatch.setattr(type(kern), "_adjoint_for", spy_adjoint)
+    kern._saving_pays(key, {}, implementation)
+    gpu = implementation == "pallas_interpret"
+    assert seen["machines"] == ({h200.name} if gpu else {machines.local().name})
+    assert seen["rounded"] == {gpu}

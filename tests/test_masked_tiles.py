@@ -387,6 +387,20 @@ def test_forward_programs_past_a_query_length_walk_no_tile(causal):
             assert int(count) == (0 if i * rows >= length else walked), (length, i)
 
 
+def test_a_data_masks_forward_leaves_its_dead_rows_unwalked_too():
+    """With a bool mask the online pass's guard is its own running max (``RowGuard``): a row
+    still at the fill after its walk kept no key and gets the sums of every tile. A row past
+    the query length is exempt (nothing reads it), so a program wholly past it walks nothing
+    at all rather than every tile again."""
+    _, _, d = _dnf(T=256, S=256, K=4, qlen=True, mask=True, is_causal=True)
+    onf = schedule.derive(d, machines.load("h200"))
+    online = next(s for s in onf.program.stages if isinstance(s, OnlineStage))
+    sk = onf.skip_of(online.name)
+    assert isinstance(sk.guard, RowGuard) and not sk.guard.stats
+    assert [D.show(a) for a in sk.guard.exempt] == ["(t < ⟨b⟩ψquery_seq_lengths)"]
+    assert [c.text() for c, dead in zip(sk.rows, sk.rows_dead) if dead] == ["−t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0"]
+
+
 DEAD_ROWS = {
     "query lengths": dict(query_seq_lengths=np.array([3, 9], np.int32)),
     "query lengths, one empty": dict(query_seq_lengths=np.array([0, 6], np.int32)),

@@ -68,7 +68,7 @@ def carry(ev, st: OnlineStage) -> dict:
         sk = ev.onf.skip_of(st.name)
         m, accs = skipping.walk(ev, [sk], v, lambda ctx, carried: step(ctx, *carried), (m0, acc0))
         if sk is not None and isinstance(sk.guard, RowGuard) and not sk.guard.stats and any(sk.kept):
-            m, accs = _masked_whole(ev, st, sk.guard.fill, Named(m, mvars), accs, svars, weighted)
+            m, accs = _masked_whole(ev, st, sk.guard, Named(m, mvars), accs, svars, weighted)
     else:
         rng = ev.backend.whole(v)
         m, accs = step(ev if same_range(rng, ev.ranges.get(v)) else ev.child({v: rng}), m0, acc0)
@@ -78,20 +78,26 @@ def carry(ev, st: OnlineStage) -> dict:
     return out
 
 
-def _masked_whole(ev, st: OnlineStage, fill: float, m: Named, accs: tuple, svars: list, weighted) -> tuple:
+def _masked_whole(ev, st: OnlineStage, guard: RowGuard, m: Named, accs: tuple, svars: list, weighted) -> tuple:
     """The walk's carry (max, sums) with each row that kept no key in it — a mask on data,
     its skip guarded by the rows' own max (``onf.RowGuard``) — set to what walking every tile
     gives it: every score is the fill m₀, so max m₀ and every weight exp(m₀ − m₀) = 1, the
     sums Σ_v gᵢ over all of v, walked where a row of the program needs it, the tiles in order
     and each contracted as the walk contracts p = 1 (bit for bit no skip). (A row keeping a
     key has a max above m₀: every score a kept key has lies far above the fill, the skip's
-    assumption; one that walked no tile has −∞.)"""
+    assumption; one that walked no tile has −∞.) A row the guard exempts (``exempt``: one
+    whose values nothing reads, past a query length) keeps its carry."""
     import jax.numpy as jnp
 
     v = st.var
+    fill = guard.fill
     axis = ev.onf.axis_of(v)
     dtype = m.data.dtype
     whole = Named(m.data <= np.asarray(fill, dtype), m.vars)
+    for a in guard.exempt:
+        datas, vs = ev.align([whole, ev.eval(a)])
+        whole = Named(jnp.logical_and(datas[0], datas[1]), vs)
+    whole = Named(broadcast_to_vars(whole, m.vars, ev.ranges), m.vars)  # (laid out as m)
     need = 1 - skipping.all_rows(ev, Named(jnp.logical_not(whole.data), m.vars))  # 1: a row kept no key
     pvars = ev.ordered(list(m.vars) + [v])
 
