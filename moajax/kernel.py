@@ -694,7 +694,8 @@ class Kernel:
 
         gpu = implementation in runtime.GPU_BACKENDS or (implementation is None and runtime.has_gpu())
         machine = runtime.gpu_machine(runtime.gpu_path(implementation)) if gpu else machines.local()
-        rounded = self.gpu_dots_round(shape_key, options) if gpu else False
+        # (XLA on a GPU runs the GPU's backward too: ``compiled``'s per-platform choice)
+        rounded = self.gpu_dots_round(shape_key, options) if gpu or runtime.has_gpu() else False
         unread = self.statistics_read(shape_key, options)
         with_saved = self._adjoint_for(shape_key, options, True, unread=unread, rounded=rounded)
 

@@ -929,6 +929,11 @@ class ONF:
             if sk.rows_dead and (len(sk.rows_dead) != len(sk.rows)
                                  or any(d and k for d, k in zip(sk.rows_dead, sk.rows_kept))):
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} marks its dead rows amiss")
+            if (isinstance(sk.guard, RowGuard) and not sk.guard.stats and sk.guard.exempt
+                    and not {comparison(a) for a in sk.guard.exempt}
+                    <= {c for c, d in zip(sk.rows, sk.rows_dead or (False,) * len(sk.rows)) if d}):
+                raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} exempts rows from its running max's "
+                               "check that are not its dead rows: derive the skip again")
             if any(sk.rows_dead):
                 live = [c for c, d in zip(sk.rows, sk.rows_dead) if d and c not in dead_rows(self, st)]
                 if live:
@@ -999,12 +1004,13 @@ def dead_row_conditions(onf: ONF, st) -> tuple:
     there — is dead where c fails: the forward's online pass at rows past a query length
     (out = (t < ⟨b⟩ψL) ? sum_s3 ÷ sum_s : 0). A read at other than the reader's own index
     (a shift, a gather) or a stage that holds an output (the caller reads it; a saving
-    forward's statistics) leaves none. The conditions as the selects hold them (comparisons,
-    ``D.Expr``), in a fixed order."""
+    forward's statistics) leaves none. Conditions meet as affine forms (t < 5 and t ≤ 4 are
+    one); each is returned as a select holds it (a comparison, ``D.Expr``), in a fixed order."""
     prog = onf.program
     held = {stage for _, stage in prog.outputs}
     defs = {n: s for s in prog.stages for n in s.defines}
     memo: dict = {}
+    atoms: dict = {}  # Affine → the first comparison found for it
 
     def meet(a, b):  # (None: read nowhere, dead under any condition)
         return b if a is None else a if b is None else a & b
@@ -1021,7 +1027,12 @@ def dead_row_conditions(onf: ONF, st) -> tuple:
                     out.append(conds)
                 continue
             if isinstance(x, D.Call) and x.op == "where":
-                taken = {a for a in conjuncts(x.children[0]) if comparison(a) is not None}
+                taken = set()
+                for a in conjuncts(x.children[0]):
+                    c = comparison(a)
+                    if c is not None:  # (one condition however written: t < 5 and t ≤ 4 alike)
+                        taken.add(c)
+                        atoms.setdefault(c, a)
                 stack += [(x.children[0], conds), (x.children[1], conds | taken), (x.children[2], conds)]
                 continue
             stack += [(c, conds) for c in x.children]
@@ -1046,11 +1057,11 @@ def dead_row_conditions(onf: ONF, st) -> tuple:
                 for conds in reads:
                     found = meet(found, conds | (later or frozenset()))
         rows = set(defs[name].result_vars(name))
-        memo[name] = None if found is None else frozenset(a for a in found if comparison(a).vars() <= rows)
+        memo[name] = None if found is None else frozenset(c for c in found if c.vars() <= rows)
         return memo[name]
 
     out = functools.reduce(meet, (dead(n) for n in st.defines))
-    return tuple(sorted(out or (), key=D.show))
+    return tuple(atoms[c] for c in sorted(out or (), key=lambda c: c.text()))
 
 
 def stage_vars(e: D.Expr, prefer: Iterable[Var] = ()) -> tuple:

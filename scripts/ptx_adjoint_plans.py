@@ -35,7 +35,7 @@ def main(argv):
     import jax
     import numpy as np
 
-    from moajax import cost, machines, ptx, schedule
+    from moajax import cost, ptx, runtime, schedule
     from moajax.gpu_report import gpus
     from moajax.kernels.mlp import swiglu
     from moajax.kernels.norm import rmsnorm
@@ -59,8 +59,8 @@ def main(argv):
     for dt in ("float32", "bfloat16"):
         for label, kern, specs, dnf in cases(dt):
             for m in gpus():
-                with mock.patch.object(machines, "local", lambda m=m: m):
-                    saves = "yes" if kern._saving_pays(kern._key(specs, {}), {}) else "no"
+                with mock.patch.object(runtime, "gpu_machine", lambda path="pallas", m=m: m):
+                    saves = "yes" if kern._saving_pays(kern._key(specs, {}), {}, "pallas") else "no"
                 try:
                     fused = f"{cost.estimate(schedule.derive(dnf, m), m).time_s * 1e6:.1f}"
                 except ONFError:

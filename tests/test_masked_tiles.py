@@ -401,6 +401,46 @@ def test_a_data_masks_forward_leaves_its_dead_rows_unwalked_too():
     assert [c.text() for c, dead in zip(sk.rows, sk.rows_dead) if dead] == ["−t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0"]
 
 
+def test_dead_rows_meet_as_conditions_however_written():
+    """Two selects reading the online pass under t < 5 and under t ≤ 4 hold one condition:
+    the rows where it fails are dead (the meet is over affine forms, not expression nodes), and
+    the kernel's output with them left out matches every tile walked."""
+    from moajax import moa
+    from moajax.kernel import kernel
+    from moajax.kernels.attention import attention_probs
+
+    @kernel(example=dict(t=64, s=64, h=4, e=4), register=False)
+    def two_ways(query: "t h", key: "s h", value: "s e"):
+        out = moa.dot(attention_probs(query, key, scale=0.5, is_causal=False), value)
+        it = moa.iota(query.shape[0], "t")
+        a = moa.omega(lambda row, keep: moa.where(keep, row, 0.0), (1, 0))(out, moa.lt(it, 5))
+        b = moa.omega(lambda row, keep: moa.where(keep, row, 0.0), (1, 0))(out, moa.le(it, 4))
+        return a + b
+
+    preset = Preset.of(tiles={"t": 4, "s": 8})
+    onf = schedule.derive(two_ways.dnf(), machines.local(), preset)
+    online = next(s for s in onf.program.stages if isinstance(s, OnlineStage))
+    assert [c.text() for c in masked.dead_rows(onf, online)] == ["−t + 4 ≥ 0"]
+    sk = onf.skip_of(online.name)
+    assert [c.text() for c, dead in zip(sk.rows, sk.rows_dead) if dead] == ["−t + 4 ≥ 0"]
+    r = np.random.default_rng(2)
+    q, k, v = (r.standard_normal(s) for s in ((64, 4), (64, 4), (64, 4)))
+    got = two_ways(q, k, v, implementation="xla", onf=preset)
+    full = two_ways(q, k, v, implementation="xla", onf=Preset.of(tiles={"t": 4, "s": 8}, skip=False))
+    assert np.array_equal(np.asarray(got), np.asarray(full)) and np.all(np.asarray(got)[5:] == 0)
+
+
+def test_a_running_max_guard_exempts_only_dead_rows():
+    """An online pass's own-max guard (``RowGuard``) exempts its dead rows from the walk of
+    every tile; an exempt row that is not a dead row of the skip fails validation (its
+    partial carry would be read)."""
+    _, _, d = _dnf(T=256, S=256, K=4, qlen=True, mask=True, is_causal=True)
+    onf = schedule.derive(d, machines.load("h200"))
+    (sk,) = [x for x in onf.skips if isinstance(x.guard, RowGuard) and x.guard.exempt]
+    with pytest.raises(ONFError, match="not its dead rows"):
+        onf.replace(skips=(dataclasses.replace(sk, rows=(), rows_kept=(), rows_dead=()),)).validate()
+
+
 DEAD_ROWS = {
     "query lengths": dict(query_seq_lengths=np.array([3, 9], np.int32)),
     "query lengths, one empty": dict(query_seq_lengths=np.array([0, 6], np.int32)),
