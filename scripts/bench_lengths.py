@@ -15,6 +15,7 @@ past it). The column 'Δ reads O' checks that it fired on the kernel the call ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import os
@@ -35,23 +36,48 @@ FORWARD = flags.DEFINE_bool("forward", False, "time the forward alone (inference
                             "bench/results/lengths_forward_cpu.md unless --out is given")
 
 
+@contextlib.contextmanager
+def dead_rows_walked():
+    """Inside: the rule that leaves out rows nothing reads (``masked.dead_rows``, 2026-12-06)
+    finds none, so programs past a query length walk every key tile, as before it; what was
+    derived, traced or lowered is forgotten on entry and on exit (a call compiled inside keeps
+    its kernels)."""
+    import importlib
+
+    import jax
+
+    from moajax import runtime, schedule
+    from moajax.kernels.attention import _mha_kernel
+
+    masked = importlib.import_module("moajax.masked")
+    rule = masked.dead_rows
+
+    def forget():
+        jax.clear_caches()
+        for cached in (_mha_kernel, runtime._schedules, runtime.lowered):
+            cached.cache_clear()
+        schedule._DERIVED.clear()
+
+    masked.dead_rows = lambda onf, st: ()
+    forget()
+    try:
+        yield
+    finally:
+        masked.dead_rows = rule
+        forget()
+
+
 def forward(B: int, N: int, H: int) -> list:
     """The forward alone (jit, no statistics saved): moajax without lengths, with query lengths,
     the same with dead rows walked (``masked.dead_rows`` patched to find none: the tree before
     2026-12-06's rule), with both lengths; jax.nn with query lengths and with both."""
-    import importlib
-
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import moajax
-    from moajax import runtime, schedule
-    from moajax.kernels.attention import _mha_kernel
     from moajax.timing import compiled_contenders
 
-    masked = importlib.import_module("moajax.masked")
-    rule = masked.dead_rows
     lines = ["| T = S | contender | best s | median s | vs no lengths | temp MiB | max rel. diff vs jax.nn (same lengths) |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     r = np.random.default_rng(0)
@@ -69,15 +95,9 @@ def forward(B: int, N: int, H: int) -> list:
                 fn = functools.partial(jax.nn.dot_product_attention, implementation="xla", **kw)
             else:
                 fn = functools.partial(moajax.dot_product_attention, **kw)
-            # each moajax contender derived afresh: the rule as it stands, or patched out
-            masked.dead_rows = rule if dead is not False else (lambda onf, st: ())
-            for cached in (_mha_kernel, runtime._schedules, runtime.lowered):
-                cached.cache_clear()
-            schedule._DERIVED.clear()
-            try:
+            # the rule patched out for its contender, derived afresh
+            with dead_rows_walked() if dead is False else contextlib.nullcontext():
                 fns[name] = jax.jit(fn).lower(q, k, v).compile()
-            finally:
-                masked.dead_rows = rule
         for ql, kl in ((True, False), (True, True)):  # each against jax.nn with the same lengths
             ref = "jax.nn, query_seq_lengths" if not kl else "jax.nn, both"
             group = {n: f for n, f in fns.items() if cases[n][:2] == (ql, kl)}
