@@ -406,7 +406,7 @@ class Kernel:
         runtime.check_implementation(implementation, self.name)
         dnf = self._build(arrays, options)[2]
         cpu, gpu = runtime.schedules(runtime.run_dnf(dnf, onf), onf, runtime.gpu_path(implementation))
-        if implementation in runtime.GPU_BACKENDS or (implementation is None and runtime.has_gpu()):
+        if runtime.runs_on_gpu(implementation):
             if isinstance(gpu, Exception):  # no GPU ONF fits (``runtime.schedules``)
                 raise gpu
             return gpu
@@ -692,7 +692,7 @@ class Kernel:
 
         import jax
 
-        gpu = implementation in runtime.GPU_BACKENDS or (implementation is None and runtime.has_gpu())
+        gpu = runtime.runs_on_gpu(implementation)
         machine = runtime.gpu_machine(runtime.gpu_path(implementation)) if gpu else machines.local()
         # (XLA on a GPU runs the GPU's backward too: ``compiled``'s per-platform choice)
         rounded = self.gpu_dots_round(shape_key, options) if gpu or runtime.has_gpu() else False

@@ -223,7 +223,9 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
         stats += [x for x in sorted(xs, key=D.show) if x not in stats]
     # rows whose values nothing reads (``dead_rows``): left out like rows whose terms are all
     # the identity, and exempt from the guard (they need keep no key)
-    dead = [c for c in (dead_rows(onf, st) if red is None else ()) if c.coeff(w) == 0 and c not in conds]
+    dead_atoms = [a for a in (dead_row_conditions(onf, st) if red is None else ())
+                  if comparison(a).coeff(w) == 0 and comparison(a) not in conds]
+    dead = [comparison(a) for a in dead_atoms]
     if not bounds and (not (conds or dead) or onf.axis_of(w).role != "sequential"):
         return None  # (row conditions alone: only for a walk, which has tiles to leave out)
     # a row variable that a later stage reduces this one's results over is no row of the
@@ -238,8 +240,7 @@ def derive_skip(onf: ONF, st, red: D.Red | None = None, over: Var | None = None)
     needs = any(kept + conds_kept)
     guard = _guard(exprs, body, shifts, dead) if needs else None
     if guard is None and needs:  # no closed-form guard: the rows' statistics decide
-        atoms = [a for a in (dead_row_conditions(onf, st) if dead else ()) if comparison(a) in dead]
-        guard = _row_guard(st, red, monoid, body, stats, atoms)
+        guard = _row_guard(st, red, monoid, body, stats, dead_atoms)
     if guard is None and needs:  # nor that: keep the exact bounds only
         bounds, kept = [b for b, k in zip(bounds, kept) if not k], [False] * sum(not k for k in kept)
         conds, conds_kept = [c for c, k in zip(conds, conds_kept) if not k], [False] * sum(not k for k in conds_kept)

@@ -481,11 +481,15 @@ class Skip:
     rows_kept: tuple = ()  # bool per row condition
     rows_dead: tuple = ()  # bool per row condition (empty: none dead)
 
+    @property
+    def dead(self) -> tuple:
+        """The row conditions marked in ``rows_dead``."""
+        return tuple(c for c, d in zip(self.rows, self.rows_dead) if d)
+
     def text(self) -> str:
-        dead = self.rows_dead or (False,) * len(self.rows)
         b = ", ".join([a.text() + (" ⁽ᵏ⁾" if k else "") for a, k in zip(self.bounds, self.kept)]
-                      + [f"{'dead rows' if d else 'rows'}: {a.text()}" + (" ⁽ᵏ⁾" if k else "")
-                         for a, k, d in zip(self.rows, self.rows_kept, dead)])
+                      + [f"{'dead rows' if a in self.dead else 'rows'}: {a.text()}" + (" ⁽ᵏ⁾" if k else "")
+                         for a, k in zip(self.rows, self.rows_kept)])
         g = f"; ⁽ᵏ⁾ where {self.guard.text()}" if any(self.kept + self.rows_kept) else ""
         i = "; interior tiles unmasked" if self.interior else ""
         return f"{self.stage} over {self.var.name}: {b}{g}{i}"
@@ -930,12 +934,11 @@ class ONF:
                                  or any(d and k for d, k in zip(sk.rows_dead, sk.rows_kept))):
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} marks its dead rows amiss")
             if (isinstance(sk.guard, RowGuard) and not sk.guard.stats and sk.guard.exempt
-                    and not {comparison(a) for a in sk.guard.exempt}
-                    <= {c for c, d in zip(sk.rows, sk.rows_dead or (False,) * len(sk.rows)) if d}):
+                    and not {comparison(a) for a in sk.guard.exempt} <= set(sk.dead)):
                 raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} exempts rows from its running max's "
                                "check that are not its dead rows: derive the skip again")
-            if any(sk.rows_dead):
-                live = [c for c, d in zip(sk.rows, sk.rows_dead) if d and c not in dead_rows(self, st)]
+            if sk.dead:
+                live = [c for c in sk.dead if c not in dead_rows(self, st)]
                 if live:
                     raise ONFError(f"{self.dnf.name}: the skip of {sk.stage!r} leaves out the rows where "
                                    f"{live[0].text()} fails, which the program reads: derive the skip again")

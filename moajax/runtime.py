@@ -197,6 +197,12 @@ def has_gpu() -> bool:
     return any(d.platform in ("gpu", "cuda") for d in jax.devices())
 
 
+def runs_on_gpu(implementation) -> bool:
+    """Does a call with this ``implementation`` run the GPU's ONF: a GPU backend (their
+    interpret modes too), or the default on a process that sees a GPU?"""
+    return implementation in GPU_BACKENDS or (implementation is None and has_gpu())
+
+
 @functools.lru_cache(maxsize=512)
 def lowered(onf, backend: str, order: tuple | None = None):
     """The ONF lowered for one backend: "xla", "pallas" or "pallas_interpret"; a tuple of ONFs

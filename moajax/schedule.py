@@ -1606,8 +1606,7 @@ def _loop_runtime_bounds(onf: ONF) -> ONF:
             continue
         # (a row condition under which the values are dead too: the forward's programs past a
         # query length walk nothing only where each batch element walks its own span)
-        dead = [c for c, d in zip(sk.rows, sk.rows_dead) if d]
-        for bound in sk.bounds + tuple(dead):
+        for bound in sk.bounds + sk.dead:
             for term, _ in bound.terms:
                 if isinstance(term, D.Read):
                     add += [v.name for v in sorted(term.free, key=lambda v: v.name)

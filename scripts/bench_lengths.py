@@ -32,13 +32,13 @@ SEQ = flags.DEFINE_list("seq", ["1024", "2048"], "sequence lengths (T = S)")
 REPS = flags.DEFINE_integer("reps", 7, "timed rounds")
 NOTE = flags.DEFINE_string("note", "", "a line under the title (what tree ran)")
 FORWARD = flags.DEFINE_bool("forward", False, "time the forward alone (inference) instead, with the rule that leaves "
-                            "out the rows past a query length (``masked.dead_rows``) on and off; writes "
+                            "out the rows past a query length (``onf.dead_row_conditions``, as ``masked`` calls it) on and off; writes "
                             "bench/results/lengths_forward_cpu.md unless --out is given")
 
 
 @contextlib.contextmanager
 def dead_rows_walked():
-    """Inside: the rule that leaves out rows nothing reads (``masked.dead_rows``, 2026-12-06)
+    """Inside: the rule that leaves out rows nothing reads (``masked.dead_row_conditions``, 2026-12-06)
     finds none, so programs past a query length walk every key tile, as before it; what was
     derived, traced or lowered is forgotten on entry and on exit (a call compiled inside keeps
     its kernels)."""
@@ -50,7 +50,7 @@ def dead_rows_walked():
     from moajax.kernels.attention import _mha_kernel
 
     masked = importlib.import_module("moajax.masked")
-    rule = masked.dead_rows
+    rule = masked.dead_row_conditions
 
     def forget():
         jax.clear_caches()
@@ -58,18 +58,18 @@ def dead_rows_walked():
             cached.cache_clear()
         schedule._DERIVED.clear()
 
-    masked.dead_rows = lambda onf, st: ()
+    masked.dead_row_conditions = lambda onf, st: ()
     forget()
     try:
         yield
     finally:
-        masked.dead_rows = rule
+        masked.dead_row_conditions = rule
         forget()
 
 
 def forward(B: int, N: int, H: int) -> list:
     """The forward alone (jit, no statistics saved): moajax without lengths, with query lengths,
-    the same with dead rows walked (``masked.dead_rows`` patched to find none: the tree before
+    the same with dead rows walked (``dead_rows_walked``: the rule patched to find none: the tree before
     2026-12-06's rule), with both lengths; jax.nn with query lengths and with both."""
     import jax
     import jax.numpy as jnp
@@ -130,7 +130,7 @@ def main(argv):
                   "the forward of residuals \"none\"). Contenders alternate in one process, each group (query lengths; "
                   f"both) with moajax without lengths; best and median of {REPS.value} rounds after a warm-up. 'dead "
                   "rows walked': the rule that leaves out a program's walk where every row lies past its query length "
-                  "(`masked.dead_rows`, 2026-12-06) patched out, so its programs walk every key tile and the select "
+                  "(`onf.dead_row_conditions`, 2026-12-06) patched out, so its programs walk every key tile and the select "
                   "drops their rows, as before.", ""]
         lines += forward(B, N, H)
         lines += ["", "vs no lengths: the contender's best time over moajax's without lengths in the same group. A "
