@@ -13,6 +13,10 @@ so the unrewritten adjoint's DNF → JAX reference stays the oracle.
                                          =  (a ÷ c) · Σ_e dY[e] × Y[e]
     For attention, the softmax's cotangent Δ = +/(P × dP), a pass over keys with two
     contractions per query row, becomes +/(dO × O): one pass over the head dim.
+    guarded statistics (the other way: the saving forward's DNF)
+        a statistic z that every adjoint reads only where c holds (x × (c ? dY : 0) reads x
+        only there: a cotangent a select zeroed) is saved as c ? z : 1, so the forward leaves
+        out the rows where c fails (a query length's padding: ``onf.dead_rows``)
 
 Only an output the forward computes at full precision is read back (an output cast to a
 narrower dtype is rounded: reading it would change the value, so the rule does not apply).
@@ -324,6 +328,106 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
     if all(a.body is b.body for a, b in zip(new, adjoint.outputs)):
         return adjoint, []
     return D.DNF(adjoint.name, adjoint.inputs, new), list(applied.values())
+
+
+def _zero_select(e: D.Expr):
+    """e as the select c ? y : 0 (under labels), else None."""
+    b = _bare(e)
+    if (isinstance(b, D.Call) and b.op == "where" and isinstance(_bare(b.children[2]), D.Lit)
+            and _bare(b.children[2]).value == 0):
+        return b
+    return None
+
+
+def _guarded_products(adjoint: D.DNF, cotangents) -> D.DNF:
+    """The adjoint as it reads the forward's values: x × (c ? y : 0) as c ? x × y : 0 (and
+    (c ? y : 0) × x, (c ? y : 0) ÷ x), where y reads a cotangent (``cotangents``: the adjoint
+    inputs that are). A select's output does not depend on its x where c fails, so the
+    cotangent it passes back is 0 there (c ? dY : 0), and so is every product that carries it
+    on: x is not read there, where x is finite. Only a view for ``statistic_guards``: run, the
+    select around a contraction's product would hide the contraction from the lowering
+    (``tiles.contract``), which masks the guarded operand instead."""
+    cts = frozenset(cotangents)
+
+    def fn(x):
+        if not (isinstance(x, D.Call) and x.op in ("mul", "div")):
+            return None
+        for i in ((0, 1) if x.op == "mul" else (0,)):
+            sel = _zero_select(x.children[i])
+            if sel is None or not any(r.array in cts for r in D.reads(sel.children[1])):
+                continue
+            kids = list(x.children)
+            kids[i] = sel.children[1]
+            inner = D.Call(x.op, kids)
+            if inner.dtype == x.dtype:
+                return D.Call("where", (sel.children[0], inner, D.Lit(0.0, x.dtype)))
+        return None
+
+    return D.DNF(adjoint.name, adjoint.inputs,
+                 tuple(dataclasses.replace(o, body=D.transform(o.body, fn)) for o in adjoint.outputs))
+
+
+def statistic_guards(forward: D.DNF, adjoints, saved: Mapping[str, str], cotangents) -> dict:
+    """Per saved statistic z of ``forward`` (an output named in ``saved``, which gives the
+    adjoint input holding it), the row conditions c (affine comparisons over z's variables,
+    reading only ``forward``'s inputs) under which every adjoint of ``adjoints`` (DNFs whose
+    inputs ``cotangents`` are the cotangents) reads z (``onf.guarded_reads``: c ? x : y reads x
+    only where c holds; ``_guarded_products``: nor does x × (c ? dY : 0)), c's variables those
+    that index z at a read (a position that another index expression fills does not carry
+    one) — a statistic read outside such a select gets none. Each as {name: (comparison, …)},
+    the comparisons in a fixed order; only those with some."""
+    from moajax.onf import comparison, guarded_reads
+
+    inputs = {i.name for i in forward.inputs}
+    found = {}
+    for z in forward.outputs:
+        if z.name not in saved:
+            continue
+        name = saved[z.name]
+        common = None  # Affine → the comparison over z's variables
+        for adj in adjoints:
+            for o in _guarded_products(adj, cotangents).outputs:
+                atoms: dict = {}
+                reads = guarded_reads(o.body, lambda x: isinstance(x, D.Read) and x.array == name, atoms)
+                for read, conds in reads:
+                    # (a condition over the variables the read indexes z by: GQA's adjoint
+                    # reads the statistics at ⟨b t (G·n_kv + g)⟩, its rows' t < L at ⟨b t⟩)
+                    at = {ix.as_var(): Ix.of(v) for ix, v in zip(read.index, z.vars) if ix.as_var() is not None}
+                    here = {}
+                    for c in conds:
+                        e = atoms[c]
+                        if e.free <= set(at) and all(r.array in inputs for r in D.reads(e)):
+                            e = D.substitute(e, at)
+                            here[comparison(e)] = e
+                    common = here if common is None else {a: e for a, e in common.items() if a in here}
+            if common == {}:
+                break
+        if common:
+            found[z.name] = tuple(common[a] for a in sorted(common, key=lambda a: a.text()))
+    return found
+
+
+def guard_statistics(forward: D.DNF, guards: Mapping[str, tuple]) -> D.DNF:
+    """The saving forward with each statistic z named in ``guards`` (``statistic_guards``)
+    saved as c ? z : 1. Where c fails its adjoints read z only in products with a zero
+    cotangent, and 1 keeps those products' other factors finite there (a divisor; an
+    exponent's offset from a masked score: attention's P = exp(fill − 1) ÷ 1 = 0 past a query
+    length), so that they stay 0, and so do a second derivative's. What it buys: nothing
+    then reads the pass computing z where c fails, so the forward leaves those rows out
+    (``onf.dead_rows``; a query length's padding walks no key tile), as the forward without
+    statistics does."""
+    if not guards:
+        return forward
+    outs = []
+    for o in forward.outputs:
+        conds = guards.get(o.name)
+        if conds:
+            cond = conds[0]
+            for c in conds[1:]:
+                cond = D.Call("logical_and", (cond, c))
+            o = dataclasses.replace(o, body=D.Call("where", (cond, o.body, D.Lit(1.0, o.dtype))))
+        outs.append(o)
+    return D.DNF(forward.name, forward.inputs, tuple(outs))
 
 
 def _summed_over_rows_and_keys(body: D.Expr, deltas: list) -> bool:

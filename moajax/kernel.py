@@ -677,7 +677,7 @@ class Kernel:
 
         forward.__signature__ = inspect.signature(self.fn)
         forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels) + _unread_suffix(unread)
-        hit = self._derived[("with_row_statistics", labels, unread)] = _SavingKernel(forward, primal)
+        hit = self._derived[("with_row_statistics", labels, unread)] = _SavingKernel(forward, primal, labels, unread)
         hit._lift_from = self
         return hit
 
@@ -1052,7 +1052,9 @@ class Kernel:
                 if not any(flags[:n]) or not all(held):
                     return dnf, []
                 fwd = fwd.batched(flags[:n])
-            forward = fwd.dnf(*specs[:n], **opts)
+            # (the forward as derived, its statistics unguarded: ``guard_statistics`` asks this
+            # adjoint where it reads them)
+            forward = fwd.dnf_before_identities(*specs[:n], **opts)
             return _identities.delta_from_output(
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
                 saved=dict(zip(stat_names, saved_names)), rounded=rounded)
@@ -1230,13 +1232,19 @@ class _SavingKernel(Kernel):
     then relaid (one program computes a statistic and its rows). ``fn`` — what its derivatives
     are derived from — is the same definition with each relaid statistic put in its rows'
     layout by index maps (``_in_rows_layout``), so that its tangent and adjoint kernels meet
-    the DNF's outputs: a second derivative through saved residuals runs them."""
+    the DNF's outputs: a second derivative through saved residuals runs them.
 
-    def __init__(self, natural, primal: Kernel):
+    Its DNF then saves a statistic z that the backward reading it (``labels``, ``unread``: as
+    ``with_row_statistics``) reads only where c holds as c ? z : 1
+    (``identities.guard_statistics``): the rows past a query length are left out of its walk
+    as they are from the plain forward's. ``fn`` keeps z: where c fails no derivative reads it."""
+
+    def __init__(self, natural, primal: Kernel, labels: tuple = (), unread: tuple | None = None):
         super().__init__(natural, example=primal.example, name=natural.__name__,
                          outputs=None, dims={p.name: " ".join(p.dims) for p in primal.params})
         self._primal = primal
         self._natural = natural
+        self._saved = (tuple(labels), unread)
 
         def forward(*arrays, **opts):
             outs = natural(*arrays, **opts)
@@ -1251,17 +1259,18 @@ class _SavingKernel(Kernel):
         import jax
 
         specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in key[0]]
-        return tuple(o.name for o in self._build(specs, dict(key[1]))[2].outputs)
+        return tuple(o.name for o in self._plain(specs, dict(key[1]))[2].outputs)
 
     def _primal_names(self, specs, options) -> tuple:
         outs = self._primal._build(specs, options)[1]
         return self._primal._names_for(outs if isinstance(outs, tuple) else (outs,))
 
-    def _build(self, specs, options):
-        key = self._key(specs, options)
+    def _plain(self, specs, options):
+        """The build (as ``_build``'s) with the statistics as derived: unguarded."""
+        key = ("plain", self._key(specs, options))
         hit = self._cache.get(key)
         if hit is None:
-            inputs = tuple(moa.array(p.name, shape, p.dims, dtype) for p, (shape, dtype) in zip(self.params, key[0]))
+            inputs = tuple(moa.array(p.name, shape, p.dims, dtype) for p, (shape, dtype) in zip(self.params, key[1][0]))
             expr = self._natural(*inputs, **options)
             primal_names = self._primal_names(specs, options)
             n_saved = len(expr) - len(primal_names)
@@ -1277,9 +1286,43 @@ class _SavingKernel(Kernel):
             self._cache[key] = hit
         return hit
 
+    def _build(self, specs, options):
+        key = self._key(specs, options)
+        hit = self._cache.get(key)
+        if hit is None:
+            plain = self._plain(specs, options)
+            dnf = _identities.guard_statistics(plain[2], self._statistic_guards(specs, options, plain[2]))
+            hit = plain if dnf is plain[2] else plain[:2] + (dnf, plain[3], _reference.to_jax(dnf), plain[5])
+            self._cache[key] = hit
+        return hit
+
+    def _statistic_guards(self, specs, options, dnf) -> dict:
+        """``identities.statistic_guards`` of the saved statistics against the backward that
+        reads them: the adjoint of every cotangent, after a CPU's forward and after a GPU's
+        (``adjoint``'s ``rounded``), as ``statistics_read`` asks."""
+        primal, (labels, unread) = self._primal, self._saved
+        key = primal._key(specs, options)
+        args = primal._saved_args(specs, options, labels, unread)
+        adjoints = [primal._adjoint_for(key, options, labels or True, unread=unread, rounded=r)
+                    for r in sorted({primal.gpu_dots_round(key, options), False})]
+        n_out = len(self._primal_names(specs, options))
+        n_saved = len(dnf.outputs) - n_out
+        # (the adjoint's arguments: primals, cotangents, the saved values, outputs)
+        first = len(primal.params) + n_out
+        held = [p.name for p in adjoints[0].params[first:first + n_saved]]
+        saved = dict(zip([o.name for o in dnf.outputs[:n_saved]], held))
+        cts = [p.name for p in adjoints[0].params[len(primal.params):first]]
+        return _identities.statistic_guards(dnf, [a.dnf(*args, **options) for a in adjoints], saved, cts)
+
+    def dnf_before_identities(self, *specs, **options):
+        """The DNF with its statistics unguarded (``guard_statistics``): what the adjoint's
+        identities match against."""
+        specs = specs or self.example_specs()
+        return self._plain(specs, options)[2]
+
     def layouts(self, *specs, **options) -> list:
         """Per saved statistic, its ``identities.Layout`` (None: saved in its own layout)."""
-        return self._build(specs, options)[5]
+        return self._plain(specs, options)[5]
 
     def compiled(self, *specs, onf=None, implementation=None, residuals="none", **options):
         """The forward with its row statistics: saved first, then the primal outputs — returned

@@ -992,6 +992,45 @@ class ONF:
                 raise ONFError(f"{self.dnf.name}: output {o!r} maps to unknown stage {sname!r}")
 
 
+def guarded_reads(e: D.Expr, hit, atoms: dict | None = None) -> list | None:
+    """(x, the row conditions around it) for each leaf x of e that ``hit(x)`` picks (True),
+    the conditions a set of affine ones (``Affine``):
+
+        c ? x : y  reads x only where c holds
+
+    so a read inside x is guarded by the conjuncts of c (those ``comparison`` sees as affine;
+    t < 5 and t ≤ 4 are one). None where ``hit(x)`` is None for a picked leaf (a read at
+    another index than its rows). ``atoms``: each condition's first comparison, as a select
+    holds it (``D.Expr``), is recorded there. Each (subexpression, conditions) is walked
+    once: the hash-consed DNF shares subexpressions."""
+    out: list = []
+    seen: set = set()
+    stack = [(e, frozenset())]
+    while stack:
+        x, conds = stack.pop()
+        if (id(x), conds) in seen:
+            continue
+        seen.add((id(x), conds))
+        picked = hit(x)
+        if picked is None:
+            return None
+        if picked:
+            out.append((x, conds))
+            continue
+        if isinstance(x, D.Call) and x.op == "where":
+            taken = set()
+            for a in conjuncts(x.children[0]):
+                c = comparison(a)
+                if c is not None:
+                    taken.add(c)
+                    if atoms is not None:
+                        atoms.setdefault(c, a)
+            stack += [(x.children[0], conds), (x.children[1], conds | taken), (x.children[2], conds)]
+            continue
+        stack += [(c, conds) for c in x.children]
+    return out
+
+
 def dead_rows(onf: ONF, st) -> tuple:
     """``dead_row_conditions`` as affine conditions (``Affine``), each once."""
     return tuple(sorted({comparison(a) for a in dead_row_conditions(onf, st)}, key=lambda c: c.text()))
@@ -1018,28 +1057,9 @@ def dead_row_conditions(onf: ONF, st) -> tuple:
     def meet(a, b):  # (None: read nowhere, dead under any condition)
         return b if a is None else a if b is None else a & b
 
-    def guarded_reads(e, name):  # the conditions around each read of ``name`` in e; None: one not at its rows
-        out = []
-        stack = [(e, frozenset())]
-        while stack:
-            x, conds = stack.pop()
-            if isinstance(x, D.Ref):
-                if x.stage == name:
-                    if tuple(ix.as_var() for ix in x.index) != tuple(defs[name].result_vars(name)):
-                        return None
-                    out.append(conds)
-                continue
-            if isinstance(x, D.Call) and x.op == "where":
-                taken = set()
-                for a in conjuncts(x.children[0]):
-                    c = comparison(a)
-                    if c is not None:  # (one condition however written: t < 5 and t ≤ 4 alike)
-                        taken.add(c)
-                        atoms.setdefault(c, a)
-                stack += [(x.children[0], conds), (x.children[1], conds | taken), (x.children[2], conds)]
-                continue
-            stack += [(c, conds) for c in x.children]
-        return out
+    def own_rows(name):  # a read of ``name``'s values at its own rows; None at another index
+        return lambda x: (None if tuple(ix.as_var() for ix in x.index) != tuple(defs[name].result_vars(name))
+                          else True) if isinstance(x, D.Ref) and x.stage == name else False
 
     def dead(name):
         if name in memo:
@@ -1052,12 +1072,12 @@ def dead_row_conditions(onf: ONF, st) -> tuple:
             if other is defs[name]:
                 continue  # (an online pass's sums read its own max)
             for e in other.exprs():
-                reads = guarded_reads(e, name) if e is not None else []
+                reads = guarded_reads(e, own_rows(name), atoms) if e is not None else []
                 if reads is None:
                     return memo[name]
                 # a read in a stage whose values are all dead where c fails is dead there too
                 later = functools.reduce(meet, (dead(n) for n in other.defines)) if reads else None
-                for conds in reads:
+                for _, conds in reads:
                     found = meet(found, conds | (later or frozenset()))
         rows = set(defs[name].result_vars(name))
         memo[name] = None if found is None else frozenset(c for c in found if c.vars() <= rows)

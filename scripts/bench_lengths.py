@@ -1,14 +1,19 @@
 """Sequence lengths (jax.nn's query_seq_lengths, key_value_seq_lengths) under jit(grad) on the CPU.
 
 The contenders, jit(grad) w.r.t. q, k and v, alternated in one process (best and median):
-moajax without lengths, with query lengths, with key/value lengths, with both; jax.nn (XLA)
-with both. The lengths are [T, T/2] over a batch of 2: the second sequence is half padding.
+moajax without lengths, with query lengths, the same with the saved statistics unguarded
+(``statistics_unguarded``: the tree before 2026-12-07), with key/value lengths, with both;
+jax.nn (XLA) with both. The lengths are [T, T/2] over a batch of 2: the second sequence is
+half padding.
 
 What it watches: the backward's Δ = +/(P × dP) per query row is +/(dO × O) read from the
 saved output (``identities.delta_from_output``) — one pass over the head dim instead of a pass
 over every key with two contractions. With query lengths the output and its cotangent are
 guarded (0 past a row's length); the identity sees through the guard since 2026-12-06 (0 = 0
-past it). The column 'Δ reads O' checks that it fired on the kernel the call runs.
+past it). The column 'Δ reads O' checks that it fired on the kernel the call runs. And the
+saving forward: since 2026-12-07 it saves its row statistics as (t < L) ? z : 1, which its
+backward reads only within the length (``identities.guard_statistics``), so it leaves out the
+rows past it as the plain forward does; the last column checks its ONF on this machine.
 
 `python scripts/bench_lengths.py` writes bench/results/lengths_grad_cpu.md.
 """
@@ -27,6 +32,8 @@ from absl import app, flags
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rules_patched import dead_rows_walked, statistics_unguarded  # noqa: E402
+
 OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "lengths_grad_cpu.md"), "the results file")
 SEQ = flags.DEFINE_list("seq", ["1024", "2048"], "sequence lengths (T = S)")
 REPS = flags.DEFINE_integer("reps", 7, "timed rounds")
@@ -34,37 +41,6 @@ NOTE = flags.DEFINE_string("note", "", "a line under the title (what tree ran)")
 FORWARD = flags.DEFINE_bool("forward", False, "time the forward alone (inference) instead, with the rule that leaves "
                             "out the rows past a query length (``onf.dead_row_conditions``, as ``masked`` calls it) on and off; writes "
                             "bench/results/lengths_forward_cpu.md unless --out is given")
-
-
-@contextlib.contextmanager
-def dead_rows_walked():
-    """Inside: the rule that leaves out rows nothing reads (``masked.dead_row_conditions``, 2026-12-06)
-    finds none, so programs past a query length walk every key tile, as before it; what was
-    derived, traced or lowered is forgotten on entry and on exit (a call compiled inside keeps
-    its kernels)."""
-    import importlib
-
-    import jax
-
-    from moajax import runtime, schedule
-    from moajax.kernels.attention import _mha_kernel
-
-    masked = importlib.import_module("moajax.masked")
-    rule = masked.dead_row_conditions
-
-    def forget():
-        jax.clear_caches()
-        for cached in (_mha_kernel, runtime._schedules, runtime.lowered):
-            cached.cache_clear()
-        schedule._DERIVED.clear()
-
-    masked.dead_row_conditions = lambda onf, st: ()
-    forget()
-    try:
-        yield
-    finally:
-        masked.dead_row_conditions = rule
-        forget()
 
 
 def forward(B: int, N: int, H: int) -> list:
@@ -145,10 +121,13 @@ def main(argv):
               "[T, T/2] (the second sequence half padding); jit(grad) w.r.t. q, k, v. Contenders alternate in "
               f"one process; best and median of {REPS.value} rounds after a warm-up. Temp: the compiled "
               "executable's temp allocation. 'Δ reads O': the backward's DNF reads the saved output (the "
-              "Δ-from-output identity applied), checked on the kernel the call runs.", "",
+              "Δ-from-output identity applied), checked on the kernel the call runs. 'statistics unguarded': "
+              "the saving forward's row statistics saved at every row (`identities.guard_statistics` patched "
+              "out: the tree before 2026-12-07), so its programs past a query length walk every key tile; the "
+              "last column: the saving forward's ONF on this machine records rows left out (`Skip.dead`).", "",
               "| T = S | contender | best s | median s | vs no lengths | temp MiB | max rel. diff of dq vs jax.nn (same lengths) | "
-              "Δ reads O |",
-              "|---:|---|---:|---:|---:|---:|---:|---|"]
+              "Δ reads O | saving forward leaves out rows past the length |",
+              "|---:|---|---:|---:|---:|---:|---:|---|---|"]
     r = np.random.default_rng(0)
     for T in (int(x) for x in SEQ.value):
         q, k, v, g = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(4))
@@ -170,11 +149,15 @@ def main(argv):
             return loss
 
         cases = {"moajax, no lengths": (False, False), "moajax, query_seq_lengths": (True, False),
+                 "moajax, query_seq_lengths, statistics unguarded": (True, False),
                  "moajax, key_value_seq_lengths": (False, True), "moajax, both": (True, True)}
         losses = {n: moa(*c) for n, c in cases.items()}
         losses["jax.nn, both"] = nn(True, True)
         args = (q, k, v)
-        fns = {n: jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile() for n, f in losses.items()}
+        fns = {}
+        for n, f in losses.items():  # (the rule patched out for its contender, derived afresh)
+            with statistics_unguarded() if "unguarded" in n else contextlib.nullcontext():
+                fns[n] = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile()
         rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, both", pick=lambda grads: grads[0])
         base = min(rows["moajax, no lengths"][0])
         for name, (ts, temp, diff) in rows.items():
@@ -188,10 +171,14 @@ def main(argv):
                 ql, kl = cases[name]  # (the kernel dot_product_attention runs: kv heads = query heads)
                 spec = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
                 lens = [jax.ShapeDtypeStruct((B,), jnp.int32)] * (ql + kl)
-                adj, specs = mha_kernel(None, None, False, ql, kl).saved_adjoint(spec, spec, spec, *lens)
+                kern = mha_kernel(None, None, False, ql, kl)
+                adj, specs = kern.saved_adjoint(spec, spec, spec, *lens)
                 reads = "yes" if "out" in adj.dnf(*specs).arrays_read() else "no"
+                with statistics_unguarded() if "unguarded" in name else contextlib.nullcontext():
+                    saving = mha_kernel(None, None, False, ql, kl).saving_forward(spec, spec, spec, *lens)
+                    dead = any(sk.dead for sk in saving.onf(spec, spec, spec, *lens, implementation="xla").skips)
             lines.append(f"| {T} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | "
-                         f"{temp:.1f} | {diff:.1e} | {reads} |")
+                         f"{temp:.1f} | {diff:.1e} | {reads} | {'—' if name not in cases else 'yes' if dead else 'no'} |")
     lines += ["", "vs no lengths: the contender's best time over moajax's without lengths (one kind of lengths masks "
               "a quarter of the batch's scores, both 3/8; the tiles masked whole are skipped)."]
     write_results(OUT.value, lines)

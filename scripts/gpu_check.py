@@ -581,10 +581,11 @@ def main():
     if rep.section(f"8. The forward alone with query lengths [T, T/2] (B = 2, T = S = {T8}, N = {N8}, H = {H8}): the "
                    "rows past a length left out (`onf.dead_rows`, 2026-12-06) and walked (the rule patched out, "
                    "as before); the CPU's: 0.74× and 0.72× moajax without lengths against 1.01× and 0.98× walked "
-                   "(`bench/results/lengths_forward_cpu.md`); median of alternated rounds",
+                   "(`bench/results/lengths_forward_cpu.md`); then jit(grad), its saving forward's statistics saved "
+                   "guarded (`identities.guard_statistics`, 2026-12-07) and unguarded; median of alternated rounds",
                    "| dtype | impl | ms | TFLOP/s | temp MiB | vs moajax without lengths | error |", 40):
         try:
-            from bench_lengths import dead_rows_walked
+            from rules_patched import dead_rows_walked, statistics_unguarded
 
             for dt in ("bfloat16", "float32"):
                 q = draw((2, T8, N8, H8), dt)
@@ -601,6 +602,23 @@ def main():
                         a, b, d, query_seq_lengths=lengths, key_value_seq_lengths=jnp.asarray([T8, T8], jnp.int32),
                         implementation="cudnn")
                 race(dt, con, (q, q, q), 4 * 2 * T8 * T8 * N8 * H8, 10, "moajax, no lengths")
+            # jit(grad): the saving forward leaves the rows out too where its statistics are
+            # saved guarded (``identities.guard_statistics``, 2026-12-07); the CPU's: 0.88× and
+            # 0.87× moajax without lengths against 1.00× unguarded (lengths_grad_cpu.md)
+            for dt in ("bfloat16", "float32"):
+                if rep.left() < 15:
+                    rep.add(f"| {dt} grad | (not run: time) | | | | | |")
+                    continue
+                q = draw((2, T8, N8, H8), dt)
+                lengths = jnp.asarray([T8, T8 // 2], jnp.int32)
+                con = {"grad: moajax, no lengths": grad_fn(moajax_attn(False)),
+                       "grad: moajax, query lengths": grad_fn(moajax_attn(False, query_seq_lengths=lengths))}
+                with statistics_unguarded():  # compiled inside: the statistics saved at every row
+                    con["grad: moajax, query lengths, statistics unguarded"] = compiled(
+                        grad_fn(moajax_attn(False, query_seq_lengths=lengths)), q, q, q)[0]
+                con["grad: jax.nn xla, query lengths"] = grad_fn(lambda a, b, d: jax.nn.dot_product_attention(
+                    a, b, d, query_seq_lengths=lengths, implementation="xla"))
+                race(f"{dt} grad", con, (q, q, q), 14 * 2 * T8 * T8 * N8 * H8, 10, "grad: moajax, no lengths")
         except Exception as e:
             rep.add(f"| — | — | — | — | — | — | {_fail(e)} |")
         rep.flush()

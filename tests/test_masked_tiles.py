@@ -22,6 +22,7 @@ only (a compiler may round a product differently in the last bit without the sel
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -321,10 +322,10 @@ def test_dq_programs_past_a_query_length_walk_no_tile(kvlen):
     """dQ = Σ_s dS × K: past a query length the cotangent's rows are 0 (jax.nn's), so dS is 0
     at every key — a plain 0, no kept key assumed. The skip records the row condition
     (``Skip.rows``): a program whose rows all fail it walks no tile; one with a row inside
-    walks its keys. The saving forward's online pass records none: its fill is left out only
-    in a row keeping a key, a row past its length keeps none (jax.nn's average over V), and
-    its statistics are read at every row (the plain forward's rows past the length are dead:
-    test_forward_programs_past_a_query_length_walk_no_tile)."""
+    walks its keys. The saving forward's online pass records the rows past the length as
+    dead: its backward reads its statistics only there (``identities.statistic_guards``), so
+    it saves them as (t < L) ? z : 1 and leaves the rows out like the plain forward
+    (test_forward_programs_past_a_query_length_walk_no_tile)."""
     from moajax import dnf as D
 
     Tn = Sn = 256
@@ -335,7 +336,8 @@ def test_dq_programs_past_a_query_length_walk_no_tile(kvlen):
     (sk,) = [sk for sk in dq.skips if sk.var.name == "s"]
     assert [c.text() for c in sk.rows] == ["−t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0"] and not any(sk.kept)
     assert "rows: −t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0" in dq.pretty()
-    assert all(not x.rows for x in schedule.derive(kern.saving_forward(*specs).dnf(*specs), h200).skips)
+    saving = schedule.derive(kern.saving_forward(*specs).dnf(*specs), h200)
+    assert [[c.text() for c in x.dead] for x in saving.skips] == [["−t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0"]]
     tile, ntiles = dq.axis_of(sk.var).tile, dq.axis_of(sk.var).ntiles
     rows = dq.axis_of(next(v for c in sk.rows for v, _ in c.terms if isinstance(v, type(sk.var)))).tile
     assert ntiles > 1 and rows < Tn
@@ -354,8 +356,9 @@ def test_forward_programs_past_a_query_length_walk_no_tile(causal):
     values at rows past a query length are dead (``masked.dead_rows``), so a program whose rows
     all lie past it walks no key tile (``Skip.rows_dead``). Dead rows need keep no key, so they
     are exempt from the causal guard: a program holding rows on both sides of the length keeps
-    its causal span (it walked every tile before 2026-12-06). The saving forward, whose row
-    statistics its backward reads at every row, records none."""
+    its causal span (it walked every tile before 2026-12-06). So does the saving forward: its
+    backward reads the row statistics only at rows within the length, and it saves them
+    guarded there (``identities.guard_statistics``)."""
     from moajax import dnf as D
 
     Tn = Sn = 256
@@ -371,7 +374,8 @@ def test_forward_programs_past_a_query_length_walk_no_tile(causal):
     if causal:
         assert [c.text() for c in sk.guard.exempt] == [cond]
     saving = schedule.derive(kern.saving_forward(*specs, is_causal=causal).dnf(*specs, is_causal=causal), h200)
-    assert not any(any(x.rows_dead) for x in saving.skips)
+    (ssk,) = [x for x in saving.skips if any(x.rows_dead)]
+    assert [c.text() for c in ssk.dead] == [cond] and (not causal or [c.text() for c in ssk.guard.exempt] == [cond])
     tile, ntiles = onf.axis_of(sk.var).tile, onf.axis_of(sk.var).ntiles
     rows = onf.axis_of(next(v for v in online.max_vars if v.name == "t")).tile
     assert ntiles > 1 and rows < Tn
@@ -478,15 +482,74 @@ def test_a_forward_leaving_out_dead_rows_changes_no_bit(case, impl):
         assert float(np.max(np.abs(np.asarray(a) - want))) <= 1e-12 * max(float(np.max(np.abs(want))), 1.0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("case", list(DEAD_ROWS))
+def test_a_saving_forward_leaving_out_dead_rows_changes_no_gradient_bit(case, impl):
+    """The saving forward (what ``jax.grad`` runs under residuals "save") saves its row
+    statistics as (t < L) ? z : 1 (``identities.guard_statistics``: its backward reads them
+    only within the length), so it too leaves out the programs past a query length
+    (``test_a_saving_forward_saves_its_statistics_guarded``): the gradients are bitwise those
+    of every tile walked, finite and within float64's 1e-12 of the reference; a second
+    derivative too (its products with the zero cotangent past the length read P = exp(fill −
+    1) ÷ 1 = 0 there), within 1e-12 of the one that saves nothing (residuals "none")."""
+    kw = dict(DEAD_ROWS[case])
+    q, k, v, g = _qkv()
+    runs = []
+    for skip, residuals in ((None, "save"), (False, "save"), (None, "none")):
+        onf = Preset.of(tiles=TILES, skip=skip, unmask_interior=False, residuals=residuals)
+
+        def f(q, k, v, onf=onf):
+            return moajax.dot_product_attention(q, k, v, implementation=impl, onf=onf, **kw)
+
+        def second(q, k, v, f=f):  # Σ (∂/∂k ⟨f, g⟩)²: the saving forward's own derivatives run
+            return jnp.sum(jax.vjp(f, q, k, v)[1](g)[1] ** 2)
+
+        runs.append([*jax.vjp(f, q, k, v)[1](g), jax.grad(second, argnums=(0, 1, 2))(q, k, v)])
+    ref = list(R.mha_variants(q, k, v, dout=g, **kw)[:3])
+    for a, b, want in zip(runs[0][:3], runs[1][:3], ref):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert np.all(np.isfinite(a))
+        assert float(np.max(np.abs(np.asarray(a) - want))) <= 1e-12 * max(float(np.max(np.abs(want))), 1.0)
+    for a, b, want in zip(runs[0][3], runs[1][3], runs[2][3]):
+        assert np.array_equal(np.asarray(a), np.asarray(b)) and np.all(np.isfinite(a))
+        assert float(np.max(np.abs(np.asarray(a) - want))) <= 1e-12 * max(float(np.max(np.abs(want))), 1.0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_a_saving_forward_saves_its_statistics_guarded(impl):
+    """The kernel ``jax.grad`` saves with: each row statistic is (t < L) ? z : 1 in its DNF,
+    its ONF leaves out the rows past the length (``Skip.dead``), and what it saves there is
+    exactly 1; within the length, the statistics as derived (the unguarded DNF's reference)."""
+    from moajax import reference
+
+    q, k, v, _ = _qkv()
+    lengths = np.array([0, 6], np.int32)
+    kern = mha_kernel(None, None, True, True, False)
+    saving = kern.saving_forward(q, k, v, lengths, is_causal=True)
+    guarded = [o for o in saving.dnf(q, k, v, lengths, is_causal=True).outputs if D.is_saved_statistic(o.name)]
+    assert len(guarded) == 2 and all(D.show(o.body).startswith("((t < ⟨b⟩ψquery_seq_lengths) ? ")
+                                     and D.show(o.body).endswith(" : 1.0)") for o in guarded)
+    onf = saving.onf(q, k, v, lengths, onf=Preset.of(tiles=TILES), implementation=impl, is_causal=True)
+    assert [[c.text() for c in sk.dead] for sk in onf.skips if sk.dead] == [["−t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0"]]
+    got = saving.compiled(q, k, v, lengths, onf=Preset.of(tiles=TILES), implementation=impl,
+                          is_causal=True)(q, k, v, lengths)[1:]
+    want = reference.to_jax(saving.dnf_before_identities(q, k, v, lengths, is_causal=True))(q, k, v, lengths)
+    past = np.arange(T)[None, :] >= lengths[:, None]  # [b t]
+    for z, w in zip(got, want):
+        z, w = np.asarray(z).reshape(B, T, N), np.asarray(w).reshape(B, T, N)
+        assert np.all(z[past] == 1.0) and np.allclose(z[~past], w[~past], rtol=1e-12, atol=0)
+
+
 def test_a_skip_leaving_out_rows_the_program_reads_is_refused():
     """``Skip.rows_dead`` is a fact of the program around the stage: the saving forward's
-    statistics are outputs, read at every row, so the plain forward's skip moved onto it fails
-    validation rather than leave its rows past the length unwalked."""
+    statistics as derived, unguarded (``identities.guard_statistics``), are outputs read at
+    every row, so the plain forward's skip moved onto it fails validation rather than leave
+    its rows past the length unwalked."""
     Tn = Sn = 256
     kern, specs, d = _dnf(T=Tn, S=Sn, K=4, qlen=True)
     h200 = machines.load("h200")
     onf = schedule.derive(d, h200)
-    saving = schedule.derive(kern.saving_forward(*specs).dnf(*specs), h200)
+    saving = schedule.derive(kern.saving_forward(*specs).dnf_before_identities(*specs), h200)
     (sk,) = [x for x in onf.skips if any(x.rows_dead)]
     online = next(s for s in saving.program.stages if isinstance(s, OnlineStage))
     moved = dataclasses.replace(sk, stage=online.name, of=online.logit)

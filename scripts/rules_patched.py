@@ -1,0 +1,54 @@
+"""Rules of the derivation patched out, for benchmarks that time a rule against the tree
+before it in one process: each a context manager inside which the rule does nothing, what was
+derived, traced or lowered forgotten on entry and on exit (a call compiled inside keeps its
+kernels). Shared by ``bench_lengths.py``, ``gpu_check.py`` and ``ptx_saving_lengths.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def forget():
+    """What was derived, traced or lowered in this process, forgotten: the next call derives
+    afresh (a call compiled before keeps its kernels)."""
+    import jax
+
+    from moajax import runtime, schedule
+    from moajax.kernels.attention import _mha_kernel
+
+    jax.clear_caches()
+    for cached in (_mha_kernel, runtime._schedules, runtime.lowered):
+        cached.cache_clear()
+    schedule._DERIVED.clear()
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    """Inside: ``module.name`` is ``value``, and what was derived is forgotten on entry and on
+    exit (``forget``)."""
+    rule = getattr(module, name)
+    setattr(module, name, value)
+    forget()
+    try:
+        yield
+    finally:
+        setattr(module, name, rule)
+        forget()
+
+
+def dead_rows_walked():
+    """Inside: the rule that leaves out rows nothing reads (``masked.dead_row_conditions``, 2026-12-06)
+    finds none, so programs past a query length walk every key tile, as before it."""
+    import importlib
+
+    return patched(importlib.import_module("moajax.masked"), "dead_row_conditions", lambda onf, st: ())
+
+
+def statistics_unguarded():
+    """Inside: the saving forward saves its row statistics at every row, as derived
+    (``identities.guard_statistics`` leaves them be: the tree before 2026-12-07), so its rows
+    past a query length are read and it walks their key tiles."""
+    from moajax import identities
+
+    return patched(identities, "guard_statistics", lambda forward, guards: forward)
