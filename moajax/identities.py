@@ -13,10 +13,11 @@ so the unrewritten adjoint's DNF → JAX reference stays the oracle.
                                          =  (a ÷ c) · Σ_e dY[e] × Y[e]
     For attention, the softmax's cotangent Δ = +/(P × dP), a pass over keys with two
     contractions per query row, becomes +/(dO × O): one pass over the head dim.
-    guarded statistics (the other way: the saving forward's DNF)
-        a statistic z that every adjoint reads only where c holds (x × (c ? dY : 0) reads x
-        only there: a cotangent a select zeroed) is saved as c ? z : 1, so the forward leaves
-        out the rows where c fails (a query length's padding: ``onf.dead_rows``)
+    guarded-statistic (the saving forward's DNF)
+        z = c ? z : z̄       where z is a statistic and z̄ its closed form where c fails
+    (attention's row max past a query length is the fill, its sum S): the statistic then reads
+    its pass only where c holds, so the forward leaves out the rows where c fails (a query
+    length's padding: ``onf.dead_rows``), as the forward without statistics does.
 
 Only an output the forward computes at full precision is read back (an output cast to a
 narrower dtype is rounded: reading it would change the value, so the rule does not apply).
@@ -339,95 +340,96 @@ def _zero_select(e: D.Expr):
     return None
 
 
-def _guarded_products(adjoint: D.DNF, cotangents) -> D.DNF:
-    """The adjoint as it reads the forward's values: x × (c ? y : 0) as c ? x × y : 0 (and
-    (c ? y : 0) × x, (c ? y : 0) ÷ x), where y reads a cotangent (``cotangents``: the adjoint
-    inputs that are). A select's output does not depend on its x where c fails, so the
-    cotangent it passes back is 0 there (c ? dY : 0), and so is every product that carries it
-    on: x is not read there, where x is finite. Only a view for ``statistic_guards``: run, the
-    select around a contraction's product would hide the contraction from the lowering
-    (``tiles.contract``), which masks the guarded operand instead."""
-    cts = frozenset(cotangents)
+GUARDED_STATISTIC = "guarded-statistic"
 
+
+def _fold(e: D.Expr) -> D.Expr:
+    """e with each reduction over a body that does not use its variable folded: ⌈_v k = k,
+    ⌊_v k = k, Σ_v k = n · k (n the extent; exact up to the sum's rounding); others kept."""
     def fn(x):
-        if not (isinstance(x, D.Call) and x.op in ("mul", "div")):
-            return None
-        for i in ((0, 1) if x.op == "mul" else (0,)):
-            sel = _zero_select(x.children[i])
-            if sel is None or not any(r.array in cts for r in D.reads(sel.children[1])):
-                continue
-            kids = list(x.children)
-            kids[i] = sel.children[1]
-            inner = D.Call(x.op, kids)
-            if inner.dtype == x.dtype:
-                return D.Call("where", (sel.children[0], inner, D.Lit(0.0, x.dtype)))
+        if isinstance(x, D.Red) and x.var not in x.body.free:
+            if x.monoid in ("max", "min"):
+                return x.body
+            if x.monoid == "add" and x.dtype.kind == "f":
+                return D.Call("mul", (x.body, D.Lit(float(x.var.extent), x.dtype)))
         return None
 
-    return D.DNF(adjoint.name, adjoint.inputs,
-                 tuple(dataclasses.replace(o, body=D.transform(o.body, fn)) for o in adjoint.outputs))
+    return D.transform(e, fn)
 
 
-def statistic_guards(forward: D.DNF, adjoints, saved: Mapping[str, str], cotangents) -> dict:
-    """Per saved statistic z of ``forward`` (an output named in ``saved``, which gives the
-    adjoint input holding it), the row conditions c (affine comparisons over z's variables,
-    reading only ``forward``'s inputs) under which every adjoint of ``adjoints`` (DNFs whose
-    inputs ``cotangents`` are the cotangents) reads z (``onf.guarded_reads``: c ? x : y reads x
-    only where c holds; ``_guarded_products``: nor does x × (c ? dY : 0)), c's variables those
-    that index z at a read (a position that another index expression fills does not carry
-    one) — a statistic read outside such a select gets none. Each as {name: (comparison, …)},
-    the comparisons in a fixed order; only those with some."""
-    from moajax.onf import comparison, guarded_reads
+def _failing(e: D.Expr, cond) -> D.Expr:
+    """e where the affine condition ``cond`` (``onf.Affine``) fails: each select whose
+    condition has it as a conjunct takes its other branch, and a select whose branches are then
+    one value is that value (a key length's (s < L) ? fill : fill is the fill, whatever s)."""
+    from moajax.onf import comparison, conjuncts
 
-    inputs = {i.name for i in forward.inputs}
+    def fn(x):
+        if isinstance(x, D.Call) and x.op == "where":
+            if any(comparison(a) == cond for a in conjuncts(x.children[0])):
+                return x.children[2]
+            if x.children[1] is x.children[2]:
+                return x.children[1]
+        return None
+
+    return D.transform(e, fn)
+
+
+def statistic_guards(forward: D.DNF, saved) -> dict:
+    """Per saved statistic z of ``forward`` (the outputs named in ``saved``): the row
+    conditions c (affine conditions of the selects in z's body, over z's variables) where
+    whose failure z folds to a closed form z̄ — every select on c takes its other branch and
+    what is left reduces nothing but constants (``_fold``):
+
+        z = c ? z : z̄
+
+    Attention's row max past a query length is ⌈_s fill = fill and its sum Σ_s exp(fill −
+    fill) = S, whatever the keys. As {name: ((c, z̄), …)}, c as a select holds it; only
+    statistics with some, and not one already a select on c (a 16-bit Out before rounding)."""
+    from moajax.onf import comparison, conjuncts
+
     found = {}
     for z in forward.outputs:
         if z.name not in saved:
             continue
-        name = saved[z.name]
-        common = None  # Affine → the comparison over z's variables
-        for adj in adjoints:
-            for o in _guarded_products(adj, cotangents).outputs:
-                atoms: dict = {}
-                reads = guarded_reads(o.body, lambda x: isinstance(x, D.Read) and x.array == name, atoms)
-                for read, conds in reads:
-                    # (a condition over the variables the read indexes z by: GQA's adjoint
-                    # reads the statistics at ⟨b t (G·n_kv + g)⟩, its rows' t < L at ⟨b t⟩)
-                    at = {ix.as_var(): Ix.of(v) for ix, v in zip(read.index, z.vars) if ix.as_var() is not None}
-                    here = {}
-                    for c in conds:
-                        e = atoms[c]
-                        if e.free <= set(at) and all(r.array in inputs for r in D.reads(e)):
-                            e = D.substitute(e, at)
-                            here[comparison(e)] = e
-                    common = here if common is None else {a: e for a, e in common.items() if a in here}
-            if common == {}:
-                break
-        if common:
-            found[z.name] = tuple(common[a] for a in sorted(common, key=lambda a: a.text()))
+        rows = set(z.vars)
+        top = _bare(z.body)
+        held = ({comparison(a) for a in conjuncts(top.children[0])}
+                if isinstance(top, D.Call) and top.op == "where" else set())
+        atoms: dict = {}
+        for x in D.walk(z.body):
+            if isinstance(x, D.Call) and x.op == "where":
+                for a in conjuncts(x.children[0]):
+                    c = comparison(a)
+                    if c is not None and c not in held and c.vars() <= rows:
+                        atoms.setdefault(c, a)
+        guards = []
+        for c in sorted(atoms, key=lambda c: c.text()):
+            closed = _fold(_failing(z.body, c))
+            if not D.reductions(closed):
+                guards.append((atoms[c], closed))
+        if guards:
+            found[z.name] = tuple(guards)
     return found
 
 
-def guard_statistics(forward: D.DNF, guards: Mapping[str, tuple]) -> D.DNF:
+def guard_statistics(forward: D.DNF, guards: Mapping[str, tuple]) -> tuple[D.DNF, list]:
     """The saving forward with each statistic z named in ``guards`` (``statistic_guards``)
-    saved as c ? z : 1. Where c fails its adjoints read z only in products with a zero
-    cotangent, and 1 keeps those products' other factors finite there (a divisor; an
-    exponent's offset from a masked score: attention's P = exp(fill − 1) ÷ 1 = 0 past a query
-    length), so that they stay 0, and so do a second derivative's. What it buys: nothing
-    then reads the pass computing z where c fails, so the forward leaves those rows out
-    (``onf.dead_rows``; a query length's padding walks no key tile), as the forward without
-    statistics does."""
+    written c ? z : z̄: the same value (z̄ is z where c fails, folded), which reads the pass
+    computing z only where c holds. What it buys: where every other read of that pass lies
+    under c too (the output's rows past a query length are 0), nothing reads it where c fails,
+    and the forward leaves those rows out (``onf.dead_rows``; a query length's padding walks
+    no key tile), as the forward without statistics does. Returns the DNF and what was
+    applied."""
     if not guards:
-        return forward
-    outs = []
+        return forward, []
+    outs, applied = [], []
     for o in forward.outputs:
-        conds = guards.get(o.name)
-        if conds:
-            cond = conds[0]
-            for c in conds[1:]:
-                cond = D.Call("logical_and", (cond, c))
-            o = dataclasses.replace(o, body=D.Call("where", (cond, o.body, D.Lit(1.0, o.dtype))))
+        for cond, closed in guards.get(o.name, ()):
+            body = D.Call("where", (cond, o.body, closed))
+            applied.append(Applied(GUARDED_STATISTIC, D.show(o.body), D.show(body)))
+            o = dataclasses.replace(o, body=body)
         outs.append(o)
-    return D.DNF(forward.name, forward.inputs, tuple(outs))
+    return D.DNF(forward.name, forward.inputs, tuple(outs)), applied
 
 
 def _summed_over_rows_and_keys(body: D.Expr, deltas: list) -> bool:
@@ -550,4 +552,6 @@ def relayout_forward(forward: D.DNF, layouts) -> D.DNF:
     return D.DNF(forward.name, forward.inputs, outs)
 
 
-__all__ = ["Layout", "statistic_layouts", "relayout_forward", "Applied", "DELTA_FROM_OUTPUT", "OUTPUT_REUSE", "delta_from_output", "read_statistics", "factors"]
+__all__ = ["Layout", "statistic_layouts", "relayout_forward", "Applied", "DELTA_FROM_OUTPUT", "OUTPUT_REUSE",
+           "GUARDED_STATISTIC", "delta_from_output", "read_statistics", "factors", "statistic_guards",
+           "guard_statistics"]

@@ -677,7 +677,7 @@ class Kernel:
 
         forward.__signature__ = inspect.signature(self.fn)
         forward.__name__ = f"{self.name}_saving" + "".join(f"_{lb}" for lb in labels) + _unread_suffix(unread)
-        hit = self._derived[("with_row_statistics", labels, unread)] = _SavingKernel(forward, primal, labels, unread)
+        hit = self._derived[("with_row_statistics", labels, unread)] = _SavingKernel(forward, primal)
         hit._lift_from = self
         return hit
 
@@ -1234,17 +1234,16 @@ class _SavingKernel(Kernel):
     layout by index maps (``_in_rows_layout``), so that its tangent and adjoint kernels meet
     the DNF's outputs: a second derivative through saved residuals runs them.
 
-    Its DNF then saves a statistic z that the backward reading it (``labels``, ``unread``: as
-    ``with_row_statistics``) reads only where c holds as c ? z : 1
-    (``identities.guard_statistics``): the rows past a query length are left out of its walk
-    as they are from the plain forward's. ``fn`` keeps z: where c fails no derivative reads it."""
+    Its DNF then writes a statistic z as c ? z : z̄ where z̄ is its closed form where a row
+    condition c fails (``identities.guard_statistics``: the row max past a query length is the
+    fill, whatever the keys): the same values, the rows past a query length left out of its
+    walk as they are from the plain forward's."""
 
-    def __init__(self, natural, primal: Kernel, labels: tuple = (), unread: tuple | None = None):
+    def __init__(self, natural, primal: Kernel):
         super().__init__(natural, example=primal.example, name=natural.__name__,
                          outputs=None, dims={p.name: " ".join(p.dims) for p in primal.params})
         self._primal = primal
         self._natural = natural
-        self._saved = (tuple(labels), unread)
 
         def forward(*arrays, **opts):
             outs = natural(*arrays, **opts)
@@ -1291,32 +1290,17 @@ class _SavingKernel(Kernel):
         hit = self._cache.get(key)
         if hit is None:
             plain = self._plain(specs, options)
-            dnf = _identities.guard_statistics(plain[2], self._statistic_guards(specs, options, plain[2]))
-            hit = plain if dnf is plain[2] else plain[:2] + (dnf, plain[3], _reference.to_jax(dnf), plain[5])
+            n_saved = len(plain[5])
+            dnf, applied = _identities.guard_statistics(plain[2], _identities.statistic_guards(
+                plain[2], [o.name for o in plain[2].outputs[:n_saved]]))
+            hit = plain if not applied else (*plain[:2], dnf, functools.partial(plain[3], applied=tuple(applied)),
+                                              _reference.to_jax(dnf), plain[5])
             self._cache[key] = hit
         return hit
 
-    def _statistic_guards(self, specs, options, dnf) -> dict:
-        """``identities.statistic_guards`` of the saved statistics against the backward that
-        reads them: the adjoint of every cotangent, after a CPU's forward and after a GPU's
-        (``adjoint``'s ``rounded``), as ``statistics_read`` asks."""
-        primal, (labels, unread) = self._primal, self._saved
-        key = primal._key(specs, options)
-        args = primal._saved_args(specs, options, labels, unread)
-        adjoints = [primal._adjoint_for(key, options, labels or True, unread=unread, rounded=r)
-                    for r in sorted({primal.gpu_dots_round(key, options), False})]
-        n_out = len(self._primal_names(specs, options))
-        n_saved = len(dnf.outputs) - n_out
-        # (the adjoint's arguments: primals, cotangents, the saved values, outputs)
-        first = len(primal.params) + n_out
-        held = [p.name for p in adjoints[0].params[first:first + n_saved]]
-        saved = dict(zip([o.name for o in dnf.outputs[:n_saved]], held))
-        cts = [p.name for p in adjoints[0].params[len(primal.params):first]]
-        return _identities.statistic_guards(dnf, [a.dnf(*args, **options) for a in adjoints], saved, cts)
-
     def dnf_before_identities(self, *specs, **options):
-        """The DNF with its statistics unguarded (``guard_statistics``): what the adjoint's
-        identities match against."""
+        """The DNF with its statistics as derived, unguarded (``guard_statistics``): what the
+        adjoint's identities match against."""
         specs = specs or self.example_specs()
         return self._plain(specs, options)[2]
 

@@ -1,8 +1,8 @@
 """Sequence lengths (jax.nn's query_seq_lengths, key_value_seq_lengths) under jit(grad) on the CPU.
 
 The contenders, jit(grad) w.r.t. q, k and v, alternated in one process (best and median):
-moajax without lengths, with query lengths, the same with the saved statistics unguarded
-(``statistics_unguarded``: the tree before 2026-12-07), with key/value lengths, with both;
+moajax without lengths, with query lengths, the same with the saving forward's statistics
+unguarded (``rules_patched.statistics_unguarded``: the tree before 2026-12-07), with key/value lengths, with both;
 jax.nn (XLA) with both. The lengths are [T, T/2] over a batch of 2: the second sequence is
 half padding.
 
@@ -11,8 +11,8 @@ saved output (``identities.delta_from_output``) — one pass over the head dim i
 over every key with two contractions. With query lengths the output and its cotangent are
 guarded (0 past a row's length); the identity sees through the guard since 2026-12-06 (0 = 0
 past it). The column 'Δ reads O' checks that it fired on the kernel the call runs. And the
-saving forward: since 2026-12-07 it saves its row statistics as (t < L) ? z : 1, which its
-backward reads only within the length (``identities.guard_statistics``), so it leaves out the
+saving forward: since 2026-12-07 it writes its row statistics (t < L) ? z : z̄, z̄ their closed
+form past the length (the fill, and S: ``identities.guard_statistics``), so it leaves out the
 rows past it as the plain forward does; the last column checks its ONF on this machine.
 
 `python scripts/bench_lengths.py` writes bench/results/lengths_grad_cpu.md.
@@ -122,8 +122,8 @@ def main(argv):
               f"one process; best and median of {REPS.value} rounds after a warm-up. Temp: the compiled "
               "executable's temp allocation. 'Δ reads O': the backward's DNF reads the saved output (the "
               "Δ-from-output identity applied), checked on the kernel the call runs. 'statistics unguarded': "
-              "the saving forward's row statistics saved at every row (`identities.guard_statistics` patched "
-              "out: the tree before 2026-12-07), so its programs past a query length walk every key tile; the "
+              "`identities.guard_statistics` patched out (the tree before 2026-12-07): the saving forward's row "
+              "statistics read their pass at every row, so its programs past a query length walk every key tile; the "
               "last column: the saving forward's ONF on this machine records rows left out (`Skip.dead`).", "",
               "| T = S | contender | best s | median s | vs no lengths | temp MiB | max rel. diff of dq vs jax.nn (same lengths) | "
               "Δ reads O | saving forward leaves out rows past the length |",

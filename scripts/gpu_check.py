@@ -603,8 +603,9 @@ def main():
                         implementation="cudnn")
                 race(dt, con, (q, q, q), 4 * 2 * T8 * T8 * N8 * H8, 10, "moajax, no lengths")
             # jit(grad): the saving forward leaves the rows out too where its statistics are
-            # saved guarded (``identities.guard_statistics``, 2026-12-07); the CPU's: 0.88× and
-            # 0.87× moajax without lengths against 1.00× unguarded (lengths_grad_cpu.md)
+            # saved guarded (``identities.guard_statistics``, 2026-12-07); the CPU's: 0.94× and
+            # 0.93× moajax without lengths against 1.00× and 0.97× unguarded, 0.90× and 0.85×
+            # against 0.99× and 0.95× in a second run (lengths_grad_cpu.md)
             for dt in ("bfloat16", "float32"):
                 if rep.left() < 15:
                     rep.add(f"| {dt} grad | (not run: time) | | | | | |")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The saving forward with query lengths on the GPU, offline (PTX through ptxas, no GPU): what
-``jax.grad`` of attention with ``query_seq_lengths`` runs first, its row statistics saved as
-(t < L) ? z : 1 (``identities.guard_statistics``, 2026-12-07) so that its programs past a
-query length walk no key tile, against the same forward with the statistics saved at every
-row (the rule patched out: before it) — the default ONF of each profile (its spill check on,
+``jax.grad`` of attention with ``query_seq_lengths`` runs first, its row statistics written
+(t < L) ? z : z̄, z̄ their closed form past the length (``identities.guard_statistics``,
+2026-12-07), so that its programs past a query length walk no key tile, against the same
+forward with the statistics as derived (the rule patched out: before it) — the default ONF of each profile (its spill check on,
 as ``moajax gpu-report`` derives it): whether it records the dead rows, its tiles, and
 ptxas' registers, spills and shared memory. B = 2, T = S = 1024, N = 8, H = 64; MHA and GQA
 (2 kv heads), float32 and bfloat16, causal or not. Untimed.
@@ -72,10 +72,10 @@ def main(argv):
         f"Date {datetime.date.today().isoformat()}; JAX {jax.__version__}; ptxas {ptx.ptxas_version()}. "
         "`python scripts/ptx_saving_lengths.py`: what `jax.grad` of attention with `query_seq_lengths` runs "
         f"first (B = {B}, T = S = {T}, N = {N}, H = {H}), the default ONF of each profile with its spill check "
-        "on (as `moajax gpu-report`). 'guarded': its row statistics saved as (t < L) ? z : 1 "
-        "(`identities.guard_statistics`, 2026-12-07), so its programs past a query length walk no key tile "
-        "('dead rows': the ONF records them, `Skip.dead`); 'unguarded': the rule patched out, the statistics "
-        "saved at every row (before it). Spill B: stores and loads. Untimed: no GPU in this session.",
+        "on (as `moajax gpu-report`). 'guarded': its row statistics written (t < L) ? z : z̄, z̄ their "
+        "closed form past the length (the fill, and S; `identities.guard_statistics`, 2026-12-07), so its "
+        "programs past a query length walk no key tile ('dead rows': the ONF records them, `Skip.dead`); "
+        "'unguarded': the rule patched out, the statistics as derived (before it). Spill B: stores and loads. Untimed: no GPU in this session.",
         "",
         *table_lines(head, rows),
         "",

@@ -46,9 +46,9 @@ def dead_rows_walked():
 
 
 def statistics_unguarded():
-    """Inside: the saving forward saves its row statistics at every row, as derived
-    (``identities.guard_statistics`` leaves them be: the tree before 2026-12-07), so its rows
-    past a query length are read and it walks their key tiles."""
+    """Inside: the saving forward's row statistics read their pass at every row, as derived
+    (``identities.guard_statistics`` leaves them be: the tree before 2026-12-07), so it walks
+    the key tiles of its rows past a query length."""
     from moajax import identities
 
-    return patched(identities, "guard_statistics", lambda forward, guards: forward)
+    return patched(identities, "guard_statistics", lambda forward, guards: (forward, []))

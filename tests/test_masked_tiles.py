@@ -323,8 +323,8 @@ def test_dq_programs_past_a_query_length_walk_no_tile(kvlen):
     at every key — a plain 0, no kept key assumed. The skip records the row condition
     (``Skip.rows``): a program whose rows all fail it walks no tile; one with a row inside
     walks its keys. The saving forward's online pass records the rows past the length as
-    dead: its backward reads its statistics only there (``identities.statistic_guards``), so
-    it saves them as (t < L) ? z : 1 and leaves the rows out like the plain forward
+    dead: it writes its statistics (t < L) ? z : z̄, z̄ their closed form past the length
+    (``identities.guard_statistics``), and leaves the rows out like the plain forward
     (test_forward_programs_past_a_query_length_walk_no_tile)."""
     from moajax import dnf as D
 
@@ -485,13 +485,12 @@ def test_a_forward_leaving_out_dead_rows_changes_no_bit(case, impl):
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 @pytest.mark.parametrize("case", list(DEAD_ROWS))
 def test_a_saving_forward_leaving_out_dead_rows_changes_no_gradient_bit(case, impl):
-    """The saving forward (what ``jax.grad`` runs under residuals "save") saves its row
-    statistics as (t < L) ? z : 1 (``identities.guard_statistics``: its backward reads them
-    only within the length), so it too leaves out the programs past a query length
+    """The saving forward (what ``jax.grad`` runs under residuals "save") writes its row
+    statistics as (t < L) ? z : z̄, z̄ their closed form past the length (the fill, and S:
+    ``identities.guard_statistics``), so it too leaves out the programs past a query length
     (``test_a_saving_forward_saves_its_statistics_guarded``): the gradients are bitwise those
     of every tile walked, finite and within float64's 1e-12 of the reference; a second
-    derivative too (its products with the zero cotangent past the length read P = exp(fill −
-    1) ÷ 1 = 0 there), within 1e-12 of the one that saves nothing (residuals "none")."""
+    derivative too, within 1e-12 of the one that saves nothing (residuals "none")."""
     kw = dict(DEAD_ROWS[case])
     q, k, v, g = _qkv()
     runs = []
@@ -517,9 +516,11 @@ def test_a_saving_forward_leaving_out_dead_rows_changes_no_gradient_bit(case, im
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 def test_a_saving_forward_saves_its_statistics_guarded(impl):
-    """The kernel ``jax.grad`` saves with: each row statistic is (t < L) ? z : 1 in its DNF,
-    its ONF leaves out the rows past the length (``Skip.dead``), and what it saves there is
-    exactly 1; within the length, the statistics as derived (the unguarded DNF's reference)."""
+    """The kernel ``jax.grad`` saves with: each row statistic is (t < L) ? z : z̄ in its DNF, z̄
+    the closed form past the length (``identities.statistic_guards``: the max is the fill and
+    the sum S, whatever the keys), its ONF leaves out the rows past the length (``Skip.dead``),
+    and what it saves is what the statistics as derived give: exactly past the length (no
+    walk there), to float64's 1e-12 within it."""
     from moajax import reference
 
     q, k, v, _ = _qkv()
@@ -527,8 +528,8 @@ def test_a_saving_forward_saves_its_statistics_guarded(impl):
     kern = mha_kernel(None, None, True, True, False)
     saving = kern.saving_forward(q, k, v, lengths, is_causal=True)
     guarded = [o for o in saving.dnf(q, k, v, lengths, is_causal=True).outputs if D.is_saved_statistic(o.name)]
-    assert len(guarded) == 2 and all(D.show(o.body).startswith("((t < ⟨b⟩ψquery_seq_lengths) ? ")
-                                     and D.show(o.body).endswith(" : 1.0)") for o in guarded)
+    assert len(guarded) == 2 and all(D.show(o.body).startswith("((t < ⟨b⟩ψquery_seq_lengths) ? ") for o in guarded)
+    assert "guarded-statistic" in str(saving.derivation(q, k, v, lengths, is_causal=True))
     onf = saving.onf(q, k, v, lengths, onf=Preset.of(tiles=TILES), implementation=impl, is_causal=True)
     assert [[c.text() for c in sk.dead] for sk in onf.skips if sk.dead] == [["−t + ⟨b⟩ψquery_seq_lengths − 1 ≥ 0"]]
     got = saving.compiled(q, k, v, lengths, onf=Preset.of(tiles=TILES), implementation=impl,
@@ -537,7 +538,45 @@ def test_a_saving_forward_saves_its_statistics_guarded(impl):
     past = np.arange(T)[None, :] >= lengths[:, None]  # [b t]
     for z, w in zip(got, want):
         z, w = np.asarray(z).reshape(B, T, N), np.asarray(w).reshape(B, T, N)
-        assert np.all(z[past] == 1.0) and np.allclose(z[~past], w[~past], rtol=1e-12, atol=0)
+        assert np.array_equal(z[past], w[past]) and np.allclose(z[~past], w[~past], rtol=1e-12, atol=0)
+
+
+def test_a_statistic_past_a_length_keeps_its_value_whatever_the_scores_there():
+    """A kernel whose scores past a row's length are not the fill but 0 + 1000 (softmax does
+    not see the shift): its statistics there are the max 1000 and the sum S, which P =
+    exp(1000 − 1000) ÷ S reads finite in dV's P × (t < L ? dO : 0) — the closed form, not a
+    stand-in (a review found 1 there: P = exp(999) = ∞ in float64, and ∞ × 0 = NaN; in float32
+    from an offset of 100). The gradients under "save"
+    are those of "none" to float64's 1e-12, finite, and the saving forward leaves out the
+    rows past the length."""
+    from moajax import moa
+    from moajax.kernel import kernel
+
+    @kernel(example=dict(b=2, t=4, s=5, e=3), register=False)
+    def offset_attention(x: "b t s", v: "b s e", lengths: "b"):
+        def cell(x, v, n):
+            rows = moa.lt(moa.iota(x.shape[0], x.dims[0]), n)
+            score = moa.omega(lambda row, c: moa.where(c, row, 0.0), (1, 0))(x, rows) + 1000.0
+            out = moa.softmax(score, axis=-1) @ v
+            return moa.omega(lambda row, c: moa.where(c, row, 0.0), (1, 0))(out, rows)
+        return moa.omega(cell, (2, 2, 0))(x, v, lengths)
+
+    r = np.random.default_rng(0)
+    x, v, g = (r.standard_normal(s) for s in ((2, 8, 6), (2, 6, 3), (2, 8, 3)))
+    lengths = np.array([3, 8], np.int32)
+    tiles = Preset.of(tiles={"t": 2, "s": 2})
+    onf = offset_attention.saving_forward(x, v, lengths).onf(x, v, lengths, onf=tiles, implementation="xla")
+    assert any(sk.dead for sk in onf.skips)
+    for impl in ("xla", "pallas_interpret"):
+        grads = {}
+        for residuals in ("save", "none"):
+            def loss(x, v, residuals=residuals):
+                return jnp.sum(offset_attention(x, v, lengths, residuals=residuals, implementation=impl,
+                                                onf=tiles) * g)
+            grads[residuals] = jax.grad(loss, argnums=(0, 1))(x, v)
+        for a, want in zip(grads["save"], grads["none"]):
+            assert np.all(np.isfinite(a))
+            assert float(np.max(np.abs(np.asarray(a) - want))) <= 1e-12 * max(float(np.max(np.abs(want))), 1.0)
 
 
 def test_a_skip_leaving_out_rows_the_program_reads_is_refused():
