@@ -1052,8 +1052,8 @@ class Kernel:
                 if not any(flags[:n]) or not all(held):
                     return dnf, []
                 fwd = fwd.batched(flags[:n])
-            # (the forward as derived, its statistics unguarded: ``guard_statistics`` asks this
-            # adjoint where it reads them)
+            # (the forward as derived, its statistics unguarded: the identities find their
+            # bodies inside the outputs', which ``guard_statistics`` wraps in a select)
             forward = fwd.dnf_before_identities(*specs[:n], **opts)
             return _identities.delta_from_output(
                 dnf, forward, cotangent_of=dict(zip(ct_names, names)), value_of=dict(zip(names, value_names)),
