@@ -331,27 +331,21 @@ def delta_from_output(adjoint: D.DNF, forward: D.DNF, cotangent_of: Mapping[str,
     return D.DNF(adjoint.name, adjoint.inputs, new), list(applied.values())
 
 
-def _zero_select(e: D.Expr):
-    """e as the select c ? y : 0 (under labels), else None."""
-    b = _bare(e)
-    if (isinstance(b, D.Call) and b.op == "where" and isinstance(_bare(b.children[2]), D.Lit)
-            and _bare(b.children[2]).value == 0):
-        return b
-    return None
-
-
 GUARDED_STATISTIC = "guarded-statistic"
 
 
 def _fold(e: D.Expr) -> D.Expr:
     """e with each reduction over a body that does not use its variable folded: ⌈_v k = k,
-    ⌊_v k = k, Σ_v k = n · k (n the extent; exact up to the sum's rounding); others kept."""
+    ⌊_v k = k, Σ_v k = n · k (``rewrites.factor_out_invariants``; exact up to the sum's
+    rounding); others kept."""
+    from moajax.rewrites import factor_out_invariants
+
     def fn(x):
         if isinstance(x, D.Red) and x.var not in x.body.free:
             if x.monoid in ("max", "min"):
                 return x.body
-            if x.monoid == "add" and x.dtype.kind == "f":
-                return D.Call("mul", (x.body, D.Lit(float(x.var.extent), x.dtype)))
+            out = factor_out_invariants(x)
+            return None if out is x else out
         return None
 
     return D.transform(e, fn)

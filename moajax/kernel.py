@@ -1258,18 +1258,17 @@ class _SavingKernel(Kernel):
         import jax
 
         specs = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in key[0]]
-        return tuple(o.name for o in self._plain(specs, dict(key[1]))[2].outputs)
+        return tuple(o.name for o in self._build(specs, dict(key[1]))[2].outputs)
 
     def _primal_names(self, specs, options) -> tuple:
         outs = self._primal._build(specs, options)[1]
         return self._primal._names_for(outs if isinstance(outs, tuple) else (outs,))
 
-    def _plain(self, specs, options):
-        """The build (as ``_build``'s) with the statistics as derived: unguarded."""
-        key = ("plain", self._key(specs, options))
+    def _build(self, specs, options):
+        key = self._key(specs, options)
         hit = self._cache.get(key)
         if hit is None:
-            inputs = tuple(moa.array(p.name, shape, p.dims, dtype) for p, (shape, dtype) in zip(self.params, key[1][0]))
+            inputs = tuple(moa.array(p.name, shape, p.dims, dtype) for p, (shape, dtype) in zip(self.params, key[0]))
             expr = self._natural(*inputs, **options)
             primal_names = self._primal_names(specs, options)
             n_saved = len(expr) - len(primal_names)
@@ -1279,34 +1278,20 @@ class _SavingKernel(Kernel):
             # computes both (attention: the one online-softmax pass gives Out, its max and sum)
             layouts = _identities.statistic_layouts(dnf, names[:n_saved])
             dnf = _identities.relayout_forward(dnf, layouts)
+            # then each with its closed form where a row condition fails (the same values); the
+            # adjoint's identities match the statistics as derived (``dnf_before_identities``)
+            self._cache[("before identities", key)] = dnf
+            dnf, applied = _identities.guard_statistics(dnf, _identities.statistic_guards(dnf, names[:n_saved]))
             relaid = tuple(o if lay is None else _in_rows_layout(o, lay) for o, lay in zip(expr, layouts))
             hit = (inputs, relaid + tuple(expr[n_saved:]), dnf,
-                   functools.partial(_recorded, self.name, inputs, expr, names), _reference.to_jax(dnf), layouts)
+                   functools.partial(_recorded, self.name, inputs, expr, names, tuple(applied)),
+                   _reference.to_jax(dnf), layouts)
             self._cache[key] = hit
         return hit
-
-    def _build(self, specs, options):
-        key = self._key(specs, options)
-        hit = self._cache.get(key)
-        if hit is None:
-            plain = self._plain(specs, options)
-            n_saved = len(plain[5])
-            dnf, applied = _identities.guard_statistics(plain[2], _identities.statistic_guards(
-                plain[2], [o.name for o in plain[2].outputs[:n_saved]]))
-            hit = plain if not applied else (*plain[:2], dnf, functools.partial(plain[3], applied=tuple(applied)),
-                                              _reference.to_jax(dnf), plain[5])
-            self._cache[key] = hit
-        return hit
-
-    def dnf_before_identities(self, *specs, **options):
-        """The DNF with its statistics as derived, unguarded (``guard_statistics``): what the
-        adjoint's identities match against."""
-        specs = specs or self.example_specs()
-        return self._plain(specs, options)[2]
 
     def layouts(self, *specs, **options) -> list:
         """Per saved statistic, its ``identities.Layout`` (None: saved in its own layout)."""
-        return self._plain(specs, options)[5]
+        return self._build(specs, options)[5]
 
     def compiled(self, *specs, onf=None, implementation=None, residuals="none", **options):
         """The forward with its row statistics: saved first, then the primal outputs — returned

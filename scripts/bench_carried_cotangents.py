@@ -20,7 +20,6 @@ over the weights (block) or q, k, v, and the slopes' apart.
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import sys
@@ -30,29 +29,13 @@ from absl import app, flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from rules_patched import forget  # noqa: E402
 
 OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "carried_cotangents_cpu.md"), "the results file")
 REPS = flags.DEFINE_integer("reps", 5, "timed rounds")
 TOKENS = flags.DEFINE_integer("tokens", 1024, "T (= S)")
-
-
-def _forget():
-    """Every derived kernel and compiled function forgotten, so that the next trace derives
-    the adjoints afresh under whichever rule is in force."""
-    import importlib
-
-    import jax
-
-    from moajax import runtime
-    from moajax.kernel import Kernel
-
-    for k in gc.get_objects():
-        if isinstance(k, Kernel):
-            k._derived.clear()
-            k._compiled.clear()
-    importlib.import_module("moajax.kernels.attention")._mha_kernel.cache_clear()
-    runtime.schedules.cache_clear()
-    jax.clear_caches()
 
 
 def main(argv):
@@ -94,12 +77,12 @@ def main(argv):
              "error, slopes |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for case, (loss, args, argnums) in cases.items():
         grad = jax.grad(loss, argnums=argnums)
-        _forget()
+        forget()
         want = grad(*jax.tree.map(lambda a: a.astype(jnp.float64), args))
         fns, errs = {}, {}
         for name, joined in (("carried", rule), ("rounded at each cast", old)):
             adjoint.joined = joined
-            _forget()
+            forget()
             try:
                 fns[name] = jax.jit(grad).lower(*args).compile()
                 got = fns[name](*args)

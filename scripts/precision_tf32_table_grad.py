@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from h200_interpret import on_the_h200s_schedule, relative_errors  # noqa: E402
+from rules_patched import forget  # noqa: E402
 
 OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "table_grad_precision_tf32.md"), "the results file")
 CASES = (  # (T = S, H, causal, query lengths as a fraction of T or None, score_mod)
@@ -39,18 +40,6 @@ CASES = (  # (T = S, H, causal, query lengths as a fraction of T or None, score_
     (256, 64, False, None, "relpos"), (512, 64, True, None, "relpos"))
 PATHS = (("reads Out", "pallas_interpret", "save", None), ("recomputes Δ", "pallas_interpret", "save", True),
          ("none", "pallas_interpret", "none", None))
-
-
-def _fresh():
-    """Forget what earlier rows derived, traced and lowered (a patched rule must re-derive)."""
-    import jax
-
-    from moajax import runtime
-    from moajax.kernels.attention import _mha_kernel
-
-    jax.clear_caches()
-    for cached in (_mha_kernel, runtime.schedules, runtime._schedules, runtime.lowered):
-        getattr(cached, "cache_clear", lambda: None)()
 
 
 def rows() -> list:
@@ -95,13 +84,13 @@ def rows() -> list:
             got = jax.jit(grad, static_argnums=(4, 5))(table, q, k, v, impl, res)
             return relative_errors(got, want)
 
-        _fresh()
+        forget()
         out.append((case, "—", "xla (IEEE float32)", errors("xla", "save")))
         for mode in ("truncated", "rounded"):
             for label, impl, res, force in PATHS:
                 backend.interpret_tf32 = mode
                 Kernel.gpu_dots_round = rounds if force is None else (lambda self, key, options: True)
-                _fresh()
+                forget()
                 try:
                     out.append((case, mode, label, errors(impl, res)))
                 finally:

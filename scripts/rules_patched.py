@@ -1,7 +1,8 @@
 """Rules of the derivation patched out, for benchmarks that time a rule against the tree
 before it in one process: each a context manager inside which the rule does nothing, what was
 derived, traced or lowered forgotten on entry and on exit (a call compiled inside keeps its
-kernels). Shared by ``bench_lengths.py``, ``gpu_check.py`` and ``ptx_saving_lengths.py``.
+kernels). Shared by ``bench_lengths.py``, ``gpu_check.py`` and ``ptx_saving_lengths.py``; ``forget``
+also by ``bench_carried_cotangents.py`` and ``precision_tf32_table_grad.py``.
 """
 
 from __future__ import annotations
@@ -11,14 +12,23 @@ import contextlib
 
 def forget():
     """What was derived, traced or lowered in this process, forgotten: the next call derives
-    afresh (a call compiled before keeps its kernels)."""
+    afresh under whichever rule is in force (a call compiled before keeps its kernels) — every
+    kernel's derived kernels and compiled functions, the attention kernels, the schedules and
+    lowerings, JAX's caches."""
+    import gc
+
     import jax
 
     from moajax import runtime, schedule
+    from moajax.kernel import Kernel
     from moajax.kernels.attention import _mha_kernel
 
+    for k in gc.get_objects():
+        if isinstance(k, Kernel):
+            k._derived.clear()
+            k._compiled.clear()
     jax.clear_caches()
-    for cached in (_mha_kernel, runtime._schedules, runtime.lowered):
+    for cached in (_mha_kernel, runtime.schedules, runtime._schedules, runtime.lowered):
         cached.cache_clear()
     schedule._DERIVED.clear()
 
