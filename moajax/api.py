@@ -230,7 +230,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             # it needs. A cond built afresh in each eager call compiled both again in each
             out = (masked if bool(infinite) else kern)(*args, **options)
         else:
-            out = jax.lax.cond(infinite, lambda a: masked(*a, **options), lambda a: kern(*a, **options), args)
+            # an explicit ONF is one of the two kernels' (``attention_onf``: the finite one's,
+            # for a table it sees finite): that kernel runs it, the other its default schedule
+            finite_options = masked_options = options
+            if isinstance(onf, ONF):
+                dnf_options = {k: v for k, v in options.items() if k not in ("onf", "implementation", "residuals")}
+                if runtime.onf_matches(onf, masked.dnf(*args, **dnf_options)):
+                    finite_options = {**options, "onf": None}
+                else:
+                    masked_options = {**options, "onf": None}
+            out = jax.lax.cond(infinite, lambda a: masked(*a, **masked_options),
+                               lambda a: kern(*a, **finite_options), args)
     else:
         out = kern(*args, **options)
     if return_residual:  # (held constant in the kernel's own definition: no cotangent flows back)
@@ -263,23 +273,22 @@ def _backward_plan(onf, with_bias: bool, consts=()):
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 
 
-def _check_window(w):
+def _check_window(w, who: str = "dot_product_attention"):
     """jax.nn's local_window_size: None, an int w (= (w, w)) or (left, right), each ≥ 0."""
     if w is None:
         return None
     pair = (w, w) if isinstance(w, (int, np.integer)) and not isinstance(w, bool) else w
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        raise TypeError(f"dot_product_attention: local_window_size must be an int or a (left, right) pair of ints, "
-                        f"got {w!r}")
+        raise TypeError(f"{who}: local_window_size must be an int or a (left, right) pair of ints, got {w!r}")
     for x in pair:
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise TypeError(f"dot_product_attention: local_window_size must hold ints, got {w!r}")
+            raise TypeError(f"{who}: local_window_size must hold ints, got {w!r}")
         if x < 0:
-            raise ValueError(f"dot_product_attention: local_window_size must be ≥ 0, got {w!r}")
+            raise ValueError(f"{who}: local_window_size must be ≥ 0, got {w!r}")
     return (int(pair[0]), int(pair[1]))
 
 
-def _check_score_mod(fn, dtype):
+def _check_score_mod(fn, dtype, who: str = "dot_product_attention"):
     """score_mod traced on scalars (score in the accumulation dtype, four int32 indices)."""
     if fn is None:
         return None
@@ -289,7 +298,7 @@ def _check_score_mod(fn, dtype):
     from moajax.trace import ScalarFn
 
     if not callable(fn):
-        raise TypeError(f"dot_product_attention: score_mod must be callable, got {type(fn).__name__}")
+        raise TypeError(f"{who}: score_mod must be callable, got {type(fn).__name__}")
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -298,12 +307,12 @@ def _check_score_mod(fn, dtype):
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         required = [p for p in positional if p.default is p.empty]
         if len(required) > 5 or len(positional) < 5:
-            raise TypeError("dot_product_attention: score_mod must take 5 arguments (score, batch, head, q_idx, "
+            raise TypeError(f"{who}: score_mod must take 5 arguments (score, batch, head, q_idx, "
                             f"kv_idx), got a function of {len(positional)}")
     acc = accumulation_dtype(dtype)
-    mod = ScalarFn.trace(fn, [acc] + [np.int32] * 4, "dot_product_attention: score_mod")
+    mod = ScalarFn.trace(fn, [acc] + [np.int32] * 4, f"{who}: score_mod")
     if mod.out_dtype.kind != "f":
-        raise TypeError(f"dot_product_attention: score_mod must return a floating score, got {mod.out_dtype.name}")
+        raise TypeError(f"{who}: score_mod must return a floating score, got {mod.out_dtype.name}")
     return mod
 
 
@@ -323,34 +332,50 @@ def _batch_ints(who, name, x, B, top, what, also=()):
             raise ValueError(f"{who}: {name} must lie in 0 … {top} ({what}), got {v.tolist()}")
 
 
-def _check_lengths(name, x, B, n, batched):
+def _check_lengths(name, x, B, n, batched, who: str = "dot_product_attention"):
     """A sequence-length argument: int [B] (an unbatched call: [1] or a scalar), each in 0 … n
     where its values are known (under jit they are not checked)."""
     if x is None:
         return None
     import jax.numpy as jnp
 
-    _batch_ints("dot_product_attention", name, x, B, n, "the sequence length", () if batched else ((), (1,)))
+    _batch_ints(who, name, x, B, n, "the sequence length", () if batched else ((), (1,)))
     # clamped to 0 … n in its own width first, as kv_append clamps its positions: cast to
     # int32 first, a traced int64 2**32 was 0 (no key kept) where n was meant
     return jnp.reshape(jnp.clip(jnp.asarray(x), 0, n).astype(jnp.int32), (B,))
 
 
-def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, machine=None,
-                  preset: Preset | None = None, return_residual=False) -> ONF:
+def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, score_mod=None,
+                  machine=None, preset: Preset | None = None, return_residual=False) -> ONF:
     """The ONF ``dot_product_attention`` would use for these arguments (for inspection/tuning;
-    ``return_residual``: of the kernel that also outputs lse)."""
+    ``return_residual``: of the kernel that also outputs lse), on ``machine`` (a profile or
+    its name; None: this one's). Its variants are ``dot_product_attention``'s, checked alike:
+    the lengths (int [B]) select the kernel that reads them, and their values, where known,
+    are what ``moajax.cost.estimate(onf, machine, values={"query_seq_lengths": …})`` counts
+    the skipped tiles by. A score_mod's tables are taken as given: where one holds ±∞ the kernel
+    that masks like ``mask`` (as an eager call runs it); a finite one, or one a jit traces, the
+    other — under jit ``dot_product_attention`` picks between the two at run time, and runs an
+    explicit ONF in the kernel it was derived for, the other kernel's default schedule in the
+    other."""
     from moajax.kernels.attention import mha_dnf
 
     who = "attention_onf"
-    qs, ks, vs, qd, _, bs, bd, ms = _attention_shapes(query, key, value, bias, mask, who)
+    qs, ks, vs, qd, batched, bs, bd, ms = _attention_shapes(query, key, value, bias, mask, who)
     scale = runtime.check_scale(scale, who)
     flags = runtime.check_flags(who, is_causal=is_causal, return_residual=return_residual)
     is_causal, return_residual = flags["is_causal"], flags["return_residual"]
     if preset is not None and not isinstance(preset, Preset):
         raise TypeError(f"{who}: preset must be a moajax.Preset or None, got {type(preset).__name__}")
+    window = _check_window(local_window_size, who)
+    if window is not None:  # (as dot_product_attention clips it)
+        window = tuple(min(x, max(qs[1], ks[1])) for x in window)
+    mod = _check_score_mod(score_mod, qd, who)
+    for name, x, n in (("query_seq_lengths", query_seq_lengths, qs[1]), ("key_value_seq_lengths", key_value_seq_lengths, ks[1])):
+        _check_lengths(name, x, qs[0], n, batched, who)
     dnf = mha_dnf(qs, ks, vs, qd, bs, bd, ms, None if scale is None else float(scale), bool(is_causal),
-                  residual=bool(return_residual))
+                  query_seq_lengths is not None, key_value_seq_lengths is not None, window,
+                  residual=bool(return_residual), score_mod=mod, consts=() if mod is None else mod.consts)
     m = machine if machine is not None else machines.local()
     if isinstance(m, str):
         m = machines.load(m)

@@ -8,7 +8,11 @@ For a DNF scheduled by an ONF (the shapes and dtypes are the DNF's) it counts
   for the stages that share a loop (``_loop_groups``: a tile computes what they share once); a
   stage whose masked tiles are skipped (``ONF.skips``) counts the share of tiles it visits,
   and where its interior tiles run unmasked (``Skip.interior``), the mask's comparisons and
-  selects only on the boundary tiles (``masked.masked_fraction``);
+  selects only on the boundary tiles (``masked.masked_fraction``). A bound that reads a
+  runtime scalar (a sequence length) counts given its ``values``, else keeps every tile; on
+  XLA the programs of a grid axis its ``cpu_loop`` does not walk run as one, so their walk
+  counts as the longest any of them needs (``_walks``), except a scatter axis XLA walks tile
+  by tile to skip its partials' masked tiles (``_stage_walks``);
 * the papers' element counts: ``input_elements`` (each input element once),
   ``output_elements``, ``intermediate_elements`` (every stage placed in main memory, once) —
   the classical attention forward materialises score, num and probs (3n²) and den (n);
@@ -293,8 +297,8 @@ def _program_grid(onf: ONF, st) -> dict:
     return {v: onf.axis_of(v).ntiles for v in vs if onf.axis_of(v).role == "grid" and onf.axis_of(v).ntiles > 1}
 
 
-def _stage_flops(onf: ONF, st, seen: dict | None = None) -> tuple[float, float, float]:
-    c = _Counter(onf, seen, _unmasked(onf, st), _program_grid(onf, st))
+def _stage_flops(onf: ONF, st, seen: dict | None = None, walks=None) -> tuple[float, float, float]:
+    c = _Counter(onf, seen, _unmasked(onf, st, walks or _walks(onf, None)), _program_grid(onf, st))
     if isinstance(st, Stage):
         c.expr(st.body, tuple(st.vars))
     else:
@@ -353,16 +357,69 @@ def _loop_groups(onf: ONF) -> dict:
     return out
 
 
-def _unmasked(onf: ONF, st) -> tuple:
+def _unmasked(onf: ONF, st, walks: dict) -> tuple:
     """(the bounds true on the interior tiles of the stage's walk, the share of its visited
-    tiles outside that interior); (∅, 1) where its walk has no ``Skip.interior``."""
+    tiles outside that interior); (∅, 1) where its walk has no ``Skip.interior``. ``walks``:
+    ``masked.visited_fraction``'s options (``_walks``)."""
     from moajax.masked import masked_fraction, visited_fraction
 
     sk = _walk_skip(onf, st)
-    if sk is None or not sk.interior:
+    if sk is None or not sk.interior or _masked_walk(onf, st, walks) is not None:
+        # (a masked walk over the scatter axis takes its interior from that axis's bounds, not
+        # from the written-over axis's counted here: the mask counted on every visited tile,
+        # at most what it evaluates)
         return frozenset(), 1.0
-    visited = visited_fraction(onf, sk)
-    return frozenset(sk.bounds), (masked_fraction(onf, sk) / visited if visited else 1.0)
+    visited = visited_fraction(onf, sk, **walks)
+    return frozenset(sk.bounds), (masked_fraction(onf, sk, **walks) / visited if visited else 1.0)
+
+
+def _masked_walk(onf: ONF, st, walks: dict):
+    """The scatter axis of stage ``st`` where XLA walks it tile by tile rather than as one
+    program — its partials have masked tiles over it (``lower_xla._program_group``'s masked
+    walk: a Preset's, the CPU's default loops that axis) — else None."""
+    v = onf.scatter_var(st) if isinstance(st, Stage) else None
+    if v is None or v.name not in walks["vectorised"]:
+        return None
+    return v if onf.axis_of(v).ntiles > 1 and onf.skip_of(st.name, v) is not None else None
+
+
+def _stage_walks(onf: ONF, st, walks: dict) -> dict:
+    """``walks`` for stage ``st``: a scatter axis XLA walks tile by tile (``_masked_walk``)
+    counted per tile. Each tile of the written-over axis then walks the scatter axis's tiles
+    its skip keeps: the same (row tile, scatter tile) pairs as the written-over axis's skip
+    counted per scatter tile."""
+    v = _masked_walk(onf, st, walks)
+    return walks if v is None else {**walks, "vectorised": tuple(n for n in walks["vectorised"] if n != v.name)}
+
+
+def _walks(onf: ONF, values) -> dict:
+    """How the model counts a masked walk (``masked.visited_fraction``): the runtime scalars'
+    ``values``, checked against the DNF's inputs, and on XLA the grid axes its ``cpu_loop``
+    does not walk, whose programs run as one (``lower_xla``: their walk spans every row's
+    tiles — the batch's longest sequence)."""
+    vectorised = tuple(a.name for a in onf.axes if a.role == "grid" and a.name not in onf.knobs.cpu_loop) \
+        if _on_xla(onf.target) else ()
+    if values is None:
+        return {"values": None, "vectorised": vectorised}
+    if not isinstance(values, dict):
+        raise TypeError(f"estimate: values must be a dict of input name → array, got {type(values).__name__}")
+    inputs = {i.name: i for i in onf.dnf.inputs}
+    out = {}
+    for name, x in values.items():
+        if name not in inputs:
+            raise ValueError(f"estimate: values names {name!r}, which is not an input of the DNF "
+                             f"(its inputs: {', '.join(inputs)})")
+        a = np.asarray(x)
+        if a.ndim == 0 and tuple(inputs[name].shape) == (1,):  # an unbatched call's length
+            a = a.reshape(1)
+        if a.shape != tuple(inputs[name].shape):
+            raise ValueError(f"estimate: values[{name!r}] has shape {a.shape}; the input {name!r} has shape "
+                             f"{tuple(inputs[name].shape)}")
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"estimate: values[{name!r}] must be integers (runtime scalars a bound reads), "
+                            f"got {a.dtype.name}")
+        out[name] = a.astype(np.int64)  # (the bounds' arithmetic negates them: no unsigned wrap)
+    return {"values": out, "vectorised": vectorised}
 
 
 def _walk_skip(onf: ONF, st):
@@ -566,18 +623,23 @@ def _coalesced(onf: ONF, r, perms: dict, machine) -> float:
     return min(1.0, run * _itemsize(r.dtype) / SECTOR_BYTES)
 
 
-def estimate(onf: ONF, machine=None) -> Cost:
-    """Predict the cost of running ``onf`` (on ``machine``, for the roofline time)."""
+def estimate(onf: ONF, machine=None, *, values=None) -> Cost:
+    """Predict the cost of running ``onf`` (on ``machine``, for the roofline time).
+
+    ``values``: {input name: integer array} — the runtime scalars a skip's bounds read, as a
+    call would pass them (``query_seq_lengths``, ``key_value_seq_lengths``): the tiles a
+    length leaves out are counted as skipped. Without them such a bound keeps every tile."""
     dnf = onf.dnf
     from moajax.masked import visited_fraction
 
+    walks = _walks(onf, values)
     flops = matmul = trans = 0.0
     loops = _loop_groups(onf)
     shared: dict = {}  # loop → the subexpressions its stages have counted so far
 
     def share(st):  # the masked tiles its walk leaves out (``ONF.skips``)
         sk = _walk_skip(onf, st)
-        return 1.0 if sk is None else visited_fraction(onf, sk)
+        return 1.0 if sk is None else visited_fraction(onf, sk, **_stage_walks(onf, st, walks))
 
     # a loop visits the union of its stages' tiles: at least the largest share
     loop_share: dict = {}
@@ -586,7 +648,7 @@ def estimate(onf: ONF, machine=None) -> Cost:
             loop_share[loops[st.name]] = max(loop_share.get(loops[st.name], 0.0), share(st))
     for st in onf.program.stages:
         key = loops.get(st.name)
-        f, m, t = _stage_flops(onf, st, None if key is None else shared.setdefault(key, {}))
+        f, m, t = _stage_flops(onf, st, None if key is None else shared.setdefault(key, {}), walks)
         s = share(st) if key is None else loop_share[key]
         flops, matmul, trans = flops + f * s, matmul + m * s, trans + t * s
     in_el = sum(math.prod(i.shape) for i in dnf.inputs)

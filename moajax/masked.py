@@ -370,6 +370,15 @@ def skips(onf: ONF) -> tuple:
 # ----------------------------------------------------------------------------- evaluation
 
 
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """A runtime scalar's least (``lo``) and greatest (``hi``) value over the rows of each
+    program of a box (arrays over its grid tiles): what ``_extreme`` needs of it."""
+
+    lo: object
+    hi: object
+
+
 def _extreme(aff: Affine, box, read_value, xp, upper: bool):
     """max (``upper``) or min of an affine form over a box of rows: each variable v in
     [lo, hi] (``box[v]``), each runtime scalar over its values (``read_value``)."""
@@ -379,11 +388,15 @@ def _extreme(aff: Affine, box, read_value, xp, upper: bool):
             lo, hi = box[t]
             total = total + c * (hi if (c > 0) == upper else lo)
         else:
-            # its values, or pieces of them (a tuple: windows that together cover them)
+            # its values, or pieces of them (a tuple: windows that together cover them), or
+            # their least and greatest over each program's rows already (``Extent``: the model's)
             vals = read_value(t)
             high = (c > 0) == upper
-            ext = functools.reduce(xp.maximum if high else xp.minimum,
-                                   [(xp.max if high else xp.min)(p) for p in (vals if isinstance(vals, tuple) else (vals,))])
+            if isinstance(vals, Extent):
+                ext = vals.hi if high else vals.lo
+            else:
+                ext = functools.reduce(xp.maximum if high else xp.minimum,
+                                       [(xp.max if high else xp.min)(p) for p in (vals if isinstance(vals, tuple) else (vals,))])
             total = total + c * ext
     return total
 
@@ -482,56 +495,112 @@ def interior_tiles(bounds, w: Var, tile: int, box, read_value, xp):
     return first, xp.maximum(end, first)
 
 
-def masked_fraction(onf: ONF, skip: Skip) -> float:
+def _known(a: Affine, values) -> bool:
+    """Can the model evaluate the affine form ``a``: each term an index variable, or a runtime
+    scalar read from arrays whose ``values`` it was given (sequence lengths)."""
+    return all(isinstance(t, Var) or (values is not None and all(r.array in values for r in D.walk(t) if isinstance(r, D.Read)))
+               for t, _ in a.terms)
+
+
+def _form_vars(forms) -> set:
+    """The index variables affine forms name, those a runtime scalar is read at included."""
+    out: set = set()
+    for a in forms:
+        for t, _ in a.terms:
+            out |= {t} if isinstance(t, Var) else set(t.free)
+    return out
+
+
+def _reader(values, box):
+    """``read_value`` for the model: a runtime scalar's ``Extent`` over each program's rows of
+    ``box`` (the scalar evaluated from ``values`` by the reference evaluator, then its least
+    and greatest over each program's [lo, hi] of every variable it is read at); None without
+    ``values``."""
+    if values is None:
+        return None
+    import jax.numpy as jnp
+
+    from moajax.reference import Evaluator
+
+    ev = Evaluator({k: jnp.asarray(v) for k, v in values.items()})
+    shape = np.broadcast_shapes(*(np.shape(x) for pair in box.values() for x in pair))
+
+    def read(t):
+        named = ev(t)
+        data = np.asarray(named.data)
+        ranges = [tuple(np.broadcast_to(np.asarray(x), shape) for x in box[v]) for v in named.vars]
+        lo, hi = np.empty(shape, data.dtype), np.empty(shape, data.dtype)
+        for p in np.ndindex(shape):
+            piece = data[tuple(slice(int(a[p]), min(int(b[p]), v.extent - 1) + 1)
+                               for (a, b), v in zip(ranges, named.vars))]
+            lo[p], hi[p] = piece.min(), piece.max()
+        return Extent(lo, hi)
+
+    return read
+
+
+def masked_fraction(onf: ONF, skip: Skip, *, values=None, vectorised=()) -> float:
     """The share of (program, tile) pairs of ``skip.var`` whose tiles evaluate the mask: every
     visited one, or — ``skip.interior`` — only those outside the interior (``interior_tiles``;
-    bounds that read a runtime length are left out: the model takes them as keeping all)."""
-    visited = visited_fraction(onf, skip)
+    ``values`` and ``vectorised`` as ``visited_fraction``'s: bounds that read a runtime scalar
+    not given are left out, the model taking them as keeping all)."""
+    visited = visited_fraction(onf, skip, values=values, vectorised=vectorised)
     w = skip.var
     axis = onf.axis_of(w)
-    static = [b for b in skip.bounds if all(isinstance(t, Var) for t, _ in b.terms)]
+    static = [b for b in skip.bounds if _known(b, values)]
     if not skip.interior or visited == 0.0 or axis.role != "sequential" or axis.ntiles <= 1 or not static:
         return visited
-    rows = tuple(c for c in skip.rows if all(isinstance(t, Var) for t, _ in c.terms))
+    rows = tuple(c for c in skip.rows if _known(c, values))
     # one set of variables for both boxes: their arrays span the same grid tiles
-    vars_ = {t for b in static + list(rows) for t, _ in b.terms} - {w}
-    first, end = interior_tiles(static, w, axis.tile, _grid_box(onf, vars_, padded=True), None, np)
+    vars_ = _form_vars(static + list(rows)) - {w}
+    inner = _grid_box(onf, vars_, vectorised, padded=True)
+    first, end = interior_tiles(static, w, axis.tile, inner, _reader(values, inner), np)
     sk = dataclasses.replace(skip, bounds=tuple(static), kept=(False,) * len(static), guard=None, rows=rows,
                              rows_kept=(False,) * len(rows))
     # the interior lies inside the visited span of the exact bounds (the guard only widens it)
-    vfirst, vcount = tile_span(sk, axis.tile, axis.ntiles, _grid_box(onf, vars_ | {w}), None, np)
+    outer = _grid_box(onf, vars_ | {w}, vectorised)
+    vfirst, vcount = tile_span(sk, axis.tile, axis.ntiles, outer, _reader(values, outer), np)
     inside = np.clip(np.minimum(end, vfirst + vcount) - np.maximum(first, vfirst), 0, None)
     return max(0.0, visited - float(np.mean(inside)) / axis.ntiles)
 
 
-def _grid_box(onf: ONF, vars_, padded=False) -> dict:
+def _grid_box(onf: ONF, vars_, vectorised=(), padded=False) -> dict:
     """[lo, hi] of each variable over every program at once (arrays over the grid tiles of
-    the grid variables among them, ``meshgrid`` order by name), the rest over all of it;
-    ``padded``: a grid tile's padding past the extent counted in."""
-    grid = sorted((v for v in vars_ if onf.axis_of(v).role == "grid"), key=lambda v: v.name)
+    the grid variables among them, ``meshgrid`` order by name), the rest over all of it —
+    a grid variable named in ``vectorised`` too (XLA's programs along it run at once, so
+    their walks are one, over every row); ``padded``: a grid tile's padding past the extent
+    counted in."""
+    grid = sorted((v for v in vars_ if onf.axis_of(v).role == "grid" and v.name not in vectorised),
+                  key=lambda v: v.name)
     mesh = np.meshgrid(*[np.arange(onf.axis_of(v).ntiles) for v in grid], indexing="ij") if grid else []
     box = {}
     for v in vars_:
+        axis = onf.axis_of(v)
         if v in grid:
             i = mesh[grid.index(v)]
-            t = onf.axis_of(v).tile
+            t = axis.tile
             box[v] = (i * t, (i + 1) * t - 1 if padded else np.minimum((i + 1) * t, v.extent) - 1)
+        elif padded and axis.role == "grid":  # one program over every tile, their padding too
+            box[v] = (0, axis.padded - 1)
         else:
             box[v] = (0, v.extent - 1)
     return box
 
 
-def visited_fraction(onf: ONF, skip: Skip) -> float:
+def visited_fraction(onf: ONF, skip: Skip, *, values=None, vectorised=()) -> float:
     """The share of (program, tile) pairs of ``skip.var`` its loops visit, over every program
-    (the grid tiles of the row variables its bounds name). Runtime lengths are unknown to the
-    model: bounds and guard conditions that read one are taken as keeping everything."""
+    (the grid tiles of the row variables its bounds name). ``values``: {input name: array} of
+    the runtime scalars bounds read (sequence lengths, as a call passes them); a bound or
+    guard condition that reads one not given is taken as keeping everything. ``vectorised``:
+    the grid axes whose programs walk as one (XLA's, outside its ``cpu_loop``): each walks the
+    tiles any of them needs."""
     w = skip.var
     axis = onf.axis_of(w)
     if axis.role != "sequential" or axis.ntiles <= 1:
         return 1.0
-    static = lambda a: all(isinstance(t, Var) for t, _ in a.terms)  # noqa: E731
-    keep = [(b, k) for b, k in zip(skip.bounds, skip.kept) if static(b)]
-    rows = [(c, k) for c, k in zip(skip.rows, skip.rows_kept) if static(c)]
+    known = lambda a: _known(a, values)  # noqa: E731
+    keep = [(b, k) for b, k in zip(skip.bounds, skip.kept) if known(b)]
+    rows = [(c, k) for c, k in zip(skip.rows, skip.rows_kept) if known(c)]
     if not keep and not rows:
         return 1.0
     guard = skip.guard
@@ -539,17 +608,16 @@ def visited_fraction(onf: ONF, skip: Skip) -> float:
         guard = None
         keep, rows = [(b, False) for b, _ in keep], [(c, False) for c, _ in rows]
     elif guard is not None:
-        guard = Guard(guard.var, tuple(c for c in guard.conds if static(c)), tuple(c for c in guard.exempt if static(c)))
+        guard = Guard(guard.var, tuple(c for c in guard.conds if known(c)), tuple(c for c in guard.exempt if known(c)))
     sk = Skip(skip.stage, w, tuple(b for b, _ in keep), tuple(k for _, k in keep), guard, skip.of,
               rows=tuple(c for c, _ in rows), rows_kept=tuple(k for _, k in rows))
-    vars_ = {t for b in sk.bounds + sk.rows for t, _ in b.terms if isinstance(t, Var)}
-    if guard is not None:
-        vars_ |= {t for c in guard.conds + guard.exempt for t, _ in c.terms if isinstance(t, Var)}
-    box = _grid_box(onf, vars_)
-    ok = guard_holds(guard, box, None, np) if any(sk.kept + sk.rows_kept) else True
-    _, count = tile_span(sk, axis.tile, axis.ntiles, box, None, np, ok)
+    vars_ = _form_vars(sk.bounds + sk.rows + ((guard.conds + guard.exempt) if guard is not None else ()))
+    box = _grid_box(onf, vars_, vectorised)
+    read = _reader(values, box)
+    ok = guard_holds(guard, box, read, np) if any(sk.kept + sk.rows_kept) else True
+    _, count = tile_span(sk, axis.tile, axis.ntiles, box, read, np, ok)
     return float(np.mean(count)) / axis.ntiles
 
 
-__all__ = ["derive_skip", "dead_rows", "visited_fraction", "masked_fraction", "interior_tiles", "skips", "guard_holds", "tile_span",
+__all__ = ["derive_skip", "dead_rows", "visited_fraction", "masked_fraction", "interior_tiles", "Extent", "skips", "guard_holds", "tile_span",
            "linear", "comparison", "conjuncts", "held", "COMPARISONS"]

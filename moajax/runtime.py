@@ -117,6 +117,13 @@ def check_implementation(implementation, who: str) -> None:
                          f"or 'triton_interpret', got {implementation!r}")
 
 
+def onf_matches(onf: ONF, dnf) -> bool:
+    """Was ``onf`` derived for ``dnf`` (the same inputs, and outputs of the same expressions)?"""
+    return (len(onf.dnf.outputs) == len(dnf.outputs)
+            and all(a.body is b.body for a, b in zip(onf.dnf.outputs, dnf.outputs))
+            and onf.dnf.inputs == dnf.inputs)
+
+
 def schedules(dnf, onf_key=None, path: str = "pallas") -> tuple:
     """(CPU ONF, GPU ONF) for a DNF: derived for this machine and the GPU, or from an explicit
     ONF (it runs on the kind of machine it names; the other kind gets its default) or Preset.
@@ -136,10 +143,7 @@ def _schedules(dnf, onf_key, path: str, local: str, gpu: str, precision: str) ->
     # jax.default_matmul_precision, which a GPU's float32 dots follow (``schedule.derive``)
     del local, gpu
     if isinstance(onf_key, ONF):
-        same = (len(onf_key.dnf.outputs) == len(dnf.outputs)
-                and all(a.body is b.body for a, b in zip(onf_key.dnf.outputs, dnf.outputs))
-                and onf_key.dnf.inputs == dnf.inputs)
-        if not same:
+        if not onf_matches(onf_key, dnf):
             def said(d):  # what tells the two apart: the inputs, else the outputs
                 if onf_key.dnf.inputs != dnf.inputs:
                     return f"inputs {[str(i) for i in d.inputs]}"

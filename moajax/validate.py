@@ -13,8 +13,10 @@ predicted differ by more than 2×, the row says why, from what the run shows. Wi
 in a process that has the GPU, the Pallas kernels run, predicted with that GPU's ONFs.
 
 Kernels (``KERNELS``): the attention forward; the attention adjoint under each backward ONF
-(owner, split, atomic); forward + backward (``jax.grad``); one decode step; RMSNorm and the
-gated MLP, forward + backward; the transformer block, forward + backward.
+(owner, split, atomic); forward + backward (``jax.grad``); both again with query and key
+lengths [n, n/2] (the second sequence half padding: the model counts the tiles the lengths
+leave out, given their values — ``cost.estimate``'s ``values``); one decode step; RMSNorm and
+the gated MLP, forward + backward; the transformer block, forward + backward.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class Built:
     reference_bytes: int = 0  # what the reference materialises (its [t s] scores)
     # work outside the DSL kernels (the block's projections: jnp dots), as (flops, bytes)
     extra: tuple = (0.0, 0.0)
+    # the runtime scalars the ONFs' skips read (sequence lengths), for the cost model
+    values: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,20 @@ def _ref_attention(q, k, v, causal=False):
         t, n = q.shape[1], k.shape[1]
         s = jnp.where(jnp.tril(jnp.ones((t, n), bool)), s, -jnp.inf)
     return jnp.einsum("bnts,bsne->btne", jax.nn.softmax(s, axis=-1), v)
+
+
+def _ref_attention_lengths(q, k, v, query_seq_lengths, key_value_seq_lengths):
+    """Attention over the keys inside each batch element's key length; its rows past the query
+    length 0 (jax.nn's)."""
+    import jax
+    import jax.numpy as jnp
+
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(q.shape[-1])
+    keys = jnp.arange(k.shape[1])[None, :] < key_value_seq_lengths[:, None]  # [b s]
+    s = jnp.where(keys[:, None, None, :], s, -jnp.inf)
+    out = jnp.einsum("bnts,bsne->btne", jax.nn.softmax(s, axis=-1), v)
+    rows = jnp.arange(q.shape[1])[None, :] < query_seq_lengths[:, None]  # [b t]
+    return jnp.where(rows[:, :, None, None], out, 0.0)
 
 
 def _ref_rmsnorm(x, w, eps=1e-6):
@@ -221,6 +239,49 @@ def _attention_grad(n, machine, impl):
                  _loss_grad(jax.nn.dot_product_attention, (0, 1, 2), g), "float64", _scores_bytes(2, n))
 
 
+def _lengths(n):
+    """Two sequences, the second half padding: lengths [n, n/2] for the queries and the keys."""
+    import jax.numpy as jnp
+
+    ql = kl = jnp.asarray([n, n // 2], jnp.int32)
+    return ql, kl, {"query_seq_lengths": ql, "key_value_seq_lengths": kl}
+
+
+def _attention_lengths(n, machine, impl):
+    import jax
+    import jax.numpy as jnp
+
+    import moajax
+    from moajax.kernels.attention import mha_kernel
+
+    q, k, v = _arrays([(2, n, 1, D_HEAD)] * 3, jnp.float64, n)
+    ql, kl, kw = _lengths(n)
+    kern = mha_kernel(None, None, False, True, True)
+    return Built(jax.jit(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation=impl, **kw)), (q, k, v),
+                 lambda: (_ref_attention_lengths(q, k, v, ql, kl),), _derived(kern.dnf(q, k, v, ql, kl), machine),
+                 jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw)), "float64", _scores_bytes(2, n),
+                 values=kw)
+
+
+def _attention_lengths_grad(n, machine, impl):
+    import jax
+    import jax.numpy as jnp
+
+    import moajax
+    from moajax.kernels.attention import mha_kernel
+
+    q, k, v, g = _arrays([(2, n, 1, D_HEAD)] * 4, jnp.float64, n)
+    ql, kl, kw = _lengths(n)
+    kern = mha_kernel(None, None, False, True, True)
+    adj, specs = kern.saved_adjoint(q, k, v, ql, kl)
+    onfs = _derived(kern.saving_forward(q, k, v, ql, kl).dnf(q, k, v, ql, kl), machine) + _derived(adj.dnf(*specs), machine)
+    f = _loss_grad(lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation=impl, **kw), (0, 1, 2), g)
+    ref = lambda q, k, v: _ref_attention_lengths(q, k, v, ql, kl)  # noqa: E731
+    return Built(f, (q, k, v), lambda: jax.vjp(ref, q, k, v)[1](g), onfs,
+                 _loss_grad(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw), (0, 1, 2), g), "float64",
+                 _scores_bytes(2, n), values=kw)
+
+
 def _decode(n, machine, impl):
     import jax
     import jax.numpy as jnp
@@ -323,6 +384,10 @@ KERNELS = {c.name: c for c in (
     Case("attention_bwd_atomic", "attention adjoint, atomic ONF (the seed's fused)", "attention",
          _attention_backward("atomic")),
     Case("attention_fwd_bwd", "attention forward + backward (jax.grad)", "attention", _attention_grad),
+    Case("attention_lengths", "attention forward, query and key lengths [n, n/2] (B=2, one head)", "attention",
+         _attention_lengths),
+    Case("attention_lengths_fwd_bwd", "attention forward + backward, query and key lengths [n, n/2]", "attention",
+         _attention_lengths_grad),
     Case("decode", "one decode step over a cache of n keys (float32)", "decode", _decode),
     Case("rmsnorm", "RMSNorm forward + backward (d = 64)", "tokens", _rmsnorm),
     Case("gated_mlp", "gated MLP forward + backward (d = 64, d_ff = 256)", "tokens", _mlp),
@@ -424,7 +489,7 @@ def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progre
             got = b.run(*b.args)  # (the warm-up: compiles)
             err = _rel_error(got, b.reference()) if b.reference_bytes <= REFERENCE_BYTES else float("nan")
             t = timing.median_seconds(b.run, *b.args, reps=reps)
-            predicted = cost.sequence(cost.estimate(o, machine) for o in b.onfs)
+            predicted = cost.sequence(cost.estimate(o, machine, values=_values_of(o, b.values)) for o in b.onfs)
             predicted = dataclasses.replace(predicted, flops=predicted.flops + b.extra[0],
                                             bytes_moved=predicted.bytes_moved + b.extra[1])
             alpha = 1.0 / machine.peak(b.dtype)
@@ -438,6 +503,16 @@ def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progre
     if progress is not None:
         progress(len(todo), len(todo), "done")
     return rows
+
+
+def _values_of(onf, values):
+    """The runtime scalars among ``onf``'s inputs (a plan's kernels read some of them)."""
+    import numpy as np
+
+    if values is None:
+        return None
+    names = {i.name for i in onf.dnf.inputs}
+    return {k: np.asarray(v) for k, v in values.items() if k in names}
 
 
 def table(rows) -> list:

@@ -14,6 +14,7 @@ past it). The column 'Δ reads O' checks that it fired on the kernel the call ru
 saving forward: since 2026-12-07 it writes its row statistics (t < L) ? z : z̄, z̄ their closed
 form past the length (the fill, and S: ``identities.guard_statistics``), so it leaves out the
 rows past it as the plain forward does; the last column checks its ONF on this machine.
+Beside each measured ratio stands the cost model's, given the lengths' values (``predicted``).
 
 `python scripts/bench_lengths.py` writes bench/results/lengths_grad_cpu.md.
 """
@@ -43,6 +44,37 @@ FORWARD = flags.DEFINE_bool("forward", False, "time the forward alone (inference
                             "bench/results/lengths_forward_cpu.md unless --out is given")
 
 
+def predicted(B: int, N: int, H: int, T: int, ql: bool, kl: bool, grad: bool) -> float:
+    """The cost model's time (s) for the kernels a call runs on this machine (the forward's;
+    with ``grad`` the saving forward's and the adjoint's), given the lengths' values [T, T/2]
+    (``cost.estimate``'s ``values``), under whichever rules are in force."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moajax import cost, machines
+    from moajax.kernels.attention import mha_kernel
+
+    spec = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+    lens = [jax.ShapeDtypeStruct((B,), jnp.int32)] * (ql + kl)
+    kern = mha_kernel(None, None, False, ql, kl)  # (the kernel dot_product_attention runs)
+    if grad:
+        adj, specs = kern.saved_adjoint(spec, spec, spec, *lens)
+        calls = [(kern.saving_forward(spec, spec, spec, *lens), (spec, spec, spec, *lens)), (adj, specs)]
+    else:
+        calls = [(kern, (spec, spec, spec, *lens))]
+    lengths = np.array([T, T // 2], np.int32)
+    values = {name: lengths for name, on in (("query_seq_lengths", ql), ("key_value_seq_lengths", kl)) if on}
+    m = machines.local()
+    total = 0.0
+    for k, args in calls:
+        plan = k.onf(*args, implementation="xla")
+        for o in plan if isinstance(plan, tuple) else (plan,):
+            names = {i.name for i in o.dnf.inputs}
+            total += cost.estimate(o, m, values={n: x for n, x in values.items() if n in names}).time_s
+    return total
+
+
 def forward(B: int, N: int, H: int) -> list:
     """The forward alone (jit, no statistics saved): moajax without lengths, with query lengths,
     the same with dead rows walked (``dead_rows_walked``: the rule patched to find none: the tree before
@@ -54,8 +86,9 @@ def forward(B: int, N: int, H: int) -> list:
     import moajax
     from moajax.timing import compiled_contenders
 
-    lines = ["| T = S | contender | best s | median s | vs no lengths | temp MiB | max rel. diff vs jax.nn (same lengths) |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| T = S | contender | best s | median s | vs no lengths | model vs no lengths | temp MiB | "
+             "max rel. diff vs jax.nn (same lengths) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     r = np.random.default_rng(0)
     for T in (int(x) for x in SEQ.value):
         q, k, v = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(3))
@@ -64,7 +97,7 @@ def forward(B: int, N: int, H: int) -> list:
                  "moajax, query_seq_lengths, dead rows walked": (True, False, False),
                  "moajax, both": (True, True, True), "jax.nn, query_seq_lengths": (True, False, None),
                  "jax.nn, both": (True, True, None)}
-        fns = {}
+        fns, model = {}, {}
         for name, (ql, kl, dead) in cases.items():
             kw = dict(query_seq_lengths=lengths if ql else None, key_value_seq_lengths=lengths if kl else None)
             if dead is None:
@@ -74,6 +107,8 @@ def forward(B: int, N: int, H: int) -> list:
             # the rule patched out for its contender, derived afresh
             with dead_rows_walked() if dead is False else contextlib.nullcontext():
                 fns[name] = jax.jit(fn).lower(q, k, v).compile()
+                if dead is not None:
+                    model[name] = predicted(B, N, H, T, ql, kl, grad=False)
         for ql, kl in ((True, False), (True, True)):  # each against jax.nn with the same lengths
             ref = "jax.nn, query_seq_lengths" if not kl else "jax.nn, both"
             group = {n: f for n, f in fns.items() if cases[n][:2] == (ql, kl)}
@@ -81,8 +116,9 @@ def forward(B: int, N: int, H: int) -> list:
                                        reps=REPS.value, reference=ref, pick=lambda o: o)
             base = min(rows["moajax, no lengths"][0])
             for name, (ts, temp, diff) in rows.items():
+                pred = f"{model[name] / model['moajax, no lengths']:.2f}×" if name in model else "—"
                 lines.append(f"| {T} | {name}{' (with both)' if kl and name == 'moajax, no lengths' else ''} | {min(ts):.4f} | {float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | "
-                             f"{temp:.1f} | {'—' if name == 'moajax, no lengths' else f'{diff:.1e}'} |")
+                             f"{pred} | {temp:.1f} | {'—' if name == 'moajax, no lengths' else f'{diff:.1e}'} |")
     return lines
 
 
@@ -111,7 +147,9 @@ def main(argv):
         lines += forward(B, N, H)
         lines += ["", "vs no lengths: the contender's best time over moajax's without lengths in the same group. A "
                   "quarter of the batch's query rows lie past their length; with both lengths a quarter of the keys "
-                  "too (3/8 of the scores are masked)."]
+                  "too (3/8 of the scores are masked). model vs no lengths: the cost model's time for the kernels the "
+                  "call runs on this machine (its profile: `machines.local()`), given the lengths' values "
+                  "(`cost.estimate(..., values=...)`), over its time without lengths."]
         write_results(out, lines)
         return
     lines = [f"# Sequence lengths under jit(grad) on the CPU ({machine_line()})", ""]
@@ -125,9 +163,9 @@ def main(argv):
               "`identities.guard_statistics` patched out (the tree before 2026-12-07): the saving forward's row "
               "statistics read their pass at every row, so its programs past a query length walk every key tile; the "
               "last column: the saving forward's ONF on this machine records rows left out (`Skip.dead`).", "",
-              "| T = S | contender | best s | median s | vs no lengths | temp MiB | max rel. diff of dq vs jax.nn (same lengths) | "
-              "Δ reads O | saving forward leaves out rows past the length |",
-              "|---:|---|---:|---:|---:|---:|---:|---|---|"]
+              "| T = S | contender | best s | median s | vs no lengths | model vs no lengths | temp MiB | "
+              "max rel. diff of dq vs jax.nn (same lengths) | Δ reads O | saving forward leaves out rows past the length |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     r = np.random.default_rng(0)
     for T in (int(x) for x in SEQ.value):
         q, k, v, g = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(4))
@@ -154,10 +192,12 @@ def main(argv):
         losses = {n: moa(*c) for n, c in cases.items()}
         losses["jax.nn, both"] = nn(True, True)
         args = (q, k, v)
-        fns = {}
+        fns, model = {}, {}
         for n, f in losses.items():  # (the rule patched out for its contender, derived afresh)
             with statistics_unguarded() if "unguarded" in n else contextlib.nullcontext():
                 fns[n] = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile()
+                if n in cases:
+                    model[n] = predicted(B, N, H, T, *cases[n], grad=True)
         rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, both", pick=lambda grads: grads[0])
         base = min(rows["moajax, no lengths"][0])
         for name, (ts, temp, diff) in rows.items():
@@ -177,10 +217,13 @@ def main(argv):
                 with statistics_unguarded() if "unguarded" in name else contextlib.nullcontext():
                     saving = mha_kernel(None, None, False, ql, kl).saving_forward(spec, spec, spec, *lens)
                     dead = any(sk.dead for sk in saving.onf(spec, spec, spec, *lens, implementation="xla").skips)
+            pred = f"{model[name] / model['moajax, no lengths']:.2f}×" if name in model else "—"
             lines.append(f"| {T} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | "
-                         f"{temp:.1f} | {diff:.1e} | {reads} | {'—' if name not in cases else 'yes' if dead else 'no'} |")
+                         f"{pred} | {temp:.1f} | {diff:.1e} | {reads} | {'—' if name not in cases else 'yes' if dead else 'no'} |")
     lines += ["", "vs no lengths: the contender's best time over moajax's without lengths (one kind of lengths masks "
-              "a quarter of the batch's scores, both 3/8; the tiles masked whole are skipped)."]
+              "a quarter of the batch's scores, both 3/8; the tiles masked whole are skipped). model vs no lengths: the "
+              "cost model's time for the kernels the call runs on this machine (its profile: `machines.local()`), given "
+              "the lengths' values (`cost.estimate(..., values=...)`), over its time without lengths."]
     write_results(OUT.value, lines)
 
 

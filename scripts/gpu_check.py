@@ -602,6 +602,17 @@ def main():
                         a, b, d, query_seq_lengths=lengths, key_value_seq_lengths=jnp.asarray([T8, T8], jnp.int32),
                         implementation="cudnn")
                 race(dt, con, (q, q, q), 4 * 2 * T8 * T8 * N8 * H8, 10, "moajax, no lengths")
+                # beside them the cost model's speed-up, given the lengths' values, for this
+                # machine's ONFs (the CPU's: 0.75× the time, 1.00× walked; lengths_forward_cpu.md)
+                from moajax import cost
+
+                plain = cost.estimate(moajax.attention_onf(q, q, q, machine=machine), machine).time_s
+                for walk in (False, True):
+                    with dead_rows_walked() if walk else contextlib.nullcontext():
+                        onf = moajax.attention_onf(q, q, q, query_seq_lengths=lengths, machine=machine)
+                    t = cost.estimate(onf, machine, values={"query_seq_lengths": np.asarray(lengths)}).time_s
+                    rep.add(f"| {dt} | cost model ({machine.name}), query lengths{', dead rows walked' if walk else ''} "
+                            f"| | | | {plain / t:.2f}× | |")
             # jit(grad): the saving forward leaves the rows out too where its statistics are
             # saved guarded (``identities.guard_statistics``, 2026-12-07); the CPU's: 0.94× and
             # 0.93× moajax without lengths against 1.00× and 0.97× unguarded, 0.90× and 0.85×

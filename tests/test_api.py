@@ -141,6 +141,50 @@ def test_explicit_onf_and_presets():
         moajax.dot_product_attention(q, k, v, onf=other)
 
 
+def test_attention_onf_takes_every_variant_and_gives_the_onf_the_call_runs():
+    # lengths, a window, a score_mod closing over a table: the ONF inspected is the one the call
+    # accepts (an ONF of another DNF is refused), and the cost model counts its skipped tiles
+    # from the lengths' values
+    q, k, v = qkv(B=2, T=12, S=12, N=2, K=2, H=8, E=8, dtype=np.float64)
+    ql, kl = jnp.asarray([12, 5], jnp.int32), jnp.asarray([12, 7], jnp.int32)
+    table = jnp.linspace(-1.0, 1.0, 25)
+    mod = lambda s, b, h, i, j: s + table[jnp.clip(i - j + 12, 0, 24)]  # noqa: E731
+    kw = dict(is_causal=True, query_seq_lengths=ql, key_value_seq_lengths=kl, local_window_size=(6, 0), score_mod=mod)
+    onf = moajax.attention_onf(q, k, v, **kw, preset=Preset.of(tiles={"t": 4, "s": 4}))
+    assert {i.name for i in onf.dnf.inputs} >= {"query_seq_lengths", "key_value_seq_lengths", "score_mod_const0"}
+    got = moajax.dot_product_attention(q, k, v, **kw, onf=onf)
+    assert rel_err(got, moajax.dot_product_attention(q, k, v, **kw)) <= F64  # (other tiles: another order of sums)
+    with pytest.raises(moajax.ONFError, match="derived for another DNF"):
+        moajax.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=ql, onf=onf)
+    # under jit, where the table is an argument, the call picks at run time between the kernel
+    # for a finite table and the one masking like ``mask``: the explicit ONF runs in the kernel
+    # it was derived for, the default schedule in the other
+    mk = lambda tab: lambda s, b, h, i, j: s + tab[jnp.clip(i - j + 12, 0, 24)]  # noqa: E731
+    run = jax.jit(lambda q, k, v, tab: moajax.dot_product_attention(q, k, v, **{**kw, "score_mod": mk(tab)}, onf=onf))
+    assert rel_err(run(q, k, v, table), got) <= F64
+    holed = table.at[12].set(-jnp.inf)  # the diagonal masked: each row keeps its earlier keys, or none
+    want = moajax.dot_product_attention(q, k, v, **{**kw, "score_mod": mk(holed)})
+    assert np.array_equal(np.isfinite(np.asarray(want)), np.isfinite(np.asarray(run(q, k, v, holed))))
+    assert rel_err(run(q, k, v, holed), want) <= F64
+    # on a GPU profile, with several key tiles, the lengths' values leave tiles out of the count
+    h200 = machines.load("h200")
+    q5, k5, v5 = qkv(B=2, T=512, S=512, N=2, K=2, H=64, E=64, dtype=np.float32)
+    l5 = jnp.asarray([512, 100], jnp.int32)
+    gpu = moajax.attention_onf(q5, k5, v5, machine=h200, query_seq_lengths=l5, key_value_seq_lengths=l5)
+    assert gpu.axis("s").ntiles > 1
+    values = {"query_seq_lengths": np.asarray(l5), "key_value_seq_lengths": np.asarray(l5)}
+    assert cost.estimate(gpu, h200, values=values).matmul_flops < 0.6 * cost.estimate(gpu, h200).matmul_flops
+    # its checks name it
+    with pytest.raises(ValueError, match="attention_onf: local_window_size must be ≥ 0"):
+        moajax.attention_onf(q, k, v, local_window_size=(-1, 0))
+    with pytest.raises(ValueError, match=r"attention_onf: query_seq_lengths must have shape \[2\]"):
+        moajax.attention_onf(q, k, v, query_seq_lengths=jnp.asarray([1, 2, 3], jnp.int32))
+    with pytest.raises(ValueError, match="attention_onf: key_value_seq_lengths must lie in 0 … 12"):
+        moajax.attention_onf(q, k, v, key_value_seq_lengths=jnp.asarray([1, 13], jnp.int32))
+    with pytest.raises(TypeError, match="attention_onf: score_mod must take 5 arguments"):
+        moajax.attention_onf(q, k, v, score_mod=lambda s: s)
+
+
 def test_gpu_onf_for_a_cpu_machine_is_derived_from_a_gpu_profile():
     q, k, v = qkv(H=64, E=64, dtype=jnp.bfloat16)
     onf = moajax.attention_onf(q, k, v, machine="delta-a40")

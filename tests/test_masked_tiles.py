@@ -892,3 +892,196 @@ def test_the_interior_split_is_a_cpus_default_not_a_gpus():
 def test_unmask_interior_must_be_a_bool():
     with pytest.raises(TypeError, match="unmask_interior"):
         Preset.of(unmask_interior="yes")
+
+
+def _walked_by_brute_force(T, S, bt, bs, ql, kl, causal):
+    """The share of (program, key tile) pairs the forward's programs (a batch element and a
+    tile of bt query rows each) walk, counted row by row: none where every row lies past its
+    query length; every tile where a row inside it keeps no key (jax.nn's fully masked row:
+    the guard fails); else the tiles up to the last key any of its rows keeps."""
+    n = -(-S // bs)
+    counts = []
+    for b in range(len(ql)):
+        for i in range(-(-T // bt)):
+            rows = range(i * bt, min(i * bt + bt, T))
+            live = [r for r in rows if r < ql[b]]
+            if not live:
+                counts.append(0)
+                continue
+            last = {r: min(kl[b] - 1, r) if causal else kl[b] - 1 for r in rows}
+            if any(last[r] < 0 for r in live):
+                counts.append(n)
+                continue
+            counts.append(max(last.values()) // bs + 1)
+    return float(np.mean(counts)) / n
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_cost_model_counts_the_tiles_given_lengths_leave_out(causal):
+    # the runtime lengths as a call passes them: rows past a query length walk nothing, keys
+    # past a key length are skipped, a row with no key walks everything (B = 4: a full
+    # sequence, half of one, 3 query rows, no keys)
+    T = S = 1024
+    d = _dnf(B=4, T=T, S=S, N=2, K=2, H=64, qlen=True, kvlen=True, is_causal=causal)[2]
+    h200 = machines.load("h200")
+    onf = schedule.derive(d, h200)
+    sk = next(sk for sk in onf.skips if sk.var.name == "s")
+    ql, kl = np.array([T, T // 2, 3, T], np.int32), np.array([S, S // 2 + 5, S, 0], np.int32)
+    values = {"query_seq_lengths": ql, "key_value_seq_lengths": kl}
+    want = _walked_by_brute_force(T, S, onf.axis("t").tile, onf.axis("s").tile, ql, kl, causal)
+    assert want < (0.6 if causal else 0.8)
+    assert masked.visited_fraction(onf, sk, values=values) == pytest.approx(want, abs=1e-12)
+    # without the values a length keeps every tile, as before (a causal bound still counts)
+    assert masked.visited_fraction(onf, sk) == pytest.approx(
+        _walked_by_brute_force(T, S, onf.axis("t").tile, onf.axis("s").tile, [T] * 4, [S] * 4, causal), abs=1e-12)
+    given, unknown = cost.estimate(onf, h200, values=values), cost.estimate(onf, h200)
+    assert given.matmul_flops == pytest.approx(unknown.matmul_flops * want / masked.visited_fraction(onf, sk), rel=1e-12)
+    assert given.time_s < unknown.time_s
+
+
+def test_the_cost_model_counts_a_vectorised_batch_as_its_longest_sequence():
+    # XLA runs the programs of a grid axis outside its cpu_loop as one, so their walk spans the
+    # tiles of the batch's longest sequence (``lower_xla``): the CPU's adjoint, which scatter-
+    # adds dQ, does not loop its batch; its forward does (``schedule._loop_runtime_bounds``)
+    T = 1024
+    kern, specs, d = _dnf(B=2, T=T, S=T, N=2, K=2, H=64, qlen=True, kvlen=True)
+    cpu = machines.load("anvil-epyc-7543")
+    halves = {"query_seq_lengths": np.array([T, T // 2], np.int32), "key_value_seq_lengths": np.array([T, T // 2], np.int32)}
+    full = {k: np.array([T, T], np.int32) for k in halves}
+    fwd = schedule.derive(d, cpu)
+    assert "b" in fwd.knobs.cpu_loop
+    assert cost.estimate(fwd, cpu, values=halves).matmul_flops < 0.8 * cost.estimate(fwd, cpu, values=full).matmul_flops
+    adj, aspecs = kern.saved_adjoint(*specs)
+    onf = schedule.derive_plan(adj.dnf(*aspecs), cpu)
+    assert isinstance(onf, moajax.ONF), "the CPU's fused adjoint (one kernel)"
+    assert any(onf.scatter_var(st) is not None for st in onf.program.stages) and "b" not in onf.knobs.cpu_loop
+    assert any(isinstance(t, D.Read) for sk in onf.skips for b in sk.bounds + sk.rows for t, _ in b.terms)
+    a, b = cost.estimate(onf, cpu, values=halves), cost.estimate(onf, cpu, values=full)
+    # the same tiles walked; their masks evaluated on more of them (the interior, where every
+    # bound holds for every row at once, ends at the shorter sequence's length)
+    assert a.matmul_flops == b.matmul_flops and a.transcendentals == b.transcendentals and a.flops > b.flops
+    # on a GPU each program owns its batch element: the same lengths leave out tiles
+    h200 = machines.load("h200")
+    plan = schedule.derive_plan(adj.dnf(*aspecs), h200)
+    assert (cost.sequence(cost.estimate(o, h200, values=halves) for o in plan).matmul_flops
+            < 0.8 * cost.sequence(cost.estimate(o, h200, values=full) for o in plan).matmul_flops)
+
+
+def test_the_cost_models_values_are_checked():
+    d = _dnf(T=512, S=512, qlen=True)[2]
+    onf = schedule.derive(d, machines.load("h200"))
+    assert onf.axis("s").ntiles > 1
+    with pytest.raises(ValueError, match="'q_lengths', which is not an input of the DNF"):
+        cost.estimate(onf, values={"q_lengths": np.array([1, 2], np.int32)})
+    with pytest.raises(ValueError, match=r"values\['query_seq_lengths'\] has shape \(3,\)"):
+        cost.estimate(onf, values={"query_seq_lengths": np.array([1, 2, 3], np.int32)})
+    with pytest.raises(TypeError, match="must be integers"):
+        cost.estimate(onf, values={"query_seq_lengths": np.array([1.0, 2.0])})
+    with pytest.raises(TypeError, match="values must be a dict"):
+        cost.estimate(onf, values=[1, 2])
+    # any integer dtype (the bounds negate them: an unsigned one wrapped), and an unbatched
+    # call's scalar length for a batch of one
+    kv = schedule.derive(_dnf(T=512, S=512, kvlen=True)[2], machines.load("h200"))
+    signed = cost.estimate(kv, values={"key_value_seq_lengths": np.array([512, 3], np.int32)})
+    assert cost.estimate(kv, values={"key_value_seq_lengths": np.array([512, 3], np.uint32)}) == signed
+    assert signed.flops < cost.estimate(kv).flops
+    one = schedule.derive(_dnf(B=1, T=512, S=512, qlen=True)[2], machines.load("h200"))
+    assert (cost.estimate(one, values={"query_seq_lengths": np.uint8(3)})
+            == cost.estimate(one, values={"query_seq_lengths": np.array([3], np.int64)}))
+
+
+def _recorded_walks(monkeypatch):
+    """Wrap ``skipping.walk``: each walk a lowered program runs reports (walked variable, the
+    stages of its skips, tiles walked, interior tiles among them) when it runs."""
+    from moajax.tiles import skipping
+
+    rec, walk = [], skipping.walk
+
+    def recording(ev, skips, v, step, init):
+        first, count = skipping.span(ev, skips, v)
+        stages = tuple(sk.stage for sk in skips or () if sk is not None)
+        inner = [sk for sk in skips or () if sk is not None and sk.interior]
+        if inner and ev.onf.axis_of(v).ntiles > 1:
+            bounds = [b for sk in inner for b in sk.bounds]
+            box = skipping._box(ev, {t for b in bounds for t, _ in b.terms if isinstance(t, skipping.Var)}, v,
+                                padded=True)
+            ifirst, iend = masked.interior_tiles(bounds, v, ev.onf.axis_of(v).tile, box, skipping._read(ev),
+                                                 skipping._fold)
+            lo = jnp.clip(ifirst, first, first + count)
+            inside = jnp.clip(iend, lo, first + count) - lo
+        else:
+            inside = jnp.zeros((), jnp.int32)
+        jax.debug.callback(lambda c, i: rec.append((v.name, stages, int(c), int(i))), count, inside)
+        return walk(ev, skips, v, step, init)
+
+    monkeypatch.setattr(skipping, "walk", recording)
+    return rec
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_cost_model_counts_what_the_xla_lowering_walks(causal, monkeypatch):
+    # the tiles each walk of the lowered XLA program visits (and evaluates the mask on),
+    # recorded as it runs, against the model's share for the stage (``cost._walk_skip``,
+    # ``cost._stage_walks``): the forward with its batch looped, with its rows looped and the
+    # batch vectorised, and the fused adjoint with its key tiles looped and not (then its dQ
+    # partials walk the key tiles of each query tile, skipping the masked ones)
+    from moajax import lower_xla
+
+    rec = _recorded_walks(monkeypatch)
+    T = 512
+    values = {"query_seq_lengths": np.array([T, 100], np.int32), "key_value_seq_lengths": np.array([T, 300], np.int32)}
+    kern, specs, d = _dnf(B=2, T=T, S=T, N=1, K=1, H=16, qlen=True, kvlen=True, is_causal=causal)
+    adj, aspecs = kern.saved_adjoint(*specs, is_causal=causal)
+    ad = adj.dnf(*aspecs, is_causal=causal)
+    cpu = machines.load("anvil-epyc-7543")
+    tiles = {"t": 128, "s": 128}
+    onfs = [schedule.derive(d, cpu, Preset.of(tiles=tiles)), schedule.derive(d, cpu, Preset.of(tiles=tiles, cpu_loop="t")),
+            schedule.derive_plan(ad, cpu, Preset.of(tiles=tiles, plan="fused", cpu_loop="s")),
+            schedule.derive_plan(ad, cpu, Preset.of(tiles=tiles, plan="fused"))]
+    assert [o.knobs.cpu_loop for o in onfs] == [("b",), ("t",), ("s",), ()]
+    r = np.random.default_rng(0)
+    compared = 0
+    for o in onfs:
+        rec.clear()
+        args = [values[i.name] if i.name in values else r.standard_normal(i.shape).astype(i.dtype) for i in o.dnf.inputs]
+        jax.block_until_ready(lower_xla.lower(o)(*args))
+        walks = cost._walks(o, {k: v for k, v in values.items() if k in {i.name for i in o.dnf.inputs}})
+        groups: dict = {}
+        for name, stages, count, inside in rec:
+            groups.setdefault((name, stages), []).append((count, inside))
+        for (name, stages), runs in groups.items():
+            n = o.axis(name).ntiles
+            walked = sum(c for c, _ in runs) / (len(runs) * n)
+            evaluated = sum(c - i for c, i in runs) / (len(runs) * n)
+            st = o.program.stage_of(stages[0])
+            sk = cost._walk_skip(o, st)
+            w = cost._stage_walks(o, st, walks)
+            visited = masked.visited_fraction(o, sk, **w)
+            assert visited == pytest.approx(walked, abs=1e-12), (o.knobs.cpu_loop, name, stages)
+            model = visited * cost._unmasked(o, st, walks)[1]  # the share evaluating the mask
+            if cost._masked_walk(o, st, walks) is None:
+                assert model == pytest.approx(evaluated, abs=1e-12), (o.knobs.cpu_loop, name)
+            else:  # (counted on every visited tile there: an upper bound)
+                assert name == o.scatter_var(st).name and model == visited >= evaluated, (o.knobs.cpu_loop, name)
+            compared += 1
+    assert compared >= 4
+
+
+def test_the_cost_model_counts_a_vectorised_tiles_padding_as_the_lowering_does(monkeypatch):
+    # uneven tiles (1000 rows in tiles of 128, XLA running them as one program): the interior
+    # test takes the last tile's padding rows in, t up to 1023, so a window reaching every key
+    # from the real rows (right = 1000) still leaves the last key tiles masked for row 1023
+    from moajax import lower_xla
+
+    rec = _recorded_walks(monkeypatch)
+    d = _dnf(B=1, T=1000, S=1000, N=1, K=1, H=16, local_window_size=(1000, 1000))[2]
+    o = schedule.derive(d, machines.load("anvil-epyc-7543"), Preset.of(tiles={"t": 128, "s": 200}))
+    assert o.knobs.cpu_loop == () and o.axis("t").role == "grid" and o.axis("t").ntiles > 1
+    r = np.random.default_rng(0)
+    jax.block_until_ready(lower_xla.lower(o)(*[r.standard_normal(i.shape).astype(i.dtype) for i in o.dnf.inputs]))
+    ((name, _, count, inside),) = rec
+    sk = o.skips[0]
+    walks = cost._walks(o, None)
+    n = o.axis(name).ntiles
+    assert masked.visited_fraction(o, sk, **walks) == count / n
+    assert 0 < (count - inside) / n == pytest.approx(masked.masked_fraction(o, sk, **walks), abs=1e-12)

@@ -400,9 +400,10 @@ def _mha_kernel(bias_dims, mask_dims, grouped, q_lengths, kv_lengths, score_mod,
 
 def mha_dnf(qshape, kshape, vshape, dtype, bias_shape=None, bias_dtype=None, mask_shape=None,
             scale: float | None = None, is_causal: bool = False, q_lengths: bool = False, kv_lengths: bool = False,
-            local_window_size: tuple | None = None, residual: bool = False):
+            local_window_size: tuple | None = None, residual: bool = False, score_mod=None, consts=()):
     """The DNF of multi-head attention in jax.nn's layout for these static shapes: the DNF of
-    ``mha_kernel`` (cached by the kernel), the one ``dot_product_attention`` runs."""
+    ``mha_kernel`` (cached by the kernel), the one ``dot_product_attention`` runs (``score_mod``:
+    a ``trace.ScalarFn``, ``consts`` the arrays it closes over, or their shapes)."""
     import jax
 
     dtype = np.dtype(dtype)
@@ -412,8 +413,10 @@ def mha_dnf(qshape, kshape, vshape, dtype, bias_shape=None, bias_dtype=None, mas
     if mask_shape is not None:
         specs.append(jax.ShapeDtypeStruct(mask_shape, np.bool_))
     specs += [jax.ShapeDtypeStruct((qshape[0],), np.int32) for flag in (q_lengths, kv_lengths) if flag]
+    specs += [jax.ShapeDtypeStruct(np.shape(c), c.dtype if hasattr(c, "dtype") else np.asarray(c).dtype)
+              for c in consts]
     k = mha_kernel(None if bias_shape is None else broadcast_dims(bias_shape),
                    None if mask_shape is None else broadcast_dims(mask_shape), kshape[2] != qshape[2],
-                   q_lengths, kv_lengths, None, residual)
+                   q_lengths, kv_lengths, score_mod, residual)
     return k.dnf(*specs, scale=None if scale is None else float(scale), is_causal=bool(is_causal),
                  local_window_size=local_window_size)
