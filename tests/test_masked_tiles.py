@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import moajax
 import references as R
@@ -1085,3 +1087,52 @@ def test_the_cost_model_counts_a_vectorised_tiles_padding_as_the_lowering_does(m
     n = o.axis(name).ntiles
     assert masked.visited_fraction(o, sk, **walks) == count / n
     assert 0 < (count - inside) / n == pytest.approx(masked.masked_fraction(o, sk, **walks), abs=1e-12)
+
+
+def _tiles_walked_from_the_kept_keys(keep, ql, bt, bs):
+    """The share of (program, key tile) pairs the forward's programs walk, from the keys each
+    row keeps (``keep`` [B, T, S], jax.nn's masks without the query length): a program whose
+    rows all lie past their query length walks none; one with a row inside its length that
+    keeps no key walks every tile (jax.nn's average over V); else the tiles from the first key
+    any of its rows keeps to the last."""
+    B, T, S = keep.shape
+    n = -(-S // bs)
+    counts = []
+    for b in range(B):
+        for i in range(-(-T // bt)):
+            rows = range(i * bt, min(i * bt + bt, T))
+            if all(r >= ql[b] for r in rows):
+                counts.append(0)
+            elif any(not keep[b, r].any() for r in rows if r < ql[b]):
+                counts.append(n)
+            else:
+                keys = np.flatnonzero(keep[b, rows[0]:rows[-1] + 1].any(axis=0))
+                counts.append(keys[-1] // bs - keys[0] // bs + 1)
+    return float(np.mean(counts)) / n
+
+
+@settings(max_examples=100, deadline=None)
+@given(T=st.integers(1, 300), S=st.integers(1, 300), B=st.integers(1, 3), bt=st.sampled_from([16, 32, 64]),
+       bs=st.sampled_from([16, 32, 64]), causal=st.booleans(),
+       window=st.sampled_from([None, (0, 0), (5, 0), (40, 7), (100, 100)]), seed=st.integers(0, 2**16))
+def test_the_cost_models_count_with_random_lengths_is_the_kept_keys_span(T, S, B, bt, bs, causal, window, seed):
+    # random sizes, tiles, lengths, windows and causality: the model's share of walked tiles,
+    # given the lengths, against the span of the keys each program's rows keep (jax.nn's masks:
+    # ``references.variant_keep``)
+    r = np.random.default_rng(seed)
+    ql, kl = r.integers(0, T + 1, B).astype(np.int32), r.integers(0, S + 1, B).astype(np.int32)
+    d = _dnf(B=B, T=T, S=S, N=1, K=1, H=16, qlen=True, kvlen=True, is_causal=causal, local_window_size=window)[2]
+    onf = schedule.derive(d, machines.load("h200"), Preset.of(tiles={"t": bt, "s": bs}))
+    sk = next((sk for sk in onf.skips if sk.var.name == "s"), None)
+    keys = next((a for a in onf.axes if a.name == "s"), None)
+    if keys is None or keys.role != "sequential" or keys.ntiles == 1:
+        # held whole (one tile), the keys are not walked: nothing to leave out
+        assert sk is None or masked.visited_fraction(onf, sk, values={"query_seq_lengths": ql}) == 1.0
+        return
+    keep, _ = R.variant_keep(B, 1, T, S, local_window_size=window, key_value_seq_lengths=kl)
+    keep = np.ones((B, T, S), bool) if keep is None else keep[:, 0]
+    if causal:
+        keep = keep & np.tril(np.ones((T, S), bool))
+    values = {"query_seq_lengths": ql, "key_value_seq_lengths": kl}
+    want = _tiles_walked_from_the_kept_keys(keep, ql, onf.axis("t").tile, onf.axis("s").tile)
+    assert masked.visited_fraction(onf, sk, values=values) == pytest.approx(want, abs=1e-12)
