@@ -6,7 +6,7 @@ array math (``moajax.moa``) → ψ-reduction → DNF (``moajax.dnf``) → ONF sc
 
 from moajax import moa
 from moajax.api import (attention_onf, decode_attention, dot_product_attention, gated_mlp, kv_append, rms_norm,
-                        transformer_block, transformer_stack)
+                        traced_onfs, transformer_block, transformer_stack)
 from moajax.dnf import DNF
 from moajax.kernel import Kernel, kernel
 from moajax.moa import MoAShapeError, MoATypeError
@@ -20,5 +20,5 @@ __version__ = "0.1.0"
 __all__ = [
     "moa", "kernel", "Kernel", "DNF", "Derivation", "psi_reduce", "MoAShapeError", "MoATypeError",
     "ONF", "ONFError", "Preset", "dot_product_attention", "attention_onf", "rms_norm", "gated_mlp",
-    "decode_attention", "kv_append", "transformer_block", "transformer_stack", "ring_attention",
+    "decode_attention", "kv_append", "transformer_block", "transformer_stack", "ring_attention", "traced_onfs",
 ]

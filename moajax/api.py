@@ -8,6 +8,7 @@ to XLA loops and CUDA to a Pallas (Triton) kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -380,6 +381,41 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
     if isinstance(m, str):
         m = machines.load(m)
     return derive(dnf, m, preset)
+
+
+def traced_onfs(fun, *args, **kwargs) -> list:
+    """The kernels ``fun(*args, **kwargs)`` runs: one ``runtime.KernelRun`` per kernel (its
+    ``cpu`` and ``gpu`` ONFs or plans; ``.onf``, the one this process runs), in the order its
+    traced program first reaches them. ``fun`` may be ``jax.grad``, ``jax.vmap`` or
+    ``jax.jit`` of code that calls moajax, so a training step's forward and backward kernels
+    can be read and costed (``moajax.cost.estimate``). Read from the program
+    ``jax.make_jaxpr`` traces — every operation a kernel emits carries its name scope
+    (``runtime.compiled_run``) — so it lists what the program runs, not what tracing touched
+    and differentiation discarded (``jax.grad`` runs the saving forward and the adjoint, not
+    the plain forward or the tangent it traces)."""
+    import re
+
+    import jax
+
+    if not callable(fun):
+        raise TypeError(f"traced_onfs: fun must be callable, got {type(fun).__name__}")
+    closed = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
+    pattern = re.compile(re.escape(runtime.KERNEL_SCOPE) + r"(\d+)")
+    found: list = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for m in pattern.finditer(str(eqn.source_info.name_stack)):
+                if int(m.group(1)) not in found:
+                    found.append(int(m.group(1)))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return [runtime.kernel_run(i) for i in found]
 
 
 # ----------------------------------------------------------------------------- model kernels

@@ -12,6 +12,7 @@ cotangents must come from kernels of our own (the compiled tangent and adjoint k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -31,8 +32,6 @@ def gpu_machine(path: str = "pallas"):
     """The profile of this process's GPU, else the default GPU profile (to lower for CUDA);
     ``path``: the GPU path its kernels run through (``gpu_path``), which its spill check
     compiles."""
-    import dataclasses
-
     import jax
 
     m = next((machines.for_device(d) for d in jax.devices() if d.platform in ("gpu", "cuda")), None)
@@ -165,8 +164,6 @@ def _schedules(dnf, onf_key, path: str, local: str, gpu: str, precision: str) ->
     if precision != "highest" and "dot_precision" not in dict(preset.knobs) and has_gpu():
         # implementation="xla" on a GPU runs this ONF there: its float32 dots follow the
         # config too, as the GPU's own ONF's and XLA's (on a CPU the knob changes nothing)
-        import dataclasses
-
         base = preset if preset.applies_to(machines.local()) else Preset()
         cpu_preset = dataclasses.replace(base, knobs=tuple(sorted(dict(base.knobs, dot_precision=precision).items())))
     cpu = derive_plan(dnf, machines.local(), cpu_preset)
@@ -269,11 +266,53 @@ def _collapsed(dnf):
     return D.collapsed(dnf)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelRun:
+    """One kernel a traced function runs: its ``cpu`` ONF (XLA's), its ``gpu`` ONF (the
+    Pallas/Triton kernel's; a tuple of ONFs for a plan of several kernels; the ``ONFError``
+    where none fits), the ``implementation`` the call asked for."""
+
+    cpu: object
+    gpu: object
+    implementation: str | None
+
+    @property
+    def onf(self):
+        """The ONF (or plan) this process runs: the GPU's under a GPU implementation or on a
+        GPU, else the CPU's (``dispatch``)."""
+        gpu = self.implementation in GPU_BACKENDS or (self.implementation is None and has_gpu())
+        if gpu and isinstance(self.gpu, ONFError):
+            raise self.gpu
+        return self.gpu if gpu else self.cpu
+
+
+# every compiled run's kernel, by the index its name scope carries (``KERNEL_SCOPE``): what a
+# traced program's operations say they run (``api.traced_onfs``)
+_KERNEL_RUNS: list = []
+KERNEL_SCOPE = "moajax_kernel_"
+
+
+def kernel_run(index: int) -> KernelRun:
+    """The kernel whose operations carry the name scope ``KERNEL_SCOPE`` + ``index``."""
+    return _KERNEL_RUNS[index]
+
+
 def compiled_run(dnf, onf_key=None, implementation=None, order: tuple | None = None):
     """``dispatch`` of the ``schedules`` of the DNF a call runs (``run_dnf``), as a function of
-    ``dnf``'s own inputs returning its own outputs."""
+    ``dnf``'s own inputs returning its own outputs; its operations traced under a name scope
+    that says which kernel they are (``kernel_run``: no effect on the compiled code)."""
+    import jax
+
     flat = run_dnf(dnf, onf_key)
-    run = dispatch(*schedules(flat, onf_key, gpu_path(implementation)), implementation, order)
+    cpu, gpu = schedules(flat, onf_key, gpu_path(implementation))
+    dispatched = dispatch(cpu, gpu, implementation, order)
+    _KERNEL_RUNS.append(KernelRun(cpu, gpu, implementation))
+    scope = f"{KERNEL_SCOPE}{len(_KERNEL_RUNS) - 1}"
+
+    def run(*args):
+        with jax.named_scope(scope):
+            return dispatched(*args)
+
     if flat is dnf:
         return run
 
@@ -488,4 +527,4 @@ def differentiable(run, backward, n_outputs: int, saving=None, tangent=None, flo
     return jax.jit(f)
 
 
-__all__ = ["schedules", "lowered", "dispatch", "differentiable", "gpu_machine", "gpu_path", "has_gpu", "zero_cotangent"]
+__all__ = ["schedules", "lowered", "dispatch", "differentiable", "KernelRun", "kernel_run", "gpu_machine", "gpu_path", "has_gpu", "zero_cotangent"]

@@ -185,6 +185,46 @@ def test_attention_onf_takes_every_variant_and_gives_the_onf_the_call_runs():
         moajax.attention_onf(q, k, v, score_mod=lambda s: s)
 
 
+def test_traced_onfs_lists_the_kernels_a_program_runs():
+    # what jax.grad runs is the saving forward and the adjoint (not the plain forward or the
+    # tangent, which tracing touches and differentiation discards); a jit traced before (its
+    # trace cached) reads the same; a GPU implementation's runs give the GPU's ONFs; vmap and
+    # a model kernel's gradient too; each one costed
+    q, k, v = qkv(B=2, T=32, S=32, N=2, K=2, H=8, E=8, dtype=np.float32)
+    lengths = jnp.asarray([32, 9], jnp.int32)
+
+    def loss(q, k, v, implementation=None):
+        return jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                                    implementation=implementation))
+
+    def names(runs):
+        return [tuple(o.dnf.name for o in r.onf) if isinstance(r.onf, tuple) else r.onf.dnf.name for r in runs]
+
+    assert names(moajax.traced_onfs(loss, q, k, v)) == ["mha_qlen_mh"]
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    step(q, k, v)  # (compiled: its traces cached)
+    runs = moajax.traced_onfs(step, q, k, v)
+    assert names(runs) == ["mha_qlen_mh_saving", "mha_qlen_mh_adjoint_saved"]
+    assert names(moajax.traced_onfs(step, q, k, v)) == names(runs)
+    assert all(r.onf is r.cpu and r.implementation is None for r in runs)
+    gpu = moajax.traced_onfs(jax.grad(loss), q, k, v, implementation="pallas_interpret")
+    assert [r.onf is r.gpu for r in gpu] == [True, True] and all(
+        o.target != machines.local().name for r in gpu for o in (r.onf if isinstance(r.onf, tuple) else (r.onf,)))
+    batched = moajax.traced_onfs(jax.vmap(loss), *(jnp.stack([x, x]) for x in (q, k, v)))
+    assert len(batched) == 1 and batched[0].onf.dnf.name.startswith("mha_qlen_mh")
+    x, w = jnp.ones((4, 16), jnp.float32), jnp.ones((16,), jnp.float32)
+    norm = moajax.traced_onfs(jax.grad(lambda x, w: jnp.sum(moajax.rms_norm(x, w))), x, w)
+    assert len(norm) == 2
+    m = machines.local()
+    for r in runs:
+        for o in r.onf if isinstance(r.onf, tuple) else (r.onf,):
+            names_in = {i.name for i in o.dnf.inputs}
+            assert cost.estimate(o, m, values={"query_seq_lengths": lengths} if "query_seq_lengths" in names_in
+                                 else None).flops > 0
+    with pytest.raises(TypeError, match="traced_onfs: fun must be callable"):
+        moajax.traced_onfs(3, q)
+
+
 def test_gpu_onf_for_a_cpu_machine_is_derived_from_a_gpu_profile():
     q, k, v = qkv(H=64, E=64, dtype=jnp.bfloat16)
     onf = moajax.attention_onf(q, k, v, machine="delta-a40")
