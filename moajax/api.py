@@ -384,30 +384,28 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
 
 
 def traced_onfs(fun, *args, **kwargs) -> list:
-    """The kernels ``fun(*args, **kwargs)`` runs: one ``runtime.KernelRun`` per kernel (its
-    ``cpu`` and ``gpu`` ONFs or plans; ``.onf``, the one this process runs), in the order its
-    traced program first reaches them. ``fun`` may be ``jax.grad``, ``jax.vmap`` or
-    ``jax.jit`` of code that calls moajax, so a training step's forward and backward kernels
-    can be read and costed (``moajax.cost.estimate``). Read from the program
-    ``jax.make_jaxpr`` traces — every operation a kernel emits carries its name scope
-    (``runtime.compiled_run``) — so it lists what the program runs, not what tracing touched
-    and differentiation discarded (``jax.grad`` runs the saving forward and the adjoint, not
-    the plain forward or the tangent it traces)."""
-    import re
-
+    """The kernels ``fun(*args, **kwargs)`` runs: one ``runtime.KernelRun`` per distinct
+    kernel (its ``cpu`` and ``gpu`` ONFs or plans; ``.onf``, the one this process runs), in
+    the order its traced program first reaches them — a kernel called twice (a block's two
+    RMSNorms) is listed once. ``fun`` may be ``jax.grad``, ``jax.vmap`` or ``jax.jit`` of
+    code that calls moajax, so a training step's forward and backward kernels can be read and
+    costed (``moajax.cost.estimate``). Read from the program ``jax.make_jaxpr`` traces —
+    every operation a kernel emits carries its name scope (``runtime.compiled_run``) — so it
+    lists what the program runs, not what tracing touched and differentiation discarded
+    (``jax.grad`` runs the saving forward and the adjoint, not the plain forward or the
+    tangent it traces). Inputs split over devices: the whole arrays' kernels the program
+    names; each device runs one derived for its block, chosen when XLA partitions the
+    program (``moajax.shard``), which a trace does not see."""
     import jax
 
     if not callable(fun):
         raise TypeError(f"traced_onfs: fun must be callable, got {type(fun).__name__}")
     closed = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
-    pattern = re.compile(re.escape(runtime.KERNEL_SCOPE) + r"(\d+)")
     found: list = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            for m in pattern.finditer(str(eqn.source_info.name_stack)):
-                if int(m.group(1)) not in found:
-                    found.append(int(m.group(1)))
+            _kernel_indices(str(eqn.source_info.name_stack), found)
             for p in eqn.params.values():
                 for sub in p if isinstance(p, (tuple, list)) else (p,):
                     inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
@@ -416,6 +414,15 @@ def traced_onfs(fun, *args, **kwargs) -> list:
 
     walk(closed.jaxpr)
     return [runtime.kernel_run(i) for i in found]
+
+
+def _kernel_indices(text: str, found: list) -> None:
+    """Append to ``found`` the kernel indices of the name scopes in ``text`` not in it yet."""
+    import re
+
+    for m in re.finditer(re.escape(runtime.KERNEL_SCOPE) + r"(\d+)", text):
+        if int(m.group(1)) not in found:
+            found.append(int(m.group(1)))
 
 
 # ----------------------------------------------------------------------------- model kernels

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 
 import numpy as np
 
@@ -287,9 +288,23 @@ class KernelRun:
 
 
 # every compiled run's kernel, by the index its name scope carries (``KERNEL_SCOPE``): what a
-# traced program's operations say they run (``api.traced_onfs``)
+# traced program's operations say they run (``api.traced_onfs``). One index per kernel (the
+# schedules are cached, so a kernel compiled again — a device's block, at each compile of a
+# sharded program — finds its index), taken under a lock (threads tracing at once)
 _KERNEL_RUNS: list = []
+_KERNEL_INDEX: dict = {}
+_KERNEL_LOCK = threading.Lock()
 KERNEL_SCOPE = "moajax_kernel_"
+
+
+def _kernel_index(cpu, gpu, implementation) -> int:
+    # by identity: the list holds every registered ONF, so no id is reused
+    key = (id(cpu), id(gpu), implementation)
+    with _KERNEL_LOCK:
+        if key not in _KERNEL_INDEX:
+            _KERNEL_INDEX[key] = len(_KERNEL_RUNS)
+            _KERNEL_RUNS.append(KernelRun(cpu, gpu, implementation))
+        return _KERNEL_INDEX[key]
 
 
 def kernel_run(index: int) -> KernelRun:
@@ -306,8 +321,7 @@ def compiled_run(dnf, onf_key=None, implementation=None, order: tuple | None = N
     flat = run_dnf(dnf, onf_key)
     cpu, gpu = schedules(flat, onf_key, gpu_path(implementation))
     dispatched = dispatch(cpu, gpu, implementation, order)
-    _KERNEL_RUNS.append(KernelRun(cpu, gpu, implementation))
-    scope = f"{KERNEL_SCOPE}{len(_KERNEL_RUNS) - 1}"
+    scope = f"{KERNEL_SCOPE}{_kernel_index(cpu, gpu, implementation)}"
 
     def run(*args):
         with jax.named_scope(scope):

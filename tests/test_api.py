@@ -223,6 +223,15 @@ def test_traced_onfs_lists_the_kernels_a_program_runs():
                                  else None).flops > 0
     with pytest.raises(TypeError, match="traced_onfs: fun must be callable"):
         moajax.traced_onfs(3, q)
+    # a kernel compiled again (a device's block at each compile of a sharded program) keeps its
+    # index: the registry grows with kernels, not with compiles
+    from moajax import runtime
+
+    dnf = runs[0].cpu.dnf
+    runtime.compiled_run(dnf)
+    n = len(runtime._KERNEL_RUNS)
+    runtime.compiled_run(dnf)
+    assert len(runtime._KERNEL_RUNS) == n
 
 
 def test_gpu_onf_for_a_cpu_machine_is_derived_from_a_gpu_profile():
