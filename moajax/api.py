@@ -168,11 +168,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         scale = None
     flags = runtime.check_flags("dot_product_attention", is_causal=is_causal, return_residual=return_residual)
     is_causal, return_residual = flags["is_causal"], flags["return_residual"]
-    window = _check_window(local_window_size)
-    if window is not None:
-        # a side wider than the sequences keeps every key, as max(T, S) does: the kernel's
-        # int32 index arithmetic (s − t + left) never wraps (2**31 − 1 masked every key)
-        window = tuple(min(x, max(T, S)) for x in window)
+    window = _check_window(local_window_size, T, S)
     mod = _check_score_mod(score_mod, qd)
     if min(B, T, S) == 0:
         # no query, or no key: jax.nn's result, an empty Out, or zeros where no key is kept
@@ -274,8 +270,11 @@ def _backward_plan(onf, with_bias: bool, consts=()):
     return onf  # "fused" (= "atomic"), "owner", "per_output": plans of any kernel
 
 
-def _check_window(w, who: str = "dot_product_attention"):
-    """jax.nn's local_window_size: None, an int w (= (w, w)) or (left, right), each ≥ 0."""
+def _check_window(w, T: int, S: int, who: str = "dot_product_attention"):
+    """jax.nn's local_window_size: None, an int w (= (w, w)) or (left, right), each ≥ 0; a
+    side wider than the sequences (T queries, S keys) taken as max(T, S), which keeps every key
+    too: the kernel's int32 index arithmetic (s − t + left) never wraps (2**31 − 1 masked
+    every key)."""
     if w is None:
         return None
     pair = (w, w) if isinstance(w, (int, np.integer)) and not isinstance(w, bool) else w
@@ -286,7 +285,7 @@ def _check_window(w, who: str = "dot_product_attention"):
             raise TypeError(f"{who}: local_window_size must hold ints, got {w!r}")
         if x < 0:
             raise ValueError(f"{who}: local_window_size must be ≥ 0, got {w!r}")
-    return (int(pair[0]), int(pair[1]))
+    return tuple(min(int(x), max(T, S)) for x in pair)
 
 
 def _check_score_mod(fn, dtype, who: str = "dot_product_attention"):
@@ -368,9 +367,7 @@ def attention_onf(query, key, value, bias=None, mask=None, *, scale=None, is_cau
     is_causal, return_residual = flags["is_causal"], flags["return_residual"]
     if preset is not None and not isinstance(preset, Preset):
         raise TypeError(f"{who}: preset must be a moajax.Preset or None, got {type(preset).__name__}")
-    window = _check_window(local_window_size, who)
-    if window is not None:  # (as dot_product_attention clips it)
-        window = tuple(min(x, max(qs[1], ks[1])) for x in window)
+    window = _check_window(local_window_size, qs[1], ks[1], who)
     mod = _check_score_mod(score_mod, qd, who)
     for name, x, n in (("query_seq_lengths", query_seq_lengths, qs[1]), ("key_value_seq_lengths", key_value_seq_lengths, ks[1])):
         _check_lengths(name, x, qs[0], n, batched, who)

@@ -623,6 +623,15 @@ def _coalesced(onf: ONF, r, perms: dict, machine) -> float:
     return min(1.0, run * _itemsize(r.dtype) / SECTOR_BYTES)
 
 
+def values_read(onf: ONF, values):
+    """The runtime scalars among ``values`` that ``onf``'s DNF takes as inputs (a plan's kernels
+    read some of a call's lengths each), for ``estimate``; None stays None."""
+    if values is None:
+        return None
+    names = {i.name for i in onf.dnf.inputs}
+    return {k: np.asarray(v) for k, v in values.items() if k in names}
+
+
 def estimate(onf: ONF, machine=None, *, values=None) -> Cost:
     """Predict the cost of running ``onf`` (on ``machine``, for the roofline time).
 

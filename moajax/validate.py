@@ -489,7 +489,7 @@ def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progre
             got = b.run(*b.args)  # (the warm-up: compiles)
             err = _rel_error(got, b.reference()) if b.reference_bytes <= REFERENCE_BYTES else float("nan")
             t = timing.median_seconds(b.run, *b.args, reps=reps)
-            predicted = cost.sequence(cost.estimate(o, machine, values=_values_of(o, b.values)) for o in b.onfs)
+            predicted = cost.sequence(cost.estimate(o, machine, values=cost.values_read(o, b.values)) for o in b.onfs)
             predicted = dataclasses.replace(predicted, flops=predicted.flops + b.extra[0],
                                             bytes_moved=predicted.bytes_moved + b.extra[1])
             alpha = 1.0 / machine.peak(b.dtype)
@@ -503,16 +503,6 @@ def run(kernels=None, *, full: bool = False, machine=None, reps: int = 3, progre
     if progress is not None:
         progress(len(todo), len(todo), "done")
     return rows
-
-
-def _values_of(onf, values):
-    """The runtime scalars among ``onf``'s inputs (a plan's kernels read some of them)."""
-    import numpy as np
-
-    if values is None:
-        return None
-    names = {i.name for i in onf.dnf.inputs}
-    return {k: np.asarray(v) for k, v in values.items() if k in names}
 
 
 def table(rows) -> list:

@@ -70,8 +70,7 @@ def predicted(B: int, N: int, H: int, T: int, ql: bool, kl: bool, grad: bool) ->
     for k, args in calls:
         plan = k.onf(*args, implementation="xla")
         for o in plan if isinstance(plan, tuple) else (plan,):
-            names = {i.name for i in o.dnf.inputs}
-            total += cost.estimate(o, m, values={n: x for n, x in values.items() if n in names}).time_s
+            total += cost.estimate(o, m, values=cost.values_read(o, values)).time_s
     return total
 
 
