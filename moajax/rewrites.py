@@ -698,8 +698,10 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | tuple | N
     the output's Σ_r may lie inside other sums (``sum_to_top`` brings it up); or names
     (r, b, …): Σ_r Σ_b … g, each sum brought up below the one before, so that programs owning
     tiles of them all add partials (a table's gradient beside the batch and heads that own
-    programs). ``rebind`` {w: b}: a summed variable renamed to the one it stands for (α:
-    Σ_{n_kv} f = Σ_n f[n_kv := n], n used nowhere in f) before it is brought up."""
+    programs); a reduction of g over those variables alone is then a statistic of each
+    program's rows, a local stage of its own (``_chain_statistics``). ``rebind`` {w: b}: a
+    summed variable renamed to the one it stands for (α: Σ_{n_kv} f = Σ_n f[n_kv := n], n
+    used nowhere in f) before it is brought up. An ONFError where Σ_r cannot come to the top."""
     outs = dict(onf.program.outputs)
     if output not in outs:
         raise ONFError(f"{onf.dnf.name}: accumulate: unknown output {output!r}; outputs are {sorted(outs)}")
@@ -718,8 +720,6 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | tuple | N
     while local(body) is not None and local(body).reduction is None:
         body = _at(local(body), body)  # c · Σ split over local stages by hoist: inline them
     over = (over,) if isinstance(over, str) else tuple(over or ())
-    if over and isinstance(body, D.Red) and body.var.name != over[0]:
-        body = sum_to_top(body, over[0]) or body  # Σ_n Σ_s Σ_r … (a table's gradient): Σ_r on top
     if not (isinstance(body, D.Red) and body.monoid == "add"):
         num, den = D.mul_div_factors(body)
         sums = [f for f in num if local(f) is not None and local(f).reduction is not None
@@ -739,10 +739,22 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | tuple | N
             body = sum_to_top(D.transform(body, inline), over[0]) or body
         if not (isinstance(body, D.Red) and body.monoid == "add"):
             raise ONFError(f"{onf.dnf.name}: accumulate: output {output!r} is not c · Σ_r g (one sum times factors)")
+    if over and body.var.name != over[0]:
+        # Σ_n Σ_s Σ_r … (a table's gradient; a 16-bit one's sum is a stage of its own under the
+        # conversion, inlined above): Σ_r on top. Where it cannot come up, no program owning
+        # tiles of r holds a partial: an error, never the top sum's variable in r's place
+        top = sum_to_top(body, over[0])
+        if top is None:
+            raise ONFError(f"{onf.dnf.name}: accumulate: output {output!r} is not Σ_{over[0]} g "
+                           f"(a term without Σ_{over[0]}, or one under another reduction or a division)")
+        body = top
     if len(over) > 1:
         body = _chained(onf, output, body, over[1:], rebind or {}, over[:1])
-    stages = [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place) if o is st else o
-              for o in onf.program.stages]
+    rows: list = []
+    if over:
+        body = _chain_statistics(onf, body, len(over), rows)
+    stages = [x for o in onf.program.stages
+              for x in (rows + [Stage(st.name, st.vars, D.Convert(body, out_dtype), st.place)] if o is st else [o])]
     walk = _kernel_walk(onf.program, st)
     if walk is not None and walk != body.var:
         # the stages of the pass this output now joins, and the output itself: their shared
@@ -755,6 +767,62 @@ def accumulate(onf: ONF, output: str, how: str = "atomic", over: str | tuple | N
     acc[st.name] = how
     return onf.replace(program=Program(tuple(stages), onf.program.outputs), accumulate=tuple(sorted(acc.items())),
                        note=f"accumulate({output}, {how})")
+
+
+def _chain_statistics(onf: ONF, red: D.Red, depth: int, rows: list) -> D.Red:
+    """Σ_r Σ_b … g (the ``depth`` leading sums, over what the programs will own) with a
+    reduction x of g over those variables alone, inside another sum of g: x is a statistic of
+    each program's own rows (Δ[b t n] = Σ_{s'} P × dP inside Σ_s, a table's gradient after a
+    16-bit forward), made a local stage of its own (appended to ``rows``), computed once per
+    program in a walk of its own instead of held whole inside every step of g's sum. As
+    ``hoist`` does for a stage's own variables; these become the programs' once they own the
+    chain's tiles. A short reduction stays where it is read (``_short``)."""
+    chain = [red]
+    for _ in range(depth - 1):
+        chain.append(chain[-1].body)
+    owned = {x.var for x in chain}
+    taken = _taken(onf)
+    made: dict = {}  # canonical reduction → the stage's read
+    seen: dict = {}  # (node, nested) → result: bodies are DAGs
+
+    def staged(e: D.Red) -> D.Expr:
+        key = D.canonical(e)
+        if key not in made:
+            f = factor_out_invariants(e)
+            if isinstance(f, D.Red):
+                vs = stage_vars(f, onf.dnf.output_vars)
+                name = D.fresh_name(f"{_MONOID_NAMES[f.monoid]}_{f.var.name}", taken)
+                rows.append(_sink_stage(Stage(name, vs, f, "local")))
+                made[key] = D.Ref(name, vs, f.dtype)
+            else:  # (Σ_v a)·c ÷ d: the sum a stage (its walk), the factors read with it
+                made[key] = top(f)
+        return made[key]
+
+    def top(e: D.Expr) -> D.Expr:
+        if isinstance(e, D.Red):
+            return staged(e)
+        return D.rebuild(e, [top(c) for c in e.children]) if e.children else e
+
+    def go(e: D.Expr, nested: bool) -> D.Expr:
+        if not e.children:
+            return e
+        hit = seen.get((id(e), nested))
+        if hit is not None and hit[0] is e:
+            return hit[1]
+        if isinstance(e, D.Red):
+            if nested and e.free and e.free <= owned and not _short(e):
+                out = staged(e)
+            else:
+                out = D.Red(e.monoid, e.var, go(e.body, True))
+        else:
+            out = D.rebuild(e, [go(c, nested) for c in e.children])
+        seen[(id(e), nested)] = (e, out)
+        return out
+
+    body = go(chain[-1].body, False)
+    for x in reversed(chain):
+        body = D.Red(x.monoid, x.var, body)
+    return body
 
 
 def _chained(onf: ONF, output: str, red: D.Red, names, rebind: dict, done=()) -> D.Red:

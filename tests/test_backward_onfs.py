@@ -1088,3 +1088,102 @@ def test_a_bfloat16_tables_gradient_lowers_for_cuda_as_pallas_kernels(monkeypatc
         runtime.schedules.cache_clear()
     assert sorted(set(names)) == ["adjoint_saved_d_key_d_value", "adjoint_saved_d_query",
                                   "adjoint_saved_d_score_mod_const0"], names
+
+
+@pytest.mark.parametrize("profile", ["h200", "delta-a100", "delta-a40"])
+def test_a_bfloat16_arrays_gradient_joins_the_seeds_fused_plans(profile):
+    """bfloat16 ALiBi slopes beside bfloat16 q, k, v (B = 2, T = S = 1024, N = 8, H = 64) under
+    "atomic" and "split" fit every GPU profile. The slopes' gradient is bfloat16(Σ_b Σ_{n_kv}
+    …), a sum hoist makes a stage of its own under the conversion: ``rewrites.accumulate``
+    inlines it and brings Σ_t to the top, so the programs own query tiles beside each b and
+    n and add their partials (scatter t b n). Δ, which the gradient recomputes after the
+    16-bit forward (Σ_{s1} P × dP over every key, inside Σ_s), is then a statistic of each
+    program's own rows: a local stage [b t n] walking the keys in tiles before the main walk
+    (``rewrites._chain_statistics``). Before, Σ_t stayed below Σ_b and the scatter fell to
+    the batch (304.6 KB at T = 256, ad hoc), and with Σ_t on top the keys of Δ were held
+    whole inside the walk (545.8 KB here, ad hoc): both plans were refused on all three."""
+    m = dataclasses.replace(machines.load(profile), spill_check=False)
+    slopes = jnp.linspace(0.1, 0.5, 8, dtype=jnp.bfloat16)
+    for plan in ("atomic", "split"):
+        onfs = _alibi_adjoint_plan((2, 1024, 8, 64), (2, 1024, 8, 64), slopes, m, plan, "bfloat16")
+        (fused,) = [o for o in onfs if "d_score_mod_const0" in dict(o.program.outputs)]
+        assert {"d_query", "d_key"} <= set(dict(fused.program.outputs))
+        st = fused.program.stage_of(dict(fused.program.outputs)["d_score_mod_const0"])
+        assert [v.name for v in fused.scatter_vars(st)] == ["t", "b", "n"]
+        assert cost.onchip_bytes(fused) <= m.onchip_limit_bytes
+        (delta,) = [x for x in fused.program.stages if x.walks is not None and x.walks.name == "s1"]
+        assert [v.name for v in delta.vars] == ["b", "t", "n"] and delta.place == "local"
+        assert fused.axis("s1").role == "sequential" and fused.axis("s1").tile < 1024
+
+
+def test_accumulate_over_a_sum_that_cannot_come_up_is_an_error():
+    """``accumulate(…, over=r)`` makes the programs owning tiles of r add partials Σ_r: where
+    the output's Σ_r cannot be brought to its top (Σ_h lies inside the scores' exp), it is an
+    ONFError, float64 or bfloat16. Before, it went on with the top sum's variable (b) in r's
+    place; and for the bfloat16 slopes, whose sum is a stage under the conversion, Σ_t was
+    never brought up, so (t, b, n) was refused."""
+    from moajax import onf as O
+
+    for dtype in ("float64", "bfloat16"):
+        slopes = jnp.linspace(0.1, 0.5, 4, dtype=dtype)
+        o = rewrites.hoist(O.initial(_alibi_adjoint_dnf((2, 16, 4, 16), (2, 16, 4, 16), slopes, dtype)))
+        with pytest.raises(ONFError, match="is not Σ_h g"):
+            rewrites.accumulate(o, "d_score_mod_const0", over="h")
+        chained = rewrites.accumulate(o, "d_score_mod_const0", over=("t", "b", "n"), rebind={"n_kv": "n"})
+        top = chained.program.stage_of(dict(chained.program.outputs)["d_score_mod_const0"]).accumulated
+        assert [top.var.name, top.body.var.name, top.body.body.var.name] == ["t", "b", "n"]
+
+
+@pytest.mark.parametrize("plan", ["atomic", "split"])
+def test_a_bfloat16_tables_gradient_scatter_added_over_queries_batch_and_heads(monkeypatch, plan):
+    """A bfloat16 relative-position table beside bfloat16 q, k, v (B = 2, T = S = 32, N = 2,
+    H = 16, causal) under the seed's fused plans, on the H200's schedule with 16 KB of shared
+    memory, so that only programs owning a query tile, a batch element and a head fit (scatter
+    t b n, 13.3 KB; ad hoc). Before, the table's Σ_t stayed below Σ_b (a stage under the
+    conversion), and the least the plan needed was 20.6 KB (ad hoc): refused. Δ, recomputed
+    after the 16-bit forward, is a local stage walking the keys in tiles of its own. Pallas
+    interpret against a plain-jnp float64 gradient of the same (bfloat16-valued) inputs,
+    every gradient within 2⁻⁷ of its largest entry: bfloat16 rounds each output and P for its
+    dot with V to 2⁻⁹, and a few such roundings compound (measured 2.7e-3 to 2.9e-3 here, ad
+    hoc; XLA's bfloat16 kernels 2.2e-3 to 2.9e-3)."""
+    from moajax import runtime
+
+    m = dataclasses.replace(machines.load("h200"), spill_check=False, shared_memory_per_block=16 * 1024)
+    monkeypatch.setattr(runtime, "gpu_machine", lambda path="pallas": m)
+    r = np.random.default_rng(21)
+    q, k, v, g = (jnp.asarray(r.standard_normal((2, 32, 2, 16)), jnp.bfloat16) for _ in range(4))
+    table = jnp.asarray(r.standard_normal(8), jnp.bfloat16)
+
+    def grad(impl):
+        def loss(q, k, v, c):
+            mod = lambda s, b, h, i, j: s + c[jnp.clip(i - j, -3, 4) + 3]  # noqa: E731
+            out = moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=True, implementation=impl,
+                                               onf=Preset.of(backward=plan))
+            return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+    runtime.schedules.cache_clear()
+    try:
+        got = grad("pallas_interpret")(q, k, v, table)
+        # the kernels that ran: the table's gradient beside dQ and dK, added over t, b and n
+        # (twice: the table is a jit argument, so the call holds the kernels that take it
+        # finite and those with the masked fill, ``traced_tables``)
+        fused = [o for run in moajax.traced_onfs(grad("pallas_interpret"), q, k, v, table)
+                    for o in (run.onf if isinstance(run.onf, tuple) else (run.onf,))
+                    if "d_score_mod_const0" in dict(o.program.outputs)]
+    finally:
+        runtime.schedules.cache_clear()
+    assert len(fused) == 2
+    for o in fused:
+        st = o.program.stage_of(dict(o.program.outputs)["d_score_mod_const0"])
+        assert [v.name for v in o.scatter_vars(st)] == ["t", "b", "n"] and "d_query" in dict(o.program.outputs)
+    def reference(q, k, v, c):  # jnp, float64: causal softmax of q·kᵀ/√H + c[clip(i − j)]
+        i, j = np.arange(32)[:, None], np.arange(32)[None, :]
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / 4.0 + c[np.clip(i - j, -3, 4) + 3]
+        p = jax.nn.softmax(jnp.where(i >= j, s, -jnp.inf), axis=-1)
+        return jnp.sum(jnp.einsum("bnts,bsne->btne", p, v) * g.astype(jnp.float64))
+
+    want = jax.grad(reference, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float64) for x in (q, k, v, table)))
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert a.shape == b.shape and np.max(np.abs(a - b)) <= 2.0**-7 * np.max(np.abs(b))
