@@ -48,7 +48,15 @@ def cmd_derive(args) -> int:
 
 
 def cmd_gpu_report(args) -> int:
+    import os
+
+    # an offline compile needs no GPU backend: where the CUDA plugin is installed but no CUDA
+    # runtime is (a login node, a CPU host), starting its backend fails and its Triton
+    # compilation handler is never registered ("no CUDA Triton compilation handler")
     import jax
+
+    if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")  # (read from the environment when jax was imported)
 
     jax.config.update("jax_enable_x64", True)  # float64 kernels are compiled as float64
     from moajax import compat, gpu_report, ptx, schedule

@@ -74,6 +74,23 @@ def test_bad_cli_arguments_are_refused_before_any_run(argv, said, capsys):
     assert rc == 2 and said in capsys.readouterr().err
 
 
+def test_gpu_report_compiles_offline_without_jax_platforms_set():
+    """``moajax gpu-report`` run as a command without JAX_PLATFORMS (the Makefile sets it, a
+    shell need not): where the CUDA plugin is installed without a CUDA runtime, as here, its
+    backend failed to start and the command refused with "no CUDA Triton compilation
+    handler". An offline compile needs no GPU backend: it now gets as far as the arguments."""
+    import os
+
+    from moajax import ptx
+
+    if ptx.toolchain_missing():
+        pytest.skip(f"no offline toolchain here: {ptx.toolchain_missing()}")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, "-m", "moajax", "gpu-report", "--arch", "sm_90"], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "no GPU profile has arch sm_90" in r.stderr, r.stderr[-2000:]
+
+
 def test_an_out_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
     """gpu-report's and measure's --out must be a file, validate's a folder: found out after the
     whole run before (a traceback). MOAJAX_MACHINE naming no profile is named up front too."""
