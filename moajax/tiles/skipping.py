@@ -156,17 +156,33 @@ def rows_keep_keys(ev, guard: RowGuard, v: Var):
 
     axis = ev.onf.axis_of(v)
 
+    def passes(sub, x):  # 1 where every row of ``sub`` passes statistic x, else 0
+        val = sub.eval(x)
+        good = Named(val.data > np.asarray(guard.threshold, val.data.dtype), val.vars)
+        for a in guard.exempt:
+            datas, vs = sub.align([good, sub.eval(a)])
+            good = Named(jnp.logical_or(datas[0], jnp.logical_not(datas[1])), vs)
+        return all_rows(sub, good)
+
+    def over(sc, free, x):
+        # a variable the scope does not bind, all of it: in one block, unless that block (a
+        # power of two on Pallas) would read past what the input is padded to — a walked axis
+        # of extent 20 in tiles of 1 is padded to 20, not 32 (GQA's table gradient under the
+        # owner plan: a slice error in interpret mode, a load past the array on a GPU) —, then
+        # tile by tile
+        if not free:
+            return passes(sc, x)
+        u, rest = free[0], free[1:]
+        ax = sc.onf.axis_of(u)
+        if sc.backend.whole(u).size <= ax.whole_size(pow2=ax.role == "whole"):
+            return over(sc.child({u: sc.backend.whole(u)}), rest, x)
+        return sc.backend.fori_loop(ax.ntiles, lambda i, ok: jnp.minimum(
+            ok, over(sc.child({u: Range(i * ax.tile, ax.tile, u.extent)}), rest, x)), jnp.int32(1))
+
     def check(sc):  # 1 where every row passes, else 0
         ok = jnp.int32(1)
         for x in guard.stats:
-            free = [u for u in sorted(x.free, key=lambda u: u.name) if u not in sc.ranges]
-            sub = sc.child({u: sc.backend.whole(u) for u in free}) if free else sc
-            val = sub.eval(x)
-            good = Named(val.data > np.asarray(guard.threshold, val.data.dtype), val.vars)
-            for a in guard.exempt:
-                datas, vs = sub.align([good, sub.eval(a)])
-                good = Named(jnp.logical_or(datas[0], jnp.logical_not(datas[1])), vs)
-            ok = jnp.minimum(ok, all_rows(sub, good))
+            ok = jnp.minimum(ok, over(sc, [u for u in sorted(x.free, key=lambda u: u.name) if u not in sc.ranges], x))
         return ok
 
     if v in ev.ranges or not any(v in x.free for x in guard.stats) or axis.ntiles <= 1:
