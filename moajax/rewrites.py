@@ -776,14 +776,18 @@ def _chain_statistics(onf: ONF, red: D.Red, depth: int, rows: list) -> D.Red:
     16-bit forward), made a local stage of its own (appended to ``rows``), computed once per
     program in a walk of its own instead of held whole inside every step of g's sum. As
     ``hoist`` does for a stage's own variables; these become the programs' once they own the
-    chain's tiles. A short reduction stays where it is read (``_short``)."""
+    chain's tiles. A short reduction stays where it is read (``_short``). A local stage of
+    the program with the same variables and body (one an earlier output's accumulate made:
+    each of two tables' gradients recomputes the same Δ) is read, not made again."""
     chain = [red]
     for _ in range(depth - 1):
         chain.append(chain[-1].body)
     owned = {x.var for x in chain}
     taken = _taken(onf)
     made: dict = {}  # canonical reduction → the stage's read
-    seen: dict = {}  # (node, nested) → result: bodies are DAGs
+    seen: dict = {}  # (node, nested, binders on the way) → result: bodies are DAGs
+    have = {(tuple(st.vars), D.canonical(st.body)): D.Ref(st.name, st.vars, st.body.dtype)
+            for st in onf.program.stages if isinstance(st, Stage) and st.place == "local"}
 
     def staged(e: D.Red) -> D.Expr:
         key = D.canonical(e)
@@ -791,9 +795,12 @@ def _chain_statistics(onf: ONF, red: D.Red, depth: int, rows: list) -> D.Red:
             f = factor_out_invariants(e)
             if isinstance(f, D.Red):
                 vs = stage_vars(f, onf.dnf.output_vars)
-                name = D.fresh_name(f"{_MONOID_NAMES[f.monoid]}_{f.var.name}", taken)
-                rows.append(_sink_stage(Stage(name, vs, f, "local")))
-                made[key] = D.Ref(name, vs, f.dtype)
+                new = _sink_stage(Stage(D.fresh_name(f"{_MONOID_NAMES[f.monoid]}_{f.var.name}", taken), vs, f, "local"))
+                old = have.get((tuple(vs), D.canonical(new.body)))
+                if old is None:
+                    rows.append(new)
+                    old = have[(tuple(vs), D.canonical(new.body))] = D.Ref(new.name, vs, f.dtype)
+                made[key] = old
             else:  # (Σ_v a)·c ÷ d: the sum a stage (its walk), the factors read with it
                 made[key] = top(f)
         return made[key]
@@ -803,23 +810,25 @@ def _chain_statistics(onf: ONF, red: D.Red, depth: int, rows: list) -> D.Red:
             return staged(e)
         return D.rebuild(e, [top(c) for c in e.children]) if e.children else e
 
-    def go(e: D.Expr, nested: bool) -> D.Expr:
+    def go(e: D.Expr, nested: bool, bound: frozenset) -> D.Expr:
+        # (``bound``: variables a sum of g binds on the way down; one that shadows a chain
+        # variable is not the programs' own, so a reduction reading it is not their statistic)
         if not e.children:
             return e
-        hit = seen.get((id(e), nested))
+        hit = seen.get((id(e), nested, bound))
         if hit is not None and hit[0] is e:
             return hit[1]
         if isinstance(e, D.Red):
-            if nested and e.free and e.free <= owned and not _short(e):
+            if nested and e.free and e.free <= owned - bound and not _short(e):
                 out = staged(e)
             else:
-                out = D.Red(e.monoid, e.var, go(e.body, True))
+                out = D.Red(e.monoid, e.var, go(e.body, True, bound | {e.var}))
         else:
-            out = D.rebuild(e, [go(c, nested) for c in e.children])
-        seen[(id(e), nested)] = (e, out)
+            out = D.rebuild(e, [go(c, nested, bound) for c in e.children])
+        seen[(id(e), nested, bound)] = (e, out)
         return out
 
-    body = go(chain[-1].body, False)
+    body = go(chain[-1].body, False, frozenset())
     for x in reversed(chain):
         body = D.Red(x.monoid, x.var, body)
     return body

@@ -1279,3 +1279,31 @@ def test_the_seeds_plans_with_a_score_mod_array_in_bfloat16(profile, plan, mod, 
         runtime.gpu_machine = saved
         runtime.schedules.cache_clear()
     _within_bfloat16(got, _score_mod_grads_f64(q, k, v, c, g, _MODS[mod], causal))
+
+
+def test_two_arrays_gradients_share_one_recomputed_delta():
+    """A score_mod closing over two bfloat16 arrays (a relative-position table and ALiBi
+    slopes; B = 2, T = S = 1024, N = 8, H = 64, causal) under "atomic" on the H200: each
+    array's gradient recomputes Δ after the 16-bit forward, the same Δ, and each output's
+    ``accumulate`` made it a stage: two stages walking every key for P and dP (a review's
+    find). The second now reads the first's (``rewrites._chain_statistics``)."""
+    from moajax import gpu_report
+    from moajax.api import _backward_plan
+
+    table = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.bfloat16)
+    slopes = jnp.linspace(0.1, 0.5, 8, dtype=jnp.bfloat16)
+
+    def mod(s, b, h, i, j):
+        return s + table[jnp.clip(i - j, -3, 4) + 3] - slopes[h] * jnp.abs(i - j).astype(s.dtype)
+
+    _, dnf, consts = gpu_report.score_mod_dnfs(mod, (2, 1024, 8, 64), "bfloat16")
+    groups = _backward_plan(Preset.of(backward="atomic"), False, consts).backward
+    m = dataclasses.replace(machines.load("h200"), spill_check=False)
+    onfs = schedule.derive_plan(dnf, m, Preset.of(plan=groups))
+    (fused,) = [o for o in (onfs if isinstance(onfs, tuple) else (onfs,))
+                if {"d_score_mod_const0", "d_score_mod_const1"} <= set(dict(o.program.outputs))]
+    deltas = [x for x in fused.program.stages if x.walks is not None and x.walks.name.startswith("s1")]
+    assert len(deltas) == 1 and [v.name for v in deltas[0].vars] == ["b", "t", "n"]
+    for name in ("d_score_mod_const0", "d_score_mod_const1"):
+        st = fused.program.stage_of(dict(fused.program.outputs)[name])
+        assert [v.name for v in fused.scatter_vars(st)] == ["t", "b", "n"]
