@@ -452,14 +452,15 @@ def main():
                    "| case | impl | ms | TFLOP/s | temp MiB | vs jax.nn | error |", 40):
         for T, h in (((256, 32),) if quick else ((2048, 64), (8192, 64))):
             q = draw((T, h), "float32")
-            onf = schedule.derive(attention_forward_backward.dnf(q, q, q, q), machine)
+            # (the --quick dry run on a CPU: section 3's A100 ONF, interpreted)
+            onf = schedule.derive(attention_forward_backward.dnf(q, q, q, q), pallas_machine)
 
             def ref(a, b, c, g):
                 out, vjp = jax.vjp(lambda x, y, z: jax.nn.dot_product_attention(
                     x[None, :, None], y[None, :, None], z[None, :, None], implementation="xla")[0, :, 0], a, b, c)
                 return (out,) + vjp(g)
 
-            race(f"fused fwd+bwd T = {T}, H = {h}", {"jax.nn": ref, "moajax (atomic ONF)": pallas_kernels.lower(onf)},
+            race(f"fused fwd+bwd T = {T}, H = {h}", {"jax.nn": ref, "moajax (atomic ONF)": pallas_kernels.lower(onf, interpret=not on_gpu)},
                  (q, q, q, q), 18 * T * T * h, 10, "jax.nn")
         B, S, n, K, h = (2, 512, 4, 2, 32) if quick else (8, 32768, 32, 8, 128)
         q = draw((B, n, h), "bfloat16")
