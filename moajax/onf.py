@@ -285,6 +285,23 @@ class Program:
                 out.append(s.walks)
         return out
 
+    def dot_batches(self) -> set:
+        """The batch variables of the program's contractions: u such that some Σ_v a × b (two
+        factors reading v) has u free in both a and b, and none has it in one factor only —
+        attention's head n in S[t n s] = Σ_h Q[t n h] × K[s n h]. A dot takes them as its
+        batch; laid out after its rows they cost a transpose of every result (on a CPU:
+        ``Knobs.cpu_batches``)."""
+        both: set = set()
+        one: set = set()
+        for e in self.exprs():
+            for x in D.walk(e):
+                if isinstance(x, D.Red) and x.monoid == "add":
+                    sides = [f.free - {x.var} for f in D.product_factors(D.unlabelled(x.body)) if x.var in f.free]
+                    if len(sides) == 2:
+                        both |= sides[0] & sides[1]
+                        one |= sides[0] ^ sides[1]
+        return both - one
+
     def batch_walks(self) -> set:
         """The walks Σ_b that are a batch of a longer sum inside: Σ_b Σ_s f where every input
         f reads along s it reads along b too — each b its own contraction over s (a vmap's
@@ -561,8 +578,9 @@ class Knobs:
     Not the default until a GPU times it: offline, ptxas' registers move both ways with it
     (bench/results/gpu_backward_sweep_ptx_sm_90a.md).
     ``cpu_batches`` (CPU, XLA): walks held whole that are a batch of the sums inside
-    (``Program.batch_walks``: a vmap's summed batch around attention's keys), laid out with
-    the batch-like grid axes, before the rows (``tiles.ranges.var_order``). ``cpu_vectorised``
+    (``Program.batch_walks``: a vmap's summed batch around attention's keys), and axes held
+    whole that are the dots' batch (``Program.dot_batches``: the heads of attention's Δ
+    kernel), laid out with the batch-like grid axes, before the rows (``tiles.ranges.var_order``). ``cpu_vectorised``
     (CPU, XLA): the program walks nothing in tiles, one vectorised computation, so a grid axis
     that is an output's last stays last, with the whole axes (``ONF.axis_order``). Either takes
     effect only while it holds: a later rewrite (split_k, a tile that walks) leaves it unused."""
@@ -623,7 +641,8 @@ class ONF:
         batch-like grid axes (tile 1) first, then the tiled grid axes, then sequential, then
         whole ones, each group in output-variable order (then by name). The walks the knob
         ``cpu_batches`` names (a batch walk held whole: ``Program.batch_walks``, a vmap's summed
-        batch around the keys) go with the batch-like axes: a batch dimension of the dots
+        batch around the keys; a dot's batch held whole: ``Program.dot_batches``) go with the
+        batch-like axes: a batch dimension of the dots
         inside, they come before their rows (laid out after them, a vmapped attention's dQ
         transposed its [t, n, b, s] scores twice and ran at 0.72× the same call on broadcast
         queries). Under the knob ``cpu_vectorised`` (``vectorised``: as if set) — a CPU program
@@ -638,7 +657,8 @@ class ONF:
                 names.append(v.name)
         # (knobs a later rewrite left stale take no effect: split_k's partials walk no batch, a
         # tile made sequential walks)
-        batches = {v.name for v in self.program.batch_walks() if v.name in self.knobs.cpu_batches
+        batches = {v.name for v in self.program.batch_walks() | self.program.dot_batches()
+                   if v.name in self.knobs.cpu_batches
                    and self.axis_of(v).role == "whole"} if self.knobs.cpu_batches else set()
         flat = (self.knobs.cpu_vectorised if vectorised is None else vectorised) and not any(
             a.role == "sequential" for a in self.axes)

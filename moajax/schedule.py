@@ -779,9 +779,20 @@ def _cpu_tiles(onf: ONF, machine: Machine, loops, out_vars, inner, rows):
 
 
 def _cpu_batches(onf: ONF) -> ONF:
-    """The batch walks held whole laid out as batches (the knob ``cpu_batches``)."""
-    batches = tuple(sorted(v.name for v in onf.program.batch_walks() if onf.axis_of(v).role == "whole"))
-    return W.with_knobs(onf, cpu_batches=batches) if batches else onf
+    """The batch walks held whole laid out as batches (the knob ``cpu_batches``), and the
+    dots' batch axes held whole where that moves them before the rows (``Program.dot_batches``:
+    attention's heads in the Δ kernel of a backward that recomputes it, laid out after its
+    [t, s] rows, cost a transpose of each score tile: jit(grad) with residuals "none" at
+    T = S = 1024 ran 1.44–1.53× slower; cpu_dot_batches_cpu.md)."""
+    whole = {v.name for v in onf.program.vars() if onf.axis_of(v).role == "whole"}
+    walks = {v.name for v in onf.program.batch_walks()} & whole
+    base = W.with_knobs(onf, cpu_batches=tuple(sorted(walks))) if walks else onf
+    dots = {v.name for v in onf.program.dot_batches()} & whole - walks
+    if dots:
+        moved = W.with_knobs(onf, cpu_batches=tuple(sorted(walks | dots)))
+        if moved.axis_order() != base.axis_order():
+            return moved
+    return base
 
 
 def _scatter_schedule(onf: ONF, machine: Machine, pinned: frozenset = frozenset(), rank: int = 0) -> ONF:

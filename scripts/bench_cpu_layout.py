@@ -1,12 +1,14 @@
 """The CPU's layout knobs, each against the same ONFs laid out without it, in one process:
 ``cpu_batches`` (a batch walk laid out with the batch axes, before the rows:
-``Program.batch_walks``) and ``cpu_vectorised`` (a program that walks nothing in tiles keeps
-the outputs' axis order). Each jit(grad) is compiled twice — the knob as derived (on), and
+``Program.batch_walks``), its part ``dot_batches`` (a dot's batch axis held whole laid out
+before the rows: ``Program.dot_batches``; off keeps the batch walks) and ``cpu_vectorised``
+(a program that walks nothing in tiles keeps the outputs' axis order). Each jit(grad) is compiled twice — the knob as derived (on), and
 cleared in the layout (off), after clearing JAX's caches — beside plain jnp where given; the
 contenders alternated; best and median, the executables' temp memory, and whether the two
 moajax programs are the same HLO.
 
     python scripts/bench_cpu_layout.py --knob cpu_batches     # bench/results/cpu_batches_cpu.md
+    python scripts/bench_cpu_layout.py --knob dot_batches     # bench/results/cpu_dot_batches_cpu.md
     python scripts/bench_cpu_layout.py --knob cpu_vectorised  # bench/results/cpu_order_cpu.md
 """
 
@@ -20,7 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-OUT = {"cpu_batches": "cpu_batches_cpu.md", "cpu_vectorised": "cpu_order_cpu.md"}
+OUT = {"cpu_batches": "cpu_batches_cpu.md", "dot_batches": "cpu_dot_batches_cpu.md",
+       "cpu_vectorised": "cpu_order_cpu.md"}
 
 
 def cases(knob: str) -> dict:
@@ -37,6 +40,29 @@ def cases(knob: str) -> dict:
         return jnp.asarray(r.standard_normal(shape) * scale, jnp.float32)
 
     out = {}
+    if knob == "dot_batches":
+        def attn(res, **kw):
+            return jax.grad(lambda q, k, v, g: jnp.sum(moajax.dot_product_attention(q, k, v, residuals=res, **kw) * g),
+                            argnums=(0, 1, 2))
+        T = 1024
+        mha = (a(1, T, 8, 64), a(1, T, 8, 64), a(1, T, 8, 64), a(1, T, 8, 64))
+        gqa = (a(1, T, 8, 64), a(1, T, 2, 64), a(1, T, 2, 64), a(1, T, 8, 64))
+        for res in ("none", "save"):  # (save: a control, its Δ read from Out)
+            out[f"residuals {res}: T = S = {T}, 8 heads of 64"] = (attn(res), mha, None)
+        out[f"residuals none: T = S = {T}, 8 heads of 64, causal"] = (attn("none", is_causal=True), mha, None)
+        out[f"residuals none: GQA 8 over 2 heads, T = S = {T}"] = (attn("none"), gqa, None)
+        slopes = a(8)
+
+        def alibi(q, k, v, sl, g):
+            mod = lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)  # noqa: E731
+            return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, residuals="none") * g)
+        q2 = tuple(a(1, 512, 8, 64) for _ in range(3))
+        out["residuals none: ALiBi slopes, T = S = 512"] = (jax.grad(alibi, argnums=(0, 1, 2, 3)),
+                                                             q2 + (slopes, a(1, 512, 8, 64)), None)
+        x = a(4096, 1024)
+        out["RMSNorm residuals none, 4096 rows of 1024"] = (jax.grad(
+            lambda x, w: jnp.sum(jnp.sin(moajax.rms_norm(x, w, residuals="none"))), argnums=(0, 1)), (x, a(1024)), None)
+        return out
     if knob == "cpu_batches":
         q, k, v, g = a(1, 1024, 8, 64), a(1, 1024, 2, 64), a(1, 1024, 2, 64), a(1, 1024, 8, 64)
         for causal in (False, True):
@@ -97,11 +123,17 @@ def main():
     def without_knob(onf, vectorised=None):  # (the schedule still sets the knob; the layout ignores it)
         if args.knob == "cpu_batches":
             return derived(onf.replace(knobs=dataclasses.replace(onf.knobs, cpu_batches=())), vectorised=vectorised)
+        if args.knob == "dot_batches":
+            walks = {v.name for v in onf.program.batch_walks()}
+            kept = tuple(n for n in onf.knobs.cpu_batches if n in walks)
+            return derived(onf.replace(knobs=dataclasses.replace(onf.knobs, cpu_batches=kept)), vectorised=vectorised)
         return derived(onf, vectorised=False if vectorised is None else vectorised)
 
     title = {"cpu_batches": "a batch walk laid out with the batch axes",
+             "dot_batches": "a dot's batch axis held whole laid out before the rows",
              "cpu_vectorised": "a program that walks nothing in tiles keeps the outputs' order"}[args.knob]
-    lines = [f"# The CPU knob {args.knob}: {title}", "", machine_line(),
+    knob = "cpu_batches, its dots' batch axes (dot_batches)" if args.knob == "dot_batches" else args.knob
+    lines = [f"# The CPU knob {knob}: {title}", "", machine_line(),
              f"Run: `python scripts/bench_cpu_layout.py --knob {args.knob} --reps {args.reps}` — float32 jit(grad); "
              "moajax's ONFs as derived, lowered with the knob (on) and with it cleared in the layout (off), beside "
              "plain jnp where given, alternated in one process; best and median; temp: the executable's temp "
@@ -111,7 +143,9 @@ def main():
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, (fn, xs, plain) in cases(args.knob).items():
         compiled = {}
-        for mode, order in (("off", without_knob), ("on", derived)):
+        # (on first: the schedule, cached, is derived under the layout it chooses by —
+        # ``schedule._cpu_batches`` asks ``axis_order`` whether a dot batch moves)
+        for mode, order in (("on", derived), ("off", without_knob)):
             ONF.axis_order = order
             jax.clear_caches()
             compiled[mode] = jax.jit(fn).lower(*xs).compile()

@@ -489,6 +489,42 @@ def test_a_vmaps_summed_batch_around_the_keys_is_laid_out_as_a_batch():
     assert not fwd.program.batch_walks(), fwd
 
 
+def test_a_dots_batch_axis_held_whole_is_laid_out_before_the_rows():
+    """The Δ kernel of attention's backward that recomputes it (residuals "none"): Δ[t n] from
+    S = Σ_h Q[t n h] × K[s n h] and dP = Σ_e dO[t n e] × V[s n e], the heads n held whole, t
+    one grid tile, s walked. n is the dots' batch (``Program.dot_batches``: read by both
+    factors of each, t and s by one), so on a CPU it is laid out first (``cpu_batches``):
+    after [t, s] every score tile was transposed from the dot's [n, s, t], and jit(grad) at
+    T = S = 1024 ran 1.44–1.53× slower (cpu_dot_batches_cpu.md). Where the batch is first anyway
+    (RMSNorm's Σ_d x[n d]²) no knob is set; a GPU's schedule never sets it."""
+    from moajax.kernels.attention import mha_kernel
+    from moajax.kernels.norm import rmsnorm as norm
+    from moajax.tiles import var_order
+
+    kern = mha_kernel(None, None, False)
+    x = S((1, 1024, 4, 32), np.float32)
+    adj = kern._adjoint_for(kern._key([x] * 3, {}), {}, False, rounded=False)
+    dnf = adj.dnf(x, x, x, x)
+    plan = schedule.derive_plan(dnf, machines.load("anvil-epyc-7543"))
+    (delta,) = [o for o in plan if o.knobs.cpu_batches]
+    assert delta.knobs.cpu_batches == ("n",) and {v.name for v in delta.program.dot_batches()} == {"n"}, delta
+    assert delta.axis("t").role == "grid" and delta.axis("n").role == "whole", delta
+    assert delta.axis("s").role == "sequential", delta
+    order = var_order(delta)
+    assert order["n"] < order["t"] < order["s"], order
+    old = var_order(W.with_knobs(delta, cpu_batches=()))
+    assert old["t"] < old["s"] < old["n"], (old, delta)  # (what it was)
+    # the other kernels own n in grid tiles of one: batch-like already
+    assert all(o.axis("n").role == "grid" and o.axis("n").tile == 1 for o in plan if o is not delta)
+    r = S((64, 512), np.float32)
+    sq = [o for o in schedule.derive_plan(norm.adjoint(r, S((512,), np.float32)).dnf(r, S((512,), np.float32), r),
+                                          machines.load("anvil-epyc-7543"))]
+    assert any({v.name for v in o.program.dot_batches()} == {"n"} for o in sq)
+    assert not any(o.knobs.cpu_batches for o in sq)
+    gpu = schedule.derive_plan(dnf, machines.load("delta-a100"))
+    assert all(not o.knobs.cpu_batches for o in (gpu if isinstance(gpu, tuple) else (gpu,)))
+
+
 def test_a_cpu_program_walking_nothing_keeps_the_outputs_axis_order():
     """RMSNorm's fused adjoint on a CPU: programs own d (dX[n d] and dW[d], no atomics), one
     tile of it, and walk nothing in tiles; XLA vectorises the whole program, so its arrays keep
