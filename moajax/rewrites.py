@@ -430,28 +430,44 @@ def fused_sums(e: D.Expr) -> D.Expr:
     computed once per walk — the two terms of a table's gradient, dS = P·dP/ℓ − P·Δ/ℓ — and
     terms the merge puts under one guard share it, (p ? f : 0) ± (p ? g : 0) = p ? (f ± g) : 0,
     so a one-hot write (``dnf.one_hot_write``) stays one. e's own top-level terms stay apart
-    (``fuse_sums``: hoist made each its own pass on purpose)."""
+    (``fuse_sums``: hoist made each its own pass on purpose). Two sums under one guard merge
+    too, (p ? Σ_r f : 0) ± (p ? Σ_r g : 0) = p ? Σ_r (f ± g) : 0: a per-head table's two terms,
+    each under the head's one-hot write (ALiBi's slopes, sl[h])."""
     def merge(x):
         if isinstance(x, D.Call) and x.op in ("add", "sub") and all(
                 isinstance(c, D.Red) and c.monoid == "add" for c in x.children):
             a, b = x.children
             top = sum_to_top(x, a.var.name) if a.var.extent == b.var.extent else None
             if top is not None:  # their bodies' own sibling sums, now side by side, too
-                return D.Red("add", top.var, D.transform(D.transform(top.body, merge), one_guard))
-        return None
-
-    def one_guard(x):
-        if isinstance(x, D.Call) and x.op in ("add", "sub"):
-            a, b = x.children
-            if all(isinstance(c, D.Call) and c.op == "where" and isinstance(c.children[2], D.Lit)
-                   and c.children[2].value == 0 for c in (a, b)) and a.children[0] is b.children[0]:
-                return D.Call("where", (a.children[0], D.Call(x.op, (a.children[1], b.children[1])), a.children[2]))
+                return D.Red("add", top.var, D.transform(D.transform(top.body, merge), _one_guard))
+        guarded = _one_guard_over_sums(x)
+        if guarded is not None:  # only where the sums under the guard merge: else as it was
+            p, body, zero = guarded.children
+            inner = merge(body)
+            if inner is not None:
+                return D.Call("where", (p, inner, zero))
         return None
 
     def inside(x):  # (the hash-consed DNF gives x itself back where nothing merged)
         return D.Red(x.monoid, x.var, D.transform(x.body, merge)) if isinstance(x, D.Red) else None
 
     return D.transform(e, inside)
+
+
+def _one_guard(x: D.Expr) -> D.Expr | None:
+    """(p ? f : 0) ± (p ? g : 0) → p ? (f ± g) : 0, else None."""
+    if isinstance(x, D.Call) and x.op in ("add", "sub"):
+        a, b = x.children
+        if all(isinstance(c, D.Call) and c.op == "where" and isinstance(c.children[2], D.Lit)
+               and c.children[2].value == 0 for c in (a, b)) and a.children[0] is b.children[0]:
+            return D.Call("where", (a.children[0], D.Call(x.op, (a.children[1], b.children[1])), a.children[2]))
+    return None
+
+
+def _one_guard_over_sums(x: D.Expr) -> D.Expr | None:
+    """``_one_guard`` where ``fused_sums`` looks for sums to merge under it (since 2026-12-07:
+    before, two sums each under the guard stayed two walks; ``scripts/rules_patched.py``)."""
+    return _one_guard(x)
 
 
 def _every_expression(onf: ONF, fn, note: str) -> ONF:

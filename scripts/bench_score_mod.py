@@ -18,6 +18,13 @@ gather, ``dnf.selection``), the gradient adds every score's dS into its bin (a s
   picks for a table holding ±∞: a mask on data, with the row guard's checks).
 
 `python scripts/bench_score_mod.py` writes bench/results/score_mod_grad_cpu.md.
+
+`python scripts/bench_score_mod.py --alibi` times ALiBi's per-head slopes instead (score −
+slope[h]·|q_idx − kv_idx|, the slopes' gradient a Σ over the heads' one-hot write), writing
+bench/results/alibi_grad_cpu.md: moajax; moajax with its slopes' two terms of dS walked apart
+(``rules_patched.guarded_sums_apart``: the tree before 2026-12-07); moajax without a score_mod
+(the floor); jax.nn with the slopes as an [N, T, S] bias (XLA); causal and not, residuals "save"
+and (causal) "none".
 """
 
 from __future__ import annotations
@@ -36,8 +43,21 @@ OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "score_mod_gra
 SEQ = flags.DEFINE_list("seq", ["1024"], "sequence lengths (T = S)")
 ENTRIES = flags.DEFINE_list("entries", ["9", "65"], "table sizes R")
 REPS = flags.DEFINE_integer("reps", 3, "timed rounds")
+ALIBI = flags.DEFINE_bool("alibi", False, "ALiBi's per-head slopes instead (bench/results/alibi_grad_cpu.md)")
 FINITE = "moajax, one kernel: the table taken finite"
 MASKED = "moajax, one kernel: the masked fill"
+
+
+def _rows(rows, base_name: str, lead: str, untabled: str) -> list:
+    """One table row per contender of ``compiled_contenders``' rows: best and median s, the
+    best over ``base_name``'s, temp, the gradient's difference (``untabled`` for the
+    contender without a score_mod)."""
+    import numpy as np
+
+    base = min(rows[base_name][0])
+    return [f"| {lead} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | {temp:.1f} | "
+            f"{untabled if name == 'moajax, no score_mod' else f'{diff:.1e}'} |"
+            for name, (ts, temp, diff) in rows.items()]
 
 
 def main(argv):
@@ -53,6 +73,8 @@ def main(argv):
     from moajax.tiles.backend import Backend
     from moajax.timing import compiled_contenders, machine_line, one_score_mod_kernel, write_results
 
+    if ALIBI.value:
+        return alibi()
     B, N, H = 1, 8, 64
     lines = [f"# Attention gradient with a relative-position table (score_mod), CPU ({machine_line()})", "",
              "`python scripts/bench_score_mod.py` — jit(grad) w.r.t. q, k, v and the table; B = 1, N = 8, H = 64, "
@@ -117,13 +139,64 @@ def main(argv):
             lower_xla.XlaBackend.bin_sum, D.one_hot_write = scatter_add, one_hot_write
             rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, [T, S] bias",
                                        pick=lambda grads: grads[3])
-            base = min(rows["moajax, scatter-add"][0])
-            for name, (ts, temp, diff) in rows.items():
-                diff = "— (no table)" if name == "moajax, no score_mod" else f"{diff:.1e}"
-                lines.append(f"| {T} | {R} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | "
-                             f"{min(ts) / base:.2f}× | {temp:.1f} | {diff} |")
+            lines += _rows(rows, "moajax, scatter-add", f"{T} | {R}", "— (no table)")
     lines += ["", "vs scatter-add: the contender's best time over the scatter-add's (above 1: slower)."]
     write_results(OUT.value, lines)
+
+
+def alibi():
+    """ALiBi's slopes (``--alibi``): the rule that walks the slopes' two terms of dS once
+    against the tree before it, jax.nn with the slopes as a bias, each residual policy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moajax
+    from moajax.timing import compiled_contenders, machine_line, write_results
+    from rules_patched import forget, guarded_sums_apart
+
+    B, N, H = 1, 8, 64
+    lines = [f"# Attention gradient with ALiBi slopes (score_mod), CPU ({machine_line()})", "",
+             "`python scripts/bench_score_mod.py --alibi` — jit(grad) w.r.t. q, k, v and the slopes; B = 1, N = 8, "
+             "H = 64, float32; score − slope[h]·|q_idx − kv_idx|. Contenders alternate in one process; "
+             f"best and median of {REPS.value} rounds after a warm-up. 'terms apart': the slopes' gradient with its "
+             "two terms of dS (each under the head's one-hot write) walked in two passes, as before 2026-12-07 "
+             "(`rewrites._one_guard_over_sums` patched out: `scripts/rules_patched.py`); 'no score_mod': the same "
+             "attention without slopes, the floor. Temp: the compiled executable's temp allocation. Diff: the slopes' "
+             "gradient against jax.nn's. residuals: the policy asked for; \"save\" is the default's choice on this CPU.", "",
+             "| T = S | causal | residuals | contender | best s | median s | vs moajax | temp MiB | max rel. diff of d slopes vs jax.nn |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    r = np.random.default_rng(0)
+    for T in (int(x) for x in SEQ.value):
+        q, k, v, g = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(4))
+        slopes = jnp.asarray(2.0 ** -np.arange(1, N + 1), jnp.float32)
+        dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
+        args = (q, k, v, slopes)
+        for causal, res in ((True, "save"), (False, "save"), (True, "none")):
+            def moa(q, k, v, sl, res=res, causal=causal):
+                mod = lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)  # noqa: E731
+                return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=causal,
+                                                            residuals=res) * g)
+
+            def plain(q, k, v, sl, res=res, causal=causal):
+                return jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=causal, residuals=res) * g)
+
+            def nn(q, k, v, sl, causal=causal):
+                bias = (-sl[:, None, None] * dist)[None]
+                return jnp.sum(jax.nn.dot_product_attention(q, k, v, bias, is_causal=causal,
+                                                            implementation="xla") * g)
+
+            fns = {}
+            for name, loss, ctx in (("moajax", moa, None), ("moajax, terms apart", moa, guarded_sums_apart),
+                                    ("moajax, no score_mod", plain, None), ("jax.nn, [N, T, S] bias", nn, None)):
+                forget()
+                with ctx() if ctx is not None else contextlib.nullcontext():
+                    fns[name] = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile()
+            rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, [N, T, S] bias",
+                                       pick=lambda grads: grads[3])
+            lines += _rows(rows, "moajax", f"{T} | {'yes' if causal else 'no'} | {res}", "— (no slopes)")
+    lines += ["", "vs moajax: the contender's best time over moajax's (above 1: slower)."]
+    write_results(OUT.value if OUT.present else str(ROOT / "bench" / "results" / "alibi_grad_cpu.md"), lines)
 
 
 if __name__ == "__main__":

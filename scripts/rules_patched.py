@@ -1,7 +1,8 @@
 """Rules of the derivation patched out, for benchmarks that time a rule against the tree
 before it in one process: each a context manager inside which the rule does nothing, what was
 derived, traced or lowered forgotten on entry and on exit (a call compiled inside keeps its
-kernels). Shared by ``bench_lengths.py``, ``gpu_check.py`` and ``ptx_saving_lengths.py``; ``forget``
+kernels). Shared by ``bench_lengths.py``, ``bench_score_mod.py``, ``gpu_check.py`` and
+``ptx_saving_lengths.py``; ``forget``
 also by ``bench_carried_cotangents.py`` and ``precision_tf32_table_grad.py``.
 """
 
@@ -62,3 +63,12 @@ def statistics_unguarded():
     from moajax import identities
 
     return patched(identities, "guard_statistics", lambda forward, guards: (forward, []))
+
+
+def guarded_sums_apart():
+    """Inside: two sums each under one guard stay two walks (``rewrites._one_guard_over_sums``
+    finds none: the tree before 2026-12-07), so a per-head table's gradient (ALiBi's slopes,
+    each term of dS under the head's one-hot write) walks the scores twice."""
+    from moajax import rewrites
+
+    return patched(rewrites, "_one_guard_over_sums", lambda x: None)

@@ -455,6 +455,35 @@ def test_fused_sums_share_the_walk_and_keep_a_one_hot_write():
     assert W.fused_sums(two) is two
 
 
+def test_fused_sums_merge_two_sums_under_one_guard():
+    """Σ_n ((p ? Σ_s f : 0) + (p ? Σ_s g : 0)) → Σ_n (p ? Σ_s (f + g) : 0), p = (c = n): a
+    per-head table's gradient (ALiBi's slopes), each term of dS under the head's one-hot write,
+    walks the scores once (two walks before 2026-12-07). Same value (float64; the guard here
+    c < n, which the test's interpreter knows); a guard over sums that do not merge (other
+    extents) stays as it was."""
+    from moajax.ix import Ix, Var
+
+    n, s, c, r = Var("n", 2), Var("s", 4), Var("c", 2), Var("r", 3)
+    f = D.Read("a", [Ix.of(n), Ix.of(s)], np.float64)
+    g = D.Call("mul", (f, f))
+    hit = D.Call("lt", (D.IndexValue(Ix.of(c)), D.IndexValue(Ix.of(n))))
+    zero = D.Lit(0.0, np.float64)
+
+    def guarded(body):
+        return D.Call("where", (hit, body, zero))
+
+    two = D.Call("add", (guarded(D.Red("add", s, f)), guarded(D.Red("add", s, g))))
+    fused = W.fused_sums(D.Red("add", n, two))
+    assert fused == D.Red("add", n, guarded(D.Red("add", s, D.Call("add", (f, g))))), D.show(fused)
+    a = np.random.default_rng(5).standard_normal((4, 4))
+    for cv in range(2):
+        want = scalar_value(D.Red("add", n, two), a, {c: cv})
+        assert abs(scalar_value(fused, a, {c: cv}) - want) <= F64 * max(1.0, abs(want))
+    h = D.Read("a", [Ix.of(n), Ix.of(r)], np.float64)
+    apart = D.Red("add", n, D.Call("add", (guarded(D.Red("add", s, f)), guarded(D.Red("add", r, h)))))
+    assert W.fused_sums(apart) is apart
+
+
 def test_a_stage_inlined_where_an_axis_of_extent_one_is_indexed_by_zero():
     """st[n d] = Σ_f a[n f]·u[n d] with d < 1, read at ⟨n 0⟩, is Σ_f a[n f]·u[n 0]: ψ over an
     axis of extent 1 is its one item, so ``Ix`` writes its index as the constant 0 — an index

@@ -375,6 +375,31 @@ def test_a_table_gradient_on_the_cpu_is_its_own_tiled_kernel():
     assert sum(isinstance(x, D.Red) and x.var.name == "s" for x in D.walk(body)) == 1
 
 
+def test_alibi_slopes_gradient_on_the_cpu_walks_the_scores_once():
+    """ALiBi's slopes' gradient Σ_n ((c = n) ? Σ_s Σ_t dS·|t − s| : 0), dS's two terms each under
+    the head's one-hot write: on a CPU one walk of the scores (``fuse_sums`` through the guard),
+    where two walks recomputed every score tile twice (alibi_grad_cpu.md: jit(grad) 1.05–1.10×
+    faster); a GPU keeps them apart (fuse_sums is a CPU default: fuse_sums_gpu.md)."""
+    import jax.numpy as jnp
+
+    from moajax.api import _check_score_mod
+    from moajax.kernels.attention import mha_kernel
+
+    slopes = jnp.asarray(2.0 ** -np.arange(1, 9), jnp.float32)
+    mod = _check_score_mod(lambda s, b, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki), np.dtype(np.float32))
+    kern = mha_kernel(None, None, False, False, False, mod)
+    specs = [S((1, 1024, 8, 64), np.float32)] * 3 + [S((8,), np.float32)]
+    adj, args = kern.saved_adjoint(*specs)
+    dnf = adj.dnf(*args)
+    plan = schedule.derive_plan(dnf, machines.load("delta-epyc-7763"))
+    slopes_onf = plan[-1]
+    assert slopes_onf.dnf.name.endswith("d_score_mod_const0") and "fuse_sums" in slopes_onf.history, slopes_onf
+    (body,) = slopes_onf.program.exprs()
+    assert sum(isinstance(x, D.Red) and x.var.name == "s" for x in D.walk(body)) == 1, slopes_onf
+    gpu = schedule.derive_plan(dnf, machines.load("delta-a100"))
+    assert all("fuse_sums" not in o.history for o in (gpu if isinstance(gpu, tuple) else (gpu,)))
+
+
 def test_gqa_dk_dv_on_the_cpu_walks_the_queries_with_the_group_inside():
     """GQA's dK = Σ_g Σ_t … (the query heads of a kv head around the queries): on a CPU the long
     Σ_t goes outside the short Σ_g (``rewrites.long_sums_out``) and is walked in tiles, as
