@@ -687,7 +687,12 @@ class Kernel:
         runs on: this process's GPU for a GPU implementation or a GPU's default, else this
         machine) than the plain forward and the backward that recomputes them? Each backward
         is the one that machine runs (``adjoint``'s ``rounded``: a GPU's for its 16-bit dots;
-        on a CPU every gradient reads Out)."""
+        on a CPU every gradient reads Out). Flops, not the cost model's time: on this CPU
+        (ad hoc, 2026-12-07, jit(grad) of both policies alternated) the modeled time would
+        recompute at T = S = 256 with ALiBi slopes (9.1 against 8.0 ms, the saved adjoint's
+        kernels memory-bound by their byte counts) where saving ran in 0.63–0.71× the time;
+        the time was right only at T = S = 16 in bfloat16 (saving 1.08–1.31× slower, at
+        0.2 ms a call)."""
         from moajax import cost, machines, runtime, schedule
 
         import jax

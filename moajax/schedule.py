@@ -1501,9 +1501,9 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
     onf = dataclasses.replace(_hoisted(dnf, preset.store), target=machine.name)
     # sibling sums inside a sum walk once (rewrites.fuse_sums) on a CPU: the table gradient's
     # two terms of dS share their scores. Not by default on a GPU: both terms live in one loop
-    # body, and ptxas spills where two walks do not (GQA's dK in float32 on sm_90a and sm_86;
-    # the tables' gradients, in their nested-walk tiles, spill with it on or off on all three
-    # profiles: fuse_sums_gpu.md)
+    # body, and ptxas spills in some where two walks do not (ALiBi within documents' gradient:
+    # 120 B on the A100, 228 on the H200; GQA's dK did until it ran with dV, which now takes
+    # ~85 fewer registers in one walk in float32: fuse_sums_gpu.md; untimed on a GPU)
     if preset.fuse_sums if preset.fuse_sums is not None else not machine.is_gpu:
         onf = W.fuse_sums(onf)
     if not machine.is_gpu:
