@@ -325,6 +325,9 @@ def main():
             k, v = (draw((1, S, K, H), "bfloat16") for _ in range(2))
             con = {"moajax owner": grad_fn(moajax_attn(causal)),
                    "moajax owner tile dots": grad_fn(moajax_attn(causal, onf=Preset.of(dot_layout="tile"))),
+                   # dK's two terms of dS under Σ_g in one walk (rewrites.fuse_sums: the CPU's
+                   # default; offline fewer registers on every GPU profile: fuse_sums_gpu.md)
+                   "moajax owner one walk": grad_fn(moajax_attn(causal, onf=Preset.of(fuse_sums=True))),
                    "jax.nn xla": grad_fn(jaxnn_attn(causal, "xla")),
                    "jax.nn cudnn": grad_fn(jaxnn_attn(causal, "cudnn"))}
             race(f"bfloat16, {S}, {causal}, GQA {N}/{K}", con, (q, k, v),
@@ -338,6 +341,8 @@ def main():
             k, v = (draw((1, S, K, H), "float32") for _ in range(2))
             con = {f"moajax {b}": grad_fn(moajax_attn(True, onf=Preset.of(backward=b)))
                    for b in ("owner", "split", "atomic")}
+            # (dK + dV offline: 166-169 registers in one walk against 254-255 in two)
+            con["moajax owner one walk"] = grad_fn(moajax_attn(True, onf=Preset.of(backward="owner", fuse_sums=True)))
             con["jax.nn xla"] = grad_fn(jaxnn_attn(True, "xla"))
             race(f"float32, {S}, True, GQA {N}/{K}", con, (q, k, v), 14 * S * S * N * H / 2, 10, "jax.nn xla")
         # a score_mod closing over an array (ALiBi's slopes, B = 2): its gradient joins dQ and dK
