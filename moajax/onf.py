@@ -290,7 +290,8 @@ class Program:
         factors reading v) has u free in both a and b, and none has it in one factor only —
         attention's head n in S[t n s] = Σ_h Q[t n h] × K[s n h]. A dot takes them as its
         batch; laid out after its rows they cost a transpose of every result (on a CPU:
-        ``Knobs.cpu_batches``)."""
+        ``Knobs.cpu_batches``). A layout hint: sums of three or more factors reading v, and an
+        online pass's sums, are not looked at."""
         both: set = set()
         one: set = set()
         for e in self.exprs():

@@ -7,9 +7,13 @@
     fuse_online    M[v] = ⌈_r f  and  Xᵢ = Σ_r exp(f − M)·gᵢ  → one OnlineStage (running max,
                    rescaled sums) — any reduction of that form, not only attention's.
     fuse_sums      Σ_a (Σ_r f + Σ_r g) → Σ_a Σ_r (f + g): sibling sums inside a sum walk r once
-                   (a table's gradient: the two terms of dS share their scores).
+                   (a table's gradient: the two terms of dS share their scores), also under one
+                   guard: (p ? Σ_r f : 0) + (p ? Σ_r g : 0) → p ? Σ_r (f + g) : 0.
     long_sums_out  Σ_a Σ_r f → Σ_r Σ_a f, r long and a short: the sum a CPU walks in tiles is
                    the outer one (GQA's dK: the queries around the query heads of a kv head).
+    row_walks_out  Σ_a Σ_b f → Σ_b Σ_a f, f reading a long statistic of b's rows and none of
+                   a's: evaluated once per tile of b, not in every tile of a (a table's
+                   gradient without saved statistics: the rows' max, ℓ and Δ).
     split_k        op_r e → op_{r₀} (op_{r₁} e[r ↦ r₀·c + r₁]): partials over r₀ in parallel,
                    then the monoid combine (for online stages: max, and Σ aₚ·e^{mₚ − m});
                    below op_{r₁}, Σ_v (p ? x : 0) → p ? Σ_v x : 0 (``conditions_out``).
@@ -517,6 +521,53 @@ def long_sums_out(onf: ONF, longer_than: int) -> ONF:
     bench/results/attention_grad_gqa_cpu.md); as Σ_t Σ_g the queries are walked, the group summed in each
     tile's contraction (``Backend.joint_sums``)."""
     return _every_expression(onf, lambda e: long_sums_outside(e, longer_than), "long_sums_out")
+
+
+def row_walks_outside(e: D.Expr, statistics) -> D.Expr:
+    """Σ_a Σ_b f → Σ_b Σ_a f  where f reads a statistic of b's rows and none of a's:
+    ``statistics(f)`` gives the free variables of each long reduction f evaluates (inline, and
+    in the stages it reads where they are recomputed), and one holds b and not a — a row max,
+    ℓ or Δ of the queries t, each a walk of the keys, under Σ_s Σ_t — while none holds a and
+    not b. Sums over constant
+    extents commute (Fubini); walked inside Σ_a, such a statistic is recomputed for every tile
+    of a, outside it once for each tile of b (``TileEval`` evaluates what a walk does not vary
+    over before it)."""
+    def fn(x):
+        if not (isinstance(x, D.Red) and x.monoid == "add" and isinstance(x.body, D.Red) and x.body.monoid == "add"):
+            return None
+        a, b, f = x.var, x.body.var, x.body.body
+        stats = statistics(f)
+        if any(b in vs and a not in vs for vs in stats) and not any(a in vs and b not in vs for vs in stats):
+            return D.Red("add", b, D.Red("add", a, f))
+        return None
+
+    return D.transform(e, fn)
+
+
+def row_walks_out(onf: ONF, longer_than: int) -> ONF:
+    """Every stage's expressions with their row statistics' walks outside (``row_walks_outside``):
+    a statistic is a reduction over more than ``longer_than`` items, not a table read at a
+    computed index (``dnf.selection``: a gather), or an online pass. Why: ALiBi's slopes' gradient without saved statistics (residuals "none") is Σ_s Σ_t over
+    every score with the rows' max, ℓ and Δ recomputed inside, each a walk of all the keys:
+    under Σ_s they were recomputed in every key tile — that kernel took 395 ms where the cost
+    model counts 25 (T = S = 1024, 8 heads; bench/results/alibi_grad_cpu.md)."""
+    stages = {n: st for st in onf.program.stages for n in st.defines}
+
+    def statistics(f, seen=frozenset()) -> list:
+        out = []
+        for y in D.walk(f):
+            if isinstance(y, D.Red):
+                if y.var.extent > longer_than and D.selection(y) is None:
+                    out.append(y.free)
+            elif isinstance(y, D.Ref) and y.stage in stages and y.stage not in seen:
+                st = stages[y.stage]
+                if not isinstance(st, Stage):  # an online pass: a statistic over its walk
+                    out.append(y.free)
+                elif st.place != "memory":  # recomputed where it is read
+                    out += statistics(_at(st, y), seen | {y.stage})
+        return out
+
+    return _every_expression(onf, lambda e: row_walks_outside(e, statistics), "row_walks_out")
 
 
 def split_k(onf: ONF, var: str, parts: int) -> ONF:

@@ -1510,6 +1510,9 @@ def _derive(dnf: D.DNF, machine: Machine, preset: Preset, rank: int = 0, precisi
         # a long Σ under a short one (GQA's dK: Σ_g Σ_t) would be held whole: it goes outside,
         # to be the walk (a GPU walks the short one element by element around it instead)
         onf = W.long_sums_out(onf, CPU_WALK_TILE)
+        # a statistic of the inner walk's rows read under two nested walks: that walk goes
+        # outside, so the statistic is evaluated once per tile of its rows (rewrites.row_walks_out)
+        onf = W.row_walks_out(onf, CPU_WALK_TILE)
     carry = preset.carry or "online"
     if carry not in ("online", "passes"):
         raise ONFError(f"{dnf.name}: carry must be 'online' or 'passes', got {carry!r}")

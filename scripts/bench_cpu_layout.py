@@ -144,7 +144,9 @@ def main():
     for name, (fn, xs, plain) in cases(args.knob).items():
         compiled = {}
         # (on first: the schedule, cached, is derived under the layout it chooses by —
-        # ``schedule._cpu_batches`` asks ``axis_order`` whether a dot batch moves)
+        # ``schedule._cpu_batches`` asks ``axis_order`` whether a dot batch moves — and "off"
+        # then only lays it out without the knob; off first, both would be off. Not
+        # ``rules_patched.forget``: re-derived, even the controls' programs differ in text)
         for mode, order in (("on", derived), ("off", without_knob)):
             ONF.axis_order = order
             jax.clear_caches()

@@ -22,9 +22,10 @@ gather, ``dnf.selection``), the gradient adds every score's dS into its bin (a s
 `python scripts/bench_score_mod.py --alibi` times ALiBi's per-head slopes instead (score −
 slope[h]·|q_idx − kv_idx|, the slopes' gradient a Σ over the heads' one-hot write), writing
 bench/results/alibi_grad_cpu.md: moajax; moajax with its slopes' two terms of dS walked apart
-(``rules_patched.guarded_sums_apart``: the tree before 2026-12-07); moajax without a score_mod
+(``rules_patched.guarded_sums_apart``: the tree before 2026-12-07) and, without saved statistics,
+with the keys walked outside the queries (``rules_patched.row_walks_inside``); moajax without a score_mod
 (the floor); jax.nn with the slopes as an [N, T, S] bias (XLA); causal and not, residuals "save"
-and (causal) "none".
+and "none".
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def alibi():
 
     import moajax
     from moajax.timing import compiled_contenders, machine_line, write_results
-    from rules_patched import forget, guarded_sums_apart
+    from rules_patched import forget, guarded_sums_apart, row_walks_inside
 
     B, N, H = 1, 8, 64
     lines = [f"# Attention gradient with ALiBi slopes (score_mod), CPU ({machine_line()})", "",
@@ -161,7 +162,10 @@ def alibi():
              "H = 64, float32; score − slope[h]·|q_idx − kv_idx|. Contenders alternate in one process; "
              f"best and median of {REPS.value} rounds after a warm-up. 'terms apart': the slopes' gradient with its "
              "two terms of dS (each under the head's one-hot write) walked in two passes, as before 2026-12-07 "
-             "(`rewrites._one_guard_over_sums` patched out: `scripts/rules_patched.py`); 'no score_mod': the same "
+             "(`rewrites._one_guard_over_sums` patched out: `scripts/rules_patched.py`); 'row walks inside' (residuals "
+             "\"none\"): the slopes' kernel walking the keys outside the queries, as the adjoint writes them, the "
+             "rows' max, ℓ and Δ recomputed in every key tile, as before 2026-12-07 (`rewrites.row_walks_out` "
+             "patched out); 'no score_mod': the same "
              "attention without slopes, the floor. Temp: the compiled executable's temp allocation. Diff: the slopes' "
              "gradient against jax.nn's. residuals: the policy asked for; \"save\" is the default's choice on this CPU.", "",
              "| T = S | causal | residuals | contender | best s | median s | vs moajax | temp MiB | max rel. diff of d slopes vs jax.nn |",
@@ -172,7 +176,7 @@ def alibi():
         slopes = jnp.asarray(2.0 ** -np.arange(1, N + 1), jnp.float32)
         dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
         args = (q, k, v, slopes)
-        for causal, res in ((True, "save"), (False, "save"), (True, "none")):
+        for causal, res in ((True, "save"), (False, "save"), (True, "none"), (False, "none")):
             def moa(q, k, v, sl, res=res, causal=causal):
                 mod = lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)  # noqa: E731
                 return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=causal,
@@ -187,7 +191,9 @@ def alibi():
                                                             implementation="xla") * g)
 
             fns = {}
-            for name, loss, ctx in (("moajax", moa, None), ("moajax, terms apart", moa, guarded_sums_apart),
+            before = (("moajax, terms apart", moa, guarded_sums_apart) if res == "save" else
+                      ("moajax, row walks inside", moa, row_walks_inside))
+            for name, loss, ctx in (("moajax", moa, None), before,
                                     ("moajax, no score_mod", plain, None), ("jax.nn, [N, T, S] bias", nn, None)):
                 forget()
                 with ctx() if ctx is not None else contextlib.nullcontext():

@@ -72,3 +72,12 @@ def guarded_sums_apart():
     from moajax import rewrites
 
     return patched(rewrites, "_one_guard_over_sums", lambda x: None)
+
+
+def row_walks_inside():
+    """Inside: nested walks keep the order the adjoint wrote (``rewrites.row_walks_out`` does
+    nothing: the tree before 2026-12-07), so the row statistics ALiBi's slopes' gradient reads
+    without saved ones are recomputed in every key tile."""
+    from moajax import rewrites
+
+    return patched(rewrites, "row_walks_out", lambda onf, longer_than: onf)

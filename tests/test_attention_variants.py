@@ -925,3 +925,41 @@ def test_second_derivatives_of_a_bfloat16_table_run_the_backward_of_each_platfor
     for a, b in zip(got, want):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.all(np.isfinite(a)) and np.max(np.abs(a - b)) <= 2e-2 * np.max(np.abs(b)), (a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_gradient_without_saved_statistics_past_one_key_tile(causal):
+    """ALiBi slopes with residuals "none" at T = S = 320, past the CPU's walk tile (256): the
+    slopes' kernel walks the keys and the queries in tiles, and the rows' max, ℓ and Δ (walks
+    of the keys) sit under both — since 2026-12-07 with the queries' walk outside
+    (``rewrites.row_walks_out``: evaluated once per query tile, where under Σ_s they were
+    recomputed in every key tile). Every gradient against plain jnp in float64 at 1e-12 (the
+    small shapes of the other tests never walk in tiles)."""
+    from moajax import schedule
+
+    r = np.random.default_rng(7)
+    B, T, N, H = 1, 320, 2, 8
+    q, k, v, g = (jnp.asarray(r.normal(size=(B, T, N, H))) for _ in range(4))
+    slopes = jnp.asarray([0.05, 0.2])
+    dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float64)
+
+    def ours(q, k, v, sl):
+        mod = lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)  # noqa: E731
+        return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=causal,
+                                                    onf=schedule.Preset.of(residuals="none")) * g)
+
+    def plain(q, k, v, sl):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H) - sl[None, :, None, None] * dist
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+        return jnp.sum(jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v) * g)
+
+    got = jax.grad(ours, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+    want = jax.grad(plain, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= F64
+    # (the slopes' kernel of each of the two plans a traced table compiles: finite, masked fill)
+    runs = moajax.traced_onfs(jax.grad(ours, argnums=(0, 1, 2, 3)), q, k, v, slopes)
+    onfs = [o for run in runs for o in (run.onf if isinstance(run.onf, tuple) else (run.onf,))]
+    tables = [o for o in onfs if o.dnf.name.endswith("d_score_mod_const0")]
+    assert tables and all("row_walks_out" in o.history and o.axis("t").role == "sequential" for o in tables), tables

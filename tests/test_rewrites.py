@@ -437,6 +437,41 @@ def test_long_sums_outside_keep_the_meaning(term, longer_than):
                         and not any(y.var.extent > longer_than for y in D.reductions(r.body))), D.show(out)
 
 
+@settings(max_examples=300, deadline=None)
+@given(linear_terms(), st.sampled_from([1, 2, 3]))
+def test_row_walks_outside_keep_the_meaning(term, longer_than):
+    """Σ_a Σ_b f → Σ_b Σ_a f where f holds a reduction longer than the bound over b's rows and
+    none over a's (``row_walks_outside``, the statistics here f's own reductions): the term's
+    value (float64, reassociated: a few ulps)."""
+    a = np.random.default_rng(4).standard_normal((4, 4))
+    out = W.row_walks_outside(term, lambda f: [r.free for r in D.reductions(f) if r.var.extent > longer_than])
+    assert out.free == term.free
+    want = scalar_value(term, a, {})
+    assert abs(scalar_value(out, a, {}) - want) <= F64 * max(1.0, abs(want))
+
+
+def test_row_walks_outside_bring_the_walk_whose_rows_hold_a_statistic_outside():
+    """Σ_s Σ_t (A[t s] − ⌈_{s'} A[t s']): the row max of t, a walk of its own, is recomputed for
+    every s under Σ_s; the sums swap so that Σ_t is outside. Not where a's rows hold one too,
+    nor for a statistic shorter than the bound."""
+    from moajax.ix import Ix, Var
+
+    s, t, s2 = Var("s", 4), Var("t", 4), Var("s2", 4)
+    x = D.Read("a", [Ix.of(t), Ix.of(s)], np.float64)
+    row_max = D.Red("max", s2, D.Read("a", [Ix.of(t), Ix.of(s2)], np.float64))
+    col_max = D.Red("max", s2, D.Read("a", [Ix.of(s2), Ix.of(s)], np.float64))
+
+    def stats(f):
+        return [r.free for r in D.reductions(f) if r.var.extent > 2]
+
+    f = D.Call("sub", (x, row_max))
+    assert W.row_walks_outside(D.Red("add", s, D.Red("add", t, f)), stats) == D.Red("add", t, D.Red("add", s, f))
+    both = D.Red("add", s, D.Red("add", t, D.Call("sub", (f, col_max))))
+    assert W.row_walks_outside(both, stats) is both
+    kept = D.Red("add", s, D.Red("add", t, f))
+    assert W.row_walks_outside(kept, lambda f: [r.free for r in D.reductions(f) if r.var.extent > 4]) is kept
+
+
 def test_fused_sums_share_the_walk_and_keep_a_one_hot_write():
     """Σ_n (Σ_s ((c = i) ? f : 0) + Σ_s ((c = i) ? g : 0)) → Σ_n Σ_s ((c = i) ? (f + g) : 0):
     one walk, still a one-hot write (binned, not a one-hot Σ); a stage's own top-level terms
