@@ -25,7 +25,8 @@ bench/results/alibi_grad_cpu.md: moajax; moajax with its slopes' two terms of dS
 (``rules_patched.guarded_sums_apart``: the tree before 2026-12-07) and, without saved statistics,
 with the keys walked outside the queries (``rules_patched.row_walks_inside``); moajax without a score_mod
 (the floor); jax.nn with the slopes as an [N, T, S] bias (XLA); causal and not, residuals "save"
-and "none".
+and "none"; then jit(value_and_grad) under "save", "none" and ``jax.checkpoint`` of "save" (the
+two that hold nothing between forward and backward).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def alibi():
     import numpy as np
 
     import moajax
-    from moajax.timing import compiled_contenders, machine_line, write_results
+    from moajax.timing import alternating, compiled_contenders, machine_line, write_results
     from rules_patched import forget, guarded_sums_apart, row_walks_inside
 
     B, N, H = 1, 8, 64
@@ -201,7 +202,34 @@ def alibi():
             rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, [N, T, S] bias",
                                        pick=lambda grads: grads[3])
             lines += _rows(rows, "moajax", f"{T} | {'yes' if causal else 'no'} | {res}", "— (no slopes)")
-    lines += ["", "vs moajax: the contender's best time over moajax's (above 1: slower)."]
+    lines += ["", "vs moajax: the contender's best time over moajax's (above 1: slower).", "",
+              "## Holding nothing between forward and backward: residuals \"none\" or jax.checkpoint",
+              "",
+              "jit(value_and_grad) — the loss's value is used, so the forward runs — with the slopes, "
+              "T = S as above: residuals \"save\" (the row statistics held for the backward), \"none\" "
+              "(nothing held; the backward recomputes the statistics in each kernel), and "
+              "`jax.checkpoint` of the \"save\" call (nothing held either: the backward reruns the "
+              "saving forward, then the saved adjoint). Best and median of the same rounds; temp: the "
+              "compiled executable's temp allocation.", "",
+              "| T = S | causal | contender | best s | median s | vs save | temp MiB |",
+              "|---:|---|---|---:|---:|---:|---:|"]
+    for T in (int(x) for x in SEQ.value):
+        q, k, v, g = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(4))
+        slopes = jnp.asarray(2.0 ** -np.arange(1, N + 1), jnp.float32)
+        for causal in (True, False):
+            def loss(q, k, v, sl, res, causal=causal):
+                mod = lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)  # noqa: E731
+                return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=causal,
+                                                            residuals=res) * g)
+            fns = {name: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3))).lower(q, k, v, slopes).compile()
+                   for name, f in (("save", lambda *a: loss(*a, "save")), ("none", lambda *a: loss(*a, "none")),
+                                   ("jax.checkpoint of save", jax.checkpoint(lambda *a: loss(*a, "save"))))}
+            times = alternating(fns, (q, k, v, slopes), reps=REPS.value)
+            base = min(times["save"])
+            for name, ts in times.items():
+                temp = fns[name].memory_analysis().temp_size_in_bytes / 2**20
+                lines.append(f"| {T} | {'yes' if causal else 'no'} | {name} | {min(ts):.4f} | "
+                             f"{float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | {temp:.1f} |")
     write_results(OUT.value if OUT.present else str(ROOT / "bench" / "results" / "alibi_grad_cpu.md"), lines)
 
 

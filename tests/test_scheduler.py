@@ -381,7 +381,7 @@ def test_a_table_gradient_on_the_cpu_is_its_own_tiled_kernel():
 def test_alibi_slopes_gradient_on_the_cpu_walks_the_scores_once():
     """ALiBi's slopes' gradient Σ_n ((c = n) ? Σ_s Σ_t dS·|t − s| : 0), dS's two terms each under
     the head's one-hot write: on a CPU one walk of the scores (``fuse_sums`` through the guard),
-    where two walks recomputed every score tile twice (alibi_grad_cpu.md: jit(grad) 1.02–1.14×
+    where two walks recomputed every score tile twice (alibi_grad_cpu.md: jit(grad) 1.02–1.21×
     faster); a GPU keeps them apart (fuse_sums is a CPU default: fuse_sums_gpu.md)."""
     import jax.numpy as jnp
 
