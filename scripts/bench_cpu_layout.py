@@ -121,13 +121,12 @@ def main():
     derived = ONF.axis_order
 
     def without_knob(onf, vectorised=None):  # (the schedule still sets the knob; the layout ignores it)
-        if args.knob == "cpu_batches":
-            return derived(onf.replace(knobs=dataclasses.replace(onf.knobs, cpu_batches=())), vectorised=vectorised)
-        if args.knob == "dot_batches":
-            walks = {v.name for v in onf.program.batch_walks()}
-            kept = tuple(n for n in onf.knobs.cpu_batches if n in walks)
-            return derived(onf.replace(knobs=dataclasses.replace(onf.knobs, cpu_batches=kept)), vectorised=vectorised)
-        return derived(onf, vectorised=False if vectorised is None else vectorised)
+        if args.knob == "cpu_vectorised":
+            return derived(onf, vectorised=False if vectorised is None else vectorised)
+        # cpu_batches: none kept; dot_batches: the batch walks kept, the dots' batch axes not
+        walks = {v.name for v in onf.program.batch_walks()} if args.knob == "dot_batches" else set()
+        kept = tuple(n for n in onf.knobs.cpu_batches if n in walks)
+        return derived(onf.replace(knobs=dataclasses.replace(onf.knobs, cpu_batches=kept)), vectorised=vectorised)
 
     title = {"cpu_batches": "a batch walk laid out with the batch axes",
              "dot_batches": "a dot's batch axis held whole laid out before the rows",

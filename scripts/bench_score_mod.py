@@ -50,15 +50,15 @@ FINITE = "moajax, one kernel: the table taken finite"
 MASKED = "moajax, one kernel: the masked fill"
 
 
-def _rows(rows, base_name: str, lead: str, untabled: str) -> list:
+def _rows(rows, base_name: str, lead: str, untabled: str | None) -> list:
     """One table row per contender of ``compiled_contenders``' rows: best and median s, the
     best over ``base_name``'s, temp, the gradient's difference (``untabled`` for the
-    contender without a score_mod)."""
+    contender without a score_mod; None: no such column)."""
     import numpy as np
 
     base = min(rows[base_name][0])
-    return [f"| {lead} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | {temp:.1f} | "
-            f"{untabled if name == 'moajax, no score_mod' else f'{diff:.1e}'} |"
+    return [f"| {lead} | {name} | {min(ts):.4f} | {float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | {temp:.1f} |"
+            + ("" if untabled is None else f" {untabled if name == 'moajax, no score_mod' else f'{diff:.1e}'} |")
             for name, (ts, temp, diff) in rows.items()]
 
 
@@ -154,7 +154,7 @@ def alibi():
     import numpy as np
 
     import moajax
-    from moajax.timing import alternating, compiled_contenders, machine_line, write_results
+    from moajax.timing import compiled_contenders, machine_line, write_results
     from rules_patched import forget, guarded_sums_apart, row_walks_inside
 
     B, N, H = 1, 8, 64
@@ -171,6 +171,23 @@ def alibi():
              "gradient against jax.nn's. residuals: the policy asked for; \"save\" is the default's choice on this CPU.", "",
              "| T = S | causal | residuals | contender | best s | median s | vs moajax | temp MiB | max rel. diff of d slopes vs jax.nn |",
              "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    def loss_of(g, causal, res, slopes_on=True):
+        """sum(attention · g) as a function of q, k, v and the slopes (unused without them)."""
+        def loss(q, k, v, sl):
+            mod = (lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)) if slopes_on else None  # noqa: E731
+            return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=causal,
+                                                        residuals=res) * g)
+        return loss
+
+    held = ["", "## Holding nothing between forward and backward: residuals \"none\" or jax.checkpoint", "",
+            "jit(value_and_grad) — the loss's value is used, so the forward runs — with the slopes, "
+            "T = S as above: residuals \"save\" (the row statistics held for the backward), \"none\" "
+            "(nothing held; the backward recomputes the statistics in each kernel), and "
+            "`jax.checkpoint` of the \"save\" call (nothing held either: the backward reruns the "
+            "saving forward, then the saved adjoint). Best and median of the same rounds; temp: the "
+            "compiled executable's temp allocation.", "",
+            "| T = S | causal | contender | best s | median s | vs save | temp MiB |",
+            "|---:|---|---|---:|---:|---:|---:|"]
     r = np.random.default_rng(0)
     for T in (int(x) for x in SEQ.value):
         q, k, v, g = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(4))
@@ -178,13 +195,7 @@ def alibi():
         dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
         args = (q, k, v, slopes)
         for causal, res in ((True, "save"), (False, "save"), (True, "none"), (False, "none")):
-            def moa(q, k, v, sl, res=res, causal=causal):
-                mod = lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)  # noqa: E731
-                return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=causal,
-                                                            residuals=res) * g)
-
-            def plain(q, k, v, sl, res=res, causal=causal):
-                return jnp.sum(moajax.dot_product_attention(q, k, v, is_causal=causal, residuals=res) * g)
+            moa = loss_of(g, causal, res)
 
             def nn(q, k, v, sl, causal=causal):
                 bias = (-sl[:, None, None] * dist)[None]
@@ -195,41 +206,21 @@ def alibi():
             before = (("moajax, terms apart", moa, guarded_sums_apart) if res == "save" else
                       ("moajax, row walks inside", moa, row_walks_inside))
             for name, loss, ctx in (("moajax", moa, None), before,
-                                    ("moajax, no score_mod", plain, None), ("jax.nn, [N, T, S] bias", nn, None)):
+                                    ("moajax, no score_mod", loss_of(g, causal, res, slopes_on=False), None),
+                                    ("jax.nn, [N, T, S] bias", nn, None)):
                 forget()
                 with ctx() if ctx is not None else contextlib.nullcontext():
                     fns[name] = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile()
             rows = compiled_contenders(fns, args, reps=REPS.value, reference="jax.nn, [N, T, S] bias",
                                        pick=lambda grads: grads[3])
             lines += _rows(rows, "moajax", f"{T} | {'yes' if causal else 'no'} | {res}", "— (no slopes)")
-    lines += ["", "vs moajax: the contender's best time over moajax's (above 1: slower).", "",
-              "## Holding nothing between forward and backward: residuals \"none\" or jax.checkpoint",
-              "",
-              "jit(value_and_grad) — the loss's value is used, so the forward runs — with the slopes, "
-              "T = S as above: residuals \"save\" (the row statistics held for the backward), \"none\" "
-              "(nothing held; the backward recomputes the statistics in each kernel), and "
-              "`jax.checkpoint` of the \"save\" call (nothing held either: the backward reruns the "
-              "saving forward, then the saved adjoint). Best and median of the same rounds; temp: the "
-              "compiled executable's temp allocation.", "",
-              "| T = S | causal | contender | best s | median s | vs save | temp MiB |",
-              "|---:|---|---|---:|---:|---:|---:|"]
-    for T in (int(x) for x in SEQ.value):
-        q, k, v, g = (jnp.asarray(r.standard_normal((B, T, N, H)).astype(np.float32)) for _ in range(4))
-        slopes = jnp.asarray(2.0 ** -np.arange(1, N + 1), jnp.float32)
         for causal in (True, False):
-            def loss(q, k, v, sl, res, causal=causal):
-                mod = lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)  # noqa: E731
-                return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=causal,
-                                                            residuals=res) * g)
-            fns = {name: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3))).lower(q, k, v, slopes).compile()
-                   for name, f in (("save", lambda *a: loss(*a, "save")), ("none", lambda *a: loss(*a, "none")),
-                                   ("jax.checkpoint of save", jax.checkpoint(lambda *a: loss(*a, "save"))))}
-            times = alternating(fns, (q, k, v, slopes), reps=REPS.value)
-            base = min(times["save"])
-            for name, ts in times.items():
-                temp = fns[name].memory_analysis().temp_size_in_bytes / 2**20
-                lines.append(f"| {T} | {'yes' if causal else 'no'} | {name} | {min(ts):.4f} | "
-                             f"{float(np.median(ts)):.4f} | {min(ts) / base:.2f}× | {temp:.1f} |")
+            fns = {name: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3))).lower(*args).compile()
+                   for name, f in (("save", loss_of(g, causal, "save")), ("none", loss_of(g, causal, "none")),
+                                   ("jax.checkpoint of save", jax.checkpoint(loss_of(g, causal, "save"))))}
+            rows = compiled_contenders(fns, args, reps=REPS.value, reference="save", pick=lambda out: out[1][3])
+            held += _rows(rows, "save", f"{T} | {'yes' if causal else 'no'}", None)
+    lines += ["", "vs moajax: the contender's best time over moajax's (above 1: slower)."] + held
     write_results(OUT.value if OUT.present else str(ROOT / "bench" / "results" / "alibi_grad_cpu.md"), lines)
 
 

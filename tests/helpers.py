@@ -26,6 +26,25 @@ def scaled_err(actual, expected, floor: float = 1.0) -> float:
     return float(np.max(np.abs(a - e), initial=0.0)) / max(float(np.max(np.abs(e), initial=0.0)), floor)
 
 
+def score_mod_grads_f64(q, k, v, c, g, mod, causal) -> tuple:
+    """Plain jnp in float64, written apart from moajax: the gradients (q, k, v, c) of
+    Σ g × softmax(mod(c)(q·kᵀ/√H, b, h, i, j), causal)·V, query head h reading kv head h // G."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v, c, g = (jnp.asarray(x).astype(jnp.float64) for x in (q, k, v, c, g))
+
+    def loss(q, k, v, c):
+        B, T, N, H = q.shape
+        S, G = k.shape[1], N // k.shape[2]
+        b, h, i, j = np.ix_(np.arange(B), np.arange(N), np.arange(T), np.arange(S))
+        s = mod(c)(jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, G, axis=2)) / np.sqrt(H), b, h, i, j)
+        p = jax.nn.softmax(jnp.where(i >= j, s, -jnp.inf) if causal else s, axis=-1)
+        return jnp.sum(jnp.einsum("bnts,bsne->btne", p, jnp.repeat(v, G, axis=2)) * g)
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, c)
+
+
 def rng(seed=0):
     return np.random.default_rng(seed)
 

@@ -16,7 +16,7 @@ import pytest
 
 import moajax
 import references as R
-from helpers import rel_err, scaled_err, sub_jaxprs, walk_eqns
+from helpers import rel_err, scaled_err, score_mod_grads_f64, sub_jaxprs, walk_eqns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moajax import compat, cost, machines, ptx, rewrites, schedule
@@ -1177,24 +1177,8 @@ def test_a_bfloat16_tables_gradient_scatter_added_over_queries_batch_and_heads(m
     for o in fused:
         st = o.program.stage_of(dict(o.program.outputs)["d_score_mod_const0"])
         assert [v.name for v in o.scatter_vars(st)] == ["t", "b", "n"] and "d_query" in dict(o.program.outputs)
-    want = _score_mod_grads_f64(q, k, v, table, g, _MODS["relpos"], True)
+    want = score_mod_grads_f64(q, k, v, table, g, _MODS["relpos"], True)
     assert all(scaled_err(a, b, floor=0.0) <= BF16_GRAD for a, b in zip(got, want))
-
-
-def _score_mod_grads_f64(q, k, v, c, g, mod, causal) -> tuple:
-    """Plain jnp in float64, written apart from moajax: the gradients (q, k, v, c) of
-    Σ g × softmax(mod(c)(q·kᵀ/√H, b, h, i, j), causal)·V, query head h reading kv head h // G."""
-    q, k, v, c, g = (jnp.asarray(x).astype(jnp.float64) for x in (q, k, v, c, g))
-
-    def loss(q, k, v, c):
-        B, T, N, H = q.shape
-        S, G = k.shape[1], N // k.shape[2]
-        b, h, i, j = np.ix_(np.arange(B), np.arange(N), np.arange(T), np.arange(S))
-        s = mod(c)(jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, G, axis=2)) / np.sqrt(H), b, h, i, j)
-        p = jax.nn.softmax(jnp.where(i >= j, s, -jnp.inf) if causal else s, axis=-1)
-        return jnp.sum(jnp.einsum("bnts,bsne->btne", p, jnp.repeat(v, G, axis=2)) * g)
-
-    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, c)
 
 
 # every gradient within 2⁻⁷ of its largest entry (``scaled_err`` with no floor): twice
@@ -1230,7 +1214,7 @@ def test_a_row_guard_reads_a_walked_axis_tile_by_tile_where_its_block_would_over
         got = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, c)
     finally:
         runtime.schedules.cache_clear()
-    want = _score_mod_grads_f64(q, k, v, c, g, _MODS["alibi"], True)
+    want = score_mod_grads_f64(q, k, v, c, g, _MODS["alibi"], True)
     assert all(scaled_err(a, b, floor=0.0) <= BF16_GRAD for a, b in zip(got, want))
 
 
@@ -1278,7 +1262,7 @@ def test_the_seeds_plans_with_a_score_mod_array_in_bfloat16(profile, plan, mod, 
     finally:
         runtime.gpu_machine = saved
         runtime.schedules.cache_clear()
-    want = _score_mod_grads_f64(q, k, v, c, g, _MODS[mod], causal)
+    want = score_mod_grads_f64(q, k, v, c, g, _MODS[mod], causal)
     assert all(scaled_err(a, b, floor=0.0) <= BF16_GRAD for a, b in zip(got, want))
 
 
