@@ -133,7 +133,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     "triton_interpret" (the ONF's own Triton source, through jax-triton). ``residuals`` (also a
     Preset's choice): what the forward saves for ``jax.grad`` — "save" (the softmax's row max
     and sum, O(T) per head, and Out itself, from which the backward's Δ = +/(dO × O)), "auto"
-    (so where the cost model says it is cheaper) or "none" (recompute).
+    (so where the cost model says it is cheaper), "none" (hold nothing between forward and
+    backward: the backward reruns the saving forward, then the adjoint reading what it saved,
+    as FlashAttention's does without a saved log-sum-exp) or "recompute" (hold nothing: the
+    backward's own kernels recompute the max, sum and Δ = +/(P × dP)).
 
     It is a thin wrapper: the arguments are checked here, then ``moajax.kernels.mha_kernel``
     (the DSL definition for this bias/mask broadcast pattern) runs like any ``@kernel``.
@@ -501,7 +504,7 @@ def gated_mlp(x, w_gate, w_up, w_down, *, onf=None, implementation=None, residua
     x [..., D], w_gate and w_up [D, F], w_down [F, D], one floating dtype. A DSL kernel
     (``moajax.kernels.mlp.swiglu``) compiled like any; ``jax.grad`` gives dx and the weight
     gradients, reductions over the tokens, from its derived adjoint. ``residuals`` (or the
-    ``onf`` Preset's): what the forward keeps for the backward — "none"/"auto" recompute U =
+    ``onf`` Preset's): what the forward keeps for the backward — "none", "recompute" and "auto" recompute U =
     x W_g and V = x W_u; ``("gate",)`` keeps U (paper IV); ``("gate", "up")`` keeps U and V
     (paper IV's count, 2nd + 4n·d_ff: ``Kernel.interface_ledger``). Each kept [tokens, F]
     array saves the backward one contraction."""

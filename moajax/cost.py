@@ -143,13 +143,15 @@ def ring_bytes(ring, query_shape, key_shape, value_shape, itemsize: int, *, back
     return sent
 
 
-def interface_ledger(forward: D.DNF, backward: D.DNF) -> list:
+def interface_ledger(forward: D.DNF, *backward: D.DNF) -> list:
     """The per-array accounting of a forward and its backward, "inputs + outputs + stored
     intermediates": each array the forward reads and writes (its saved residuals among the
     writes), then each the backward reads (the residuals read back) and writes — once each,
-    whatever the schedule. Paper IV's counts are sums of such rows: ``ledger_elements``."""
+    whatever the schedule; a backward of several DNFs (a forward rerun, then the adjoint
+    reading what it wrote) counts each's. Paper IV's counts are sums of such rows:
+    ``ledger_elements``."""
     rows = []
-    for phase, dnf in (("forward", forward), ("backward", backward)):
+    for phase, dnf in (("forward", forward), *(("backward", b) for b in backward)):
         read = dnf.arrays_read()
         rows += [Movement(phase, i.name, "read", math.prod(i.shape), tuple(i.dims)) for i in dnf.inputs if i.name in read]
         rows += [Movement(phase, o.name, "write", math.prod(o.shape), tuple(o.dims)) for o in dnf.outputs]

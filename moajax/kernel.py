@@ -423,7 +423,10 @@ class Kernel:
         for the backward to read (the papers' identities read them: ``moajax.identities``) —
         those it reads (``statistics_read``);
         "auto" does so where the cost model counts fewer flops for forward and backward
-        together; "none" saves only the inputs (the backward recomputes); a tuple of labels
+        together; "none" saves only the inputs, and the backward reruns the saving forward and
+        then the adjoint reading what it saved where that counts fewer flops than the adjoint
+        recomputing the statistics in its own kernels (``_rerun_pays``; attention's does), else
+        runs the latter; "recompute" saves only the inputs and always runs the latter; a tuple of labels
         (``moa.name``) saves those values too, whatever their size (paper IV's MLP keeps U:
         ``("gate",)``), and the backward reads them instead of recomputing."""
         from moajax import adjoint as _adjoint
@@ -481,6 +484,14 @@ class Kernel:
                                                           or onf.knobs or onf.tiles or onf.ring or onf.ring_rounds)
                           else None)
 
+        def saving_compiled():
+            """(``saving_forward``'s compiled function: the forward that also outputs the
+            statistics the backward reads, those it leaves out: ``statistics_read``)"""
+            unread = self.statistics_read(key[0], options, labels)
+            return self.with_row_statistics(labels, unread).compiled(
+                *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
+                **options), unread
+
         @at
         def saving():
             """The forward that also saves the row statistics, or None — decided (and its
@@ -490,12 +501,27 @@ class Kernel:
                 # compare the one value (``label_selections``)
                 pays = (residuals == "save" or labels or self._selected_saved(key[0], options)
                         or (residuals == "auto" and self._saving_pays(key[0], options, implementation)))
-                # only what the backward reads (``statistics_read``)
-                unread = self.statistics_read(key[0], options, labels) if pays else None
-                chosen.append((self.with_row_statistics(labels, unread).compiled(
-                    *specs, onf=onf if not isinstance(onf, ONF) else None, implementation=implementation,
-                    **options) if pays else None, unread))
+                chosen.append(saving_compiled() if pays else (None, None))
             return chosen[0][0] and at(chosen[0][0])
+
+        def rerun(levels, args, wrt):
+            """(saved, outs, unread) of the saving forward run again on the primals, inside the backward
+            — where nothing was saved (``residuals="none"``) and the cost model counts fewer
+            flops for that forward and the adjoint reading what it saves than for the adjoint
+            that recomputes the statistics in its own kernels (``_rerun_pays``; FlashAttention's
+            backward without a saved log-sum-exp); else None. Under ``jax.vmap`` the forward is
+            vmapped level by level (innermost first, as ``levels``: the outermost batch is each
+            array's first axis), so the saved values and outputs have every batch axis."""
+            if residuals != "none" or not self._rerun_pays(key[0], options, implementation,
+                                                           tuple(self.params[i].name for i in wrt)):
+                return None
+            import jax
+
+            fn, unread = saving_compiled()
+            for flags in levels:
+                fn = jax.vmap(fn, in_axes=tuple(0 if f else None for f in flags))
+            both = tuple(fn(*args))
+            return both[len(out_specs):], both[:len(out_specs)], unread
 
         @at
         def backward_batched(levels, args, saved, outs, cts, wrt):
@@ -512,8 +538,12 @@ class Kernel:
             cts = [np.zeros(shape, dt) if ct.dtype == jax.dtypes.float0 else ct
                    for ct, (shape, dt) in zip(cts, out_specs)]
             wrt = tuple(i for i in sorted(wrt) if floats[i])
+            again = rerun(levels, args, wrt) if outs is None else None
+            if again is not None:
+                saved, outs, unread = again
+            else:
+                unread = chosen[0][1] if outs is not None else None
             held = (labels or True) if outs is not None else False
-            unread = chosen[0][1] if held else None
             arrays = [*args, *cts, *saved, *(outs or ())]
 
             def kernel_of(rounded: bool):
@@ -693,6 +723,28 @@ class Kernel:
         kernels memory-bound by their byte counts) where saving ran in 0.63–0.71× the time;
         the time was right only at T = S = 16 in bfloat16 (saving 1.08–1.31× slower, at
         0.2 ms a call)."""
+        f = self._policy_flops(shape_key, options, implementation)
+        return f is not None and f["saving"] + f["saved_adjoint"] < f["plain"] + f["recomputing_adjoint"]
+
+    def _rerun_pays(self, shape_key, options, implementation=None, wrt=None) -> bool:
+        """Where nothing is saved (``residuals="none"``): do the saving forward, run again in
+        the backward, and the adjoint reading what it saved cost fewer flops together than the
+        adjoint that recomputes the statistics in its own kernels (cost model, as
+        ``_saving_pays``; ``wrt``: the params whose cotangents are asked, by name)? Attention's
+        does: the forward's two contractions per tile give Out, max and ℓ, and Δ = +/(dO × Out)
+        is then a row sum, where the recomputing adjoint walks the keys once for max and ℓ and
+        once more, with two contractions, for Δ = +/(P × dP). RMSNorm's does not: its adjoint
+        recomputes r from x alone."""
+        f = self._policy_flops(shape_key, options, implementation, wrt)
+        return f is not None and f["saving"] + f["saved_adjoint"] < f["recomputing_adjoint"]
+
+    def _policy_flops(self, shape_key, options, implementation=None, wrt=None) -> dict | None:
+        """The cost model's flops (``_saving_pays``) of the plain forward ("plain"), the forward
+        that also outputs the statistics the backward reads ("saving"), the adjoint reading
+        them ("saved_adjoint") and the one recomputing them ("recomputing_adjoint"), each
+        adjoint giving the cotangents of ``wrt`` (param names; None: all); None where nothing
+        would be saved (no statistic read, and no identity reads an output). (Each plan's
+        derivation is cached: ``schedule.derive_plan``.)"""
         from moajax import cost, machines, runtime, schedule
 
         import jax
@@ -702,7 +754,7 @@ class Kernel:
         # (XLA on a GPU runs the GPU's backward too: ``compiled``'s per-platform choice)
         rounded = self.gpu_dots_round(shape_key, options) if gpu or runtime.has_gpu() else False
         unread = self.statistics_read(shape_key, options)
-        with_saved = self._adjoint_for(shape_key, options, True, unread=unread, rounded=rounded)
+        with_saved = self._adjoint_for(shape_key, options, True, wrt=wrt, unread=unread, rounded=rounded)
 
         def flops(k, extra):
             specs = [jax.ShapeDtypeStruct(s, d) for s, d in shape_key[0]] + extra
@@ -719,9 +771,11 @@ class Kernel:
         saved = self._saved_specs(primal_specs, options, unread=unread)
         reads = {r.array for r in with_saved.dnf(*primal_specs, *cts, *saved, *cts, **options).reads()}
         if not saved and not reads & {p.name for p in with_saved.params[len(self.params) + len(cts):]}:
-            return False  # nothing to save: no statistic read, and no identity reads an output
-        return (flops(self.with_row_statistics((), unread), []) + flops(with_saved, cts + saved + cts)
-                < flops(self, []) + flops(self._adjoint_for(shape_key, options, False, rounded=rounded), cts))
+            return None  # nothing to save
+        return {"plain": flops(self, []), "saving": flops(self.with_row_statistics((), unread), []),
+                "saved_adjoint": flops(with_saved, cts + saved + cts),
+                "recomputing_adjoint": flops(self._adjoint_for(shape_key, options, False, wrt=wrt, rounded=rounded),
+                                             cts)}
 
     def statistics_read(self, shape_key, options, labels: tuple = ()) -> tuple | None:
         """The statistics the saving forward may save (``row_statistics``) that the backward
@@ -787,20 +841,27 @@ class Kernel:
 
     def interface_ledger(self, *specs, residuals="none", **options) -> list:
         """``cost.interface_ledger`` of this kernel's forward and the backward ``jax.grad`` runs
-        under the residual policy ``residuals`` ("none", "save" or a tuple of labels): the
-        arrays each reads and writes, the saved ones written by the forward and read back."""
+        under the residual policy ``residuals`` ("none", "recompute", "save" or a tuple of
+        labels): the arrays each reads and writes, the saved ones written by the forward and
+        read back; under "none" where the backward reruns the saving forward
+        (``_rerun_pays``), that forward's reads and writes are the backward's."""
         from moajax import cost, runtime
 
         residuals = runtime.check_residuals(residuals, f"{self.name}.interface_ledger")
         if residuals == "auto":
-            raise ValueError(f"{self.name}.interface_ledger: residuals must be chosen ('none', 'save' or labels)")
-        if residuals == "none":
+            raise ValueError(f"{self.name}.interface_ledger: residuals must be chosen ('none', 'recompute', "
+                             "'save' or labels)")
+        forward = self.dnf(*specs, **options)
+        if residuals == "none" and self._rerun_pays(self._key(specs, options), options):
+            adj, args = self.saved_adjoint(*specs, **options)
+            return cost.interface_ledger(forward, self.saving_forward(*specs, **options).dnf(*specs, **options),
+                                         adj.dnf(*args, **options))
+        if residuals in ("none", "recompute"):
             import jax
 
             outs = self._build(specs, options)[1]
             cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (outs if isinstance(outs, tuple) else (outs,))]
             adj, args = self._adjoint_for(self._key(specs, options), options, False), list(specs) + cts
-            forward = self.dnf(*specs, **options)
         else:
             labels = residuals if isinstance(residuals, tuple) else ()
             adj, args = self.saved_adjoint(*specs, labels=labels, **options)

@@ -55,8 +55,10 @@ class Preset:
     split: tuple = ()  # ((axis, parts), ...)
     knobs: tuple = ()  # ((knob, value), ...)
     # what a differentiated call's forward saves for its backward: "auto" (the cost model
-    # decides), "save" (its row statistics and outputs), "none" (recompute), or a tuple of
-    # labels saved besides ("gate",: paper IV's MLP keeps U); None: "auto"
+    # decides), "save" (its row statistics and outputs), "none" (nothing: the backward reruns
+    # the saving forward where that counts fewer flops, else recomputes in its own kernels),
+    # "recompute" (nothing: always the latter), or a tuple of labels saved besides ("gate",:
+    # paper IV's MLP keeps U); None: "auto"
     residuals: str | tuple | None = None
     # how a multi-output DNF is cut into kernels (``PLANS`` or a partition of its output names;
     # None: derived, ``derive_plan``); ``backward``: the same for this call's adjoint
@@ -132,7 +134,11 @@ class Preset:
 PLANS = ("fused", "owner", "per_output")
 
 
-RESIDUALS = ("auto", "save", "none")
+# what a differentiated call holds between its forward and its backward (``Kernel.compiled``):
+# "save" its row statistics and outputs; "none" nothing, the backward recomputing them the
+# cheaper way (rerunning the saving forward, or in its own kernels); "recompute" nothing, the
+# backward's own kernels recomputing them (never a second forward)
+RESIDUALS = ("auto", "save", "none", "recompute")
 
 
 def check_ring_rounds(rounds, who: str, name: str = "rounds") -> int:
@@ -144,7 +150,7 @@ def check_ring_rounds(rounds, who: str, name: str = "rounds") -> int:
 
 
 def residual_choice(residuals, who: str):
-    """A residual policy, checked: "auto", "save", "none", or a tuple of labels (``moa.name``)
+    """A residual policy, checked: "auto", "save", "none", "recompute" (``RESIDUALS``), or a tuple of labels (``moa.name``)
     whose values the forward saves besides what "save" saves (a list is taken as a tuple)."""
     if isinstance(residuals, (tuple, list)):
         if not residuals or not all(isinstance(r, str) and r for r in residuals):
@@ -152,7 +158,8 @@ def residual_choice(residuals, who: str):
                              f"got {residuals!r}")
         return tuple(dict.fromkeys(residuals))
     if residuals not in RESIDUALS:
-        raise ValueError(f"{who}: residuals must be 'auto', 'save', 'none' or a tuple of labels, got {residuals!r}")
+        raise ValueError(f"{who}: residuals must be 'auto', 'save', 'none', 'recompute' or a tuple of labels, "
+                         f"got {residuals!r}")
     return residuals
 
 

@@ -47,18 +47,21 @@ def cases(knob: str) -> dict:
         T = 1024
         mha = (a(1, T, 8, 64), a(1, T, 8, 64), a(1, T, 8, 64), a(1, T, 8, 64))
         gqa = (a(1, T, 8, 64), a(1, T, 2, 64), a(1, T, 2, 64), a(1, T, 8, 64))
-        for res in ("none", "save"):  # (save: a control, its Δ read from Out)
+        # ("recompute": the backward's own kernels recompute the statistics, as "none" did until
+        # 2026-12-07, when the knob was measured; save: a control, its Δ read from Out)
+        for res in ("recompute", "save"):
             out[f"residuals {res}: T = S = {T}, 8 heads of 64"] = (attn(res), mha, None)
-        out[f"residuals none: T = S = {T}, 8 heads of 64, causal"] = (attn("none", is_causal=True), mha, None)
-        out[f"residuals none: GQA 8 over 2 heads, T = S = {T}"] = (attn("none"), gqa, None)
+        out[f"residuals recompute: T = S = {T}, 8 heads of 64, causal"] = (attn("recompute", is_causal=True), mha,
+                                                                            None)
+        out[f"residuals recompute: GQA 8 over 2 heads, T = S = {T}"] = (attn("recompute"), gqa, None)
         slopes = a(8)
 
         def alibi(q, k, v, sl, g):
             mod = lambda s, b, h, qi, ki: s - sl[h] * jnp.abs(qi - ki)  # noqa: E731
-            return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, residuals="none") * g)
+            return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=mod, residuals="recompute") * g)
         q2 = tuple(a(1, 512, 8, 64) for _ in range(3))
-        out["residuals none: ALiBi slopes, T = S = 512"] = (jax.grad(alibi, argnums=(0, 1, 2, 3)),
-                                                             q2 + (slopes, a(1, 512, 8, 64)), None)
+        out["residuals recompute: ALiBi slopes, T = S = 512"] = (jax.grad(alibi, argnums=(0, 1, 2, 3)),
+                                                                  q2 + (slopes, a(1, 512, 8, 64)), None)
         x = a(4096, 1024)
         out["RMSNorm residuals none, 4096 rows of 1024"] = (jax.grad(
             lambda x, w: jnp.sum(jnp.sin(moajax.rms_norm(x, w, residuals="none"))), argnums=(0, 1)), (x, a(1024)), None)

@@ -22,11 +22,13 @@ gather, ``dnf.selection``), the gradient adds every score's dS into its bin (a s
 `python scripts/bench_score_mod.py --alibi` times ALiBi's per-head slopes instead (score −
 slope[h]·|q_idx − kv_idx|, the slopes' gradient a Σ over the heads' one-hot write), writing
 bench/results/alibi_grad_cpu.md: moajax; moajax with its slopes' two terms of dS walked apart
-(``rules_patched.guarded_sums_apart``: the tree before 2026-12-07) and, without saved statistics,
-with the keys walked outside the queries (``rules_patched.row_walks_inside``); moajax without a score_mod
-(the floor); jax.nn with the slopes as an [N, T, S] bias (XLA); causal and not, residuals "save"
-and "none"; then jit(value_and_grad) under "save", "none" and ``jax.checkpoint`` of "save" (the
-two that hold nothing between forward and backward).
+(``rules_patched.guarded_sums_apart``: the tree before 2026-12-07) and, recomputing the
+statistics in the backward's kernels, with the keys walked outside the queries
+(``rules_patched.row_walks_inside``); moajax without a score_mod (the floor); jax.nn with the
+slopes as an [N, T, S] bias (XLA); causal and not, residuals "save", "recompute" and "none" (the
+saving forward rerun in the backward, beside "recompute": what "none" ran before 2026-12-07);
+then jit(value_and_grad) under "save", "none", "recompute" and ``jax.checkpoint`` of "save"
+(the three that hold nothing between forward and backward).
 """
 
 from __future__ import annotations
@@ -164,9 +166,11 @@ def alibi():
              f"best and median of {REPS.value} rounds after a warm-up. 'terms apart': the slopes' gradient with its "
              "two terms of dS (each under the head's one-hot write) walked in two passes, as before 2026-12-07 "
              "(`rewrites._one_guard_over_sums` patched out: `scripts/rules_patched.py`); 'row walks inside' (residuals "
-             "\"none\"): the slopes' kernel walking the keys outside the queries, as the adjoint writes them, the "
+             "\"recompute\"): the slopes' kernel walking the keys outside the queries, as the adjoint writes them, the "
              "rows' max, ℓ and Δ recomputed in every key tile, as before 2026-12-07 (`rewrites.row_walks_out` "
-             "patched out); 'no score_mod': the same "
+             "patched out); 'residuals recompute' (under \"none\"): nothing held, the backward's kernels recomputing "
+             "the statistics, what \"none\" ran until 2026-12-07 (\"none\" now reruns the saving forward in the "
+             "backward, then the adjoint reading what it saved); 'no score_mod': the same "
              "attention without slopes, the floor. Temp: the compiled executable's temp allocation. Diff: the slopes' "
              "gradient against jax.nn's. residuals: the policy asked for; \"save\" is the default's choice on this CPU.", "",
              "| T = S | causal | residuals | contender | best s | median s | vs moajax | temp MiB | max rel. diff of d slopes vs jax.nn |",
@@ -179,12 +183,14 @@ def alibi():
                                                         residuals=res) * g)
         return loss
 
-    held = ["", "## Holding nothing between forward and backward: residuals \"none\" or jax.checkpoint", "",
+    held = ["", "## Holding nothing between forward and backward: residuals \"none\", \"recompute\" or "
+            "jax.checkpoint", "",
             "jit(value_and_grad) — the loss's value is used, so the forward runs — with the slopes, "
             "T = S as above: residuals \"save\" (the row statistics held for the backward), \"none\" "
-            "(nothing held; the backward recomputes the statistics in each kernel), and "
-            "`jax.checkpoint` of the \"save\" call (nothing held either: the backward reruns the "
-            "saving forward, then the saved adjoint). Best and median of the same rounds; temp: the "
+            "(nothing held; the backward reruns the saving forward, then the saved adjoint), "
+            "\"recompute\" (nothing held; the backward's kernels recompute the statistics: \"none\" until "
+            "2026-12-07) and `jax.checkpoint` of the \"save\" call (nothing held either: what \"none\" "
+            "now does, by JAX's rematerialisation). Best and median of the same rounds; temp: the "
             "compiled executable's temp allocation.", "",
             "| T = S | causal | contender | best s | median s | vs save | temp MiB |",
             "|---:|---|---|---:|---:|---:|---:|"]
@@ -194,7 +200,8 @@ def alibi():
         slopes = jnp.asarray(2.0 ** -np.arange(1, N + 1), jnp.float32)
         dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
         args = (q, k, v, slopes)
-        for causal, res in ((True, "save"), (False, "save"), (True, "none"), (False, "none")):
+        for causal, res in ((True, "save"), (False, "save"), (True, "recompute"), (False, "recompute"),
+                            (True, "none"), (False, "none")):
             moa = loss_of(g, causal, res)
 
             def nn(q, k, v, sl, causal=causal):
@@ -203,8 +210,9 @@ def alibi():
                                                             implementation="xla") * g)
 
             fns = {}
-            before = (("moajax, terms apart", moa, guarded_sums_apart) if res == "save" else
-                      ("moajax, row walks inside", moa, row_walks_inside))
+            before = {"save": ("moajax, terms apart", moa, guarded_sums_apart),
+                      "recompute": ("moajax, row walks inside", moa, row_walks_inside),
+                      "none": ("moajax, residuals recompute", loss_of(g, causal, "recompute"), None)}[res]
             for name, loss, ctx in (("moajax", moa, None), before,
                                     ("moajax, no score_mod", loss_of(g, causal, res, slopes_on=False), None),
                                     ("jax.nn, [N, T, S] bias", nn, None)):
@@ -217,6 +225,7 @@ def alibi():
         for causal in (True, False):
             fns = {name: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3))).lower(*args).compile()
                    for name, f in (("save", loss_of(g, causal, "save")), ("none", loss_of(g, causal, "none")),
+                                   ("recompute", loss_of(g, causal, "recompute")),
                                    ("jax.checkpoint of save", jax.checkpoint(loss_of(g, causal, "save"))))}
             rows = compiled_contenders(fns, args, reps=REPS.value, reference="save", pick=lambda out: out[1][3])
             held += _rows(rows, "save", f"{T} | {'yes' if causal else 'no'}", None)

@@ -307,6 +307,11 @@ def main():
                     if dt == "float32":  # both at IEEE float32 (the rows above: TF32 dots, JAX's default)
                         con["moajax owner ieee"] = ieee(grad_fn(moajax_attn(causal, onf=Preset.of(backward="owner"))))
                         con["jax.nn xla ieee"] = ieee(grad_fn(jaxnn_attn(causal, "xla")))
+                    if dt == "bfloat16":  # holding nothing: the saving forward rerun in the backward
+                        # ("none", 2026-12-07) against the adjoint recomputing max, ℓ and Δ itself
+                        for res in ("none", "recompute"):
+                            con[f"moajax owner residuals {res}"] = grad_fn(moajax_attn(causal, onf=Preset.of(
+                                backward="owner", residuals=res)))
                     con["jax.nn xla"] = grad_fn(jaxnn_attn(causal, "xla"))
                     if dt != "float32":  # cuDNN's fused attention takes 16-bit inputs only
                         con["jax.nn cudnn"] = grad_fn(jaxnn_attn(causal, "cudnn"))
@@ -530,6 +535,9 @@ def main():
             race(f"rmsnorm grad n={n} d={d} {dt}",
                  {"jax.nn": rms_grad(rms), "moajax": rms_grad(moajax.rms_norm),
                   "moajax residuals=none": rms_grad(lambda x, g: moajax.rms_norm(x, g, residuals="none")),
+                  # (a GPU's "none" reruns the saving forward where its flops pay, which the H200's
+                  # profile counts: 2026-12-07; "recompute" keeps what "none" ran before)
+                  "moajax residuals=recompute": rms_grad(lambda x, g: moajax.rms_norm(x, g, residuals="recompute")),
                   "moajax residuals=save": rms_grad(lambda x, g: moajax.rms_norm(x, g, residuals="save"))},
                  (x, g, dy), None, 20, "jax.nn")
         # the gated MLP's gradient in bfloat16 at Llama's widths: until 2026-12-06 the A100 and the
@@ -567,7 +575,7 @@ def main():
 
     # ---- 7. a bfloat16 score_mod table's gradient: Δ read from Out (saved) or from keys (none)
     if rep.section("7. bfloat16 attention: the ALiBi slopes' gradient (and dq, dk, dv) against float64, slopes in "
-                   "float32 and bfloat16, residuals save and none (`bench/results/table_grad_precision.md`, the "
+                   "float32 and bfloat16, residuals save and recompute (`bench/results/table_grad_precision.md`, the "
                    "H200's schedule in interpret mode: float32 slopes 1.1e-3 to 6.8e-3 under both, their gradient "
                    "recomputing Δ from the keys; bfloat16 slopes 1.4e-3 to 7.6e-3, floor 1.3e-3 to 2.8e-3, since "
                    "2026-12-06 carried in float32 and recomputing Δ too, up to 4.9e-1 before; jax.nn's with the "

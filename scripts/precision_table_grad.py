@@ -4,7 +4,8 @@ A table's gradient (ALiBi's slopes: Σ over rows and keys of dS × |i − j|) su
 rows, where Σ_s dS = Σ_s P × (dP − Δ) is 0 only if Δ = +/(P × dP) for the backward's own P.
 Under residuals "save" the backward reads Δ = +/(dO × O) from the saved Out (Δ-from-output);
 on a GPU in bfloat16 the forward rounded P to bfloat16 for its dot with V, so that Δ is not the
-backward's, and every row adds its mismatch. Under "none" the backward computes Δ from its own
+backward's, and every row adds its mismatch. Under "recompute" (what "none" was until
+2026-12-07: "none" now reruns the saving forward and reads Out) the backward computes Δ from its own
 P. Cases: the H200's Pallas schedule run in interpret mode on the CPU ('pallas', the GPU's
 16-bit dots) and the CPU's XLA kernels ('xla'), both on the same bfloat16 inputs, against
 float64 (the XLA path on the inputs widened). Error: max |grad − grad64| over max |grad64|,
@@ -52,7 +53,7 @@ def rows(impls) -> list:
         w = jnp.asarray(r.normal(size=(1, T, 8, H)), jnp.float32)
         drawn = r.uniform(0.05, 0.5, size=8)
         for sdt, lengths, res in itertools.product(("float32", "bfloat16"), (None, jnp.asarray([T * 17 // 30], jnp.int32)),
-                                                   ("save", "none", "jax.nn")):
+                                                   ("save", "recompute", "jax.nn")):
             slopes = jnp.asarray(drawn, sdt)
             at = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(S)[None, :])
 
@@ -62,7 +63,7 @@ def rows(impls) -> list:
                 o = jax.nn.dot_product_attention(q, k, v, bias=bias, query_seq_lengths=lengths, implementation=impl)
                 return jnp.sum(o.astype(w.dtype) * w)
 
-            def loss(slopes, q, k, v, impl, res="none" if res == "jax.nn" else res, lengths=lengths):
+            def loss(slopes, q, k, v, impl, res="recompute" if res == "jax.nn" else res, lengths=lengths):
                 mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)  # noqa: E731
                 o = moajax.dot_product_attention(q, k, v, score_mod=mod, query_seq_lengths=lengths,
                                                  implementation=impl, onf=Preset.of(residuals=res))
@@ -120,7 +121,8 @@ def main(argv):
               "their sums): the 'xla' rows read it, the 'pallas' rows (the GPU's schedule) recompute.",
               "Before these, the bfloat16-slopes rows were (slopes' gradient): 30, 2, 8 — save pallas 2.6e-1, save "
               "xla 1.2e-1, none pallas 1.2e-1, none xla 2.1e-3; with lengths 4.9e-1, 1.3e-1, 3.5e-2, 5.8e-3; 64, 64, "
-              "32 — 1.3e-2, 7.8e-3, 8.9e-3, 2.6e-3; with lengths 1.9e-2, 9.1e-3, 1.9e-2, 8.1e-3."]
+              "32 — 1.3e-2, 7.8e-3, 8.9e-3, 2.6e-3; with lengths 1.9e-2, 9.1e-3, 1.9e-2, 8.1e-3 (\"none\" then: what "
+              "\"recompute\" is since 2026-12-07, when \"none\" began to rerun the saving forward)."]
     write_results(OUT.value, lines)
 
 

@@ -11,10 +11,10 @@ No GPU here: the H200's Pallas schedule runs in interpret mode on the CPU with i
 dots' operands cut to TF32 (``PallasBackend.interpret_tf32``: "truncated", what a tensor
 core given float32 registers does, or "rounded" to nearest). Paths: 'reads Out' (what a GPU
 runs: residuals "save", Δ = +/(dO × O)); 'recomputes Δ' (the same with TF32 counted as
-rounding: ``gpu_dots_round`` made True); 'none' (residuals "none", which recompute every
-statistic); 'xla' (the CPU's kernels, IEEE float32: the float32 floor). Error: max |grad −
-float64's| over max |float64's|, per argument; float64 is the XLA path on the inputs
-widened. Nothing is timed.
+rounding: ``gpu_dots_round`` made True); 'none' (residuals "recompute", which recompute
+every statistic in the backward's kernels: what "none" was until 2026-12-07); 'xla' (the CPU's
+kernels, IEEE float32: the float32 floor). Error: max |grad − float64's| over max
+|float64's|, per argument; float64 is the XLA path on the inputs widened. Nothing is timed.
 
 `python scripts/precision_tf32_table_grad.py` writes bench/results/table_grad_precision_tf32.md.
 """
@@ -39,7 +39,7 @@ CASES = (  # (T = S, H, causal, query lengths as a fraction of T or None, score_
     (256, 64, False, None, "alibi"), (256, 64, False, 17 / 30, "alibi"), (512, 64, True, None, "alibi"),
     (256, 64, False, None, "relpos"), (512, 64, True, None, "relpos"))
 PATHS = (("reads Out", "pallas_interpret", "save", None), ("recomputes Δ", "pallas_interpret", "save", True),
-         ("none", "pallas_interpret", "none", None))
+         ("none", "pallas_interpret", "recompute", None))
 
 
 def rows() -> list:
@@ -78,7 +78,7 @@ def rows() -> list:
 
         case = f"{T}, {H}, {mod_name}" + (", causal" if causal else "") + ("" if lengths is None else f", lengths {int(lengths[0])}")
         grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-        want = grad(*(x.astype(jnp.float64) for x in (table, q, k, v)), "xla", "none")
+        want = grad(*(x.astype(jnp.float64) for x in (table, q, k, v)), "xla", "recompute")
 
         def errors(impl, res):
             got = jax.jit(grad, static_argnums=(4, 5))(table, q, k, v, impl, res)
@@ -127,12 +127,13 @@ def main(argv):
         lines.append(f"- {mode}: the table's gradient reading Out {min(table['reads Out']):.1e} to "
                      f"{max(table['reads Out']):.1e}, recomputing Δ {min(table['recomputes Δ']):.1e} to "
                      f"{max(table['recomputes Δ']):.1e} (reading Out at most {ratio:.1f}× recomputing), residuals "
-                     f"\"none\" {min(table['none']):.1e} to {max(table['none']):.1e}; dq, dk and dv of the same runs "
-                     f"up to {others:.1e}.")
+                     f"\"recompute\" {min(table['none']):.1e} to {max(table['none']):.1e}; dq, dk and dv of the "
+                     f"same runs up to {others:.1e}.")
     lines += ["", "'reads Out': what a GPU runs for a float32 forward (residuals \"save\"; Δ = +/(dO × O) read from "
               "the saved Out, TF32 not counted as rounding by `Kernel.gpu_dots_round`); 'recomputes Δ': the same "
-              "with TF32 counted (Δ = +/(P × dP) from the backward's own P); 'none': residuals \"none\"; 'xla': the "
-              "CPU's kernels in IEEE float32, the floor without TF32."]
+              "with TF32 counted (Δ = +/(P × dP) from the backward's own P); 'none': residuals \"recompute\" "
+              "(\"none\" until 2026-12-07, which now reruns the saving forward); 'xla': the CPU's kernels in IEEE "
+              "float32, the floor without TF32."]
     write_results(OUT.value, lines)
 
 

@@ -929,7 +929,7 @@ def test_second_derivatives_of_a_bfloat16_table_run_the_backward_of_each_platfor
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_alibi_gradient_without_saved_statistics_past_one_key_tile(causal):
-    """ALiBi slopes with residuals "none" at T = S = 320, past the CPU's walk tile (256): the
+    """ALiBi slopes with residuals "recompute" at T = S = 320, past the CPU's walk tile (256): the
     slopes' kernel walks the keys and the queries in tiles, and the rows' max, ℓ and Δ (walks
     of the keys) sit under both — since 2026-12-07 with the queries' walk outside
     (``rewrites.row_walks_out``: evaluated once per query tile, where under Σ_s they were
@@ -945,7 +945,7 @@ def test_alibi_gradient_without_saved_statistics_past_one_key_tile(causal):
 
     def ours(q, k, v, sl):
         return jnp.sum(moajax.dot_product_attention(q, k, v, score_mod=alibi(sl), is_causal=causal,
-                                                    onf=schedule.Preset.of(residuals="none")) * g)
+                                                    onf=schedule.Preset.of(residuals="recompute")) * g)
 
     got = jax.grad(ours, argnums=(0, 1, 2, 3))(q, k, v, slopes)
     want = score_mod_grads_f64(q, k, v, slopes, g, alibi, causal)

@@ -583,7 +583,7 @@ def test_plans_walking_the_queries_give_the_gradient(backward):
 
 @pytest.mark.parametrize("profile", ["delta-a100", "h200"])
 def test_an_online_pass_read_across_the_query_walk_goes_to_memory(profile, monkeypatch):
-    """The atomic plan recomputing the softmax (residuals="none") with a [T S] mask over a
+    """The atomic plan recomputing the softmax (residuals="recompute") with a [T S] mask over a
     batch of 2 and 2 keys: its programs walk the queries, and the online pass (the row max and
     sum) is read across that walk. Like a plain stage it goes to memory (``rewrites.place``);
     before, the GPU derivation raised "'max_s' is not a plain stage". Float64 gradients
@@ -607,7 +607,7 @@ def test_an_online_pass_read_across_the_query_walk_goes_to_memory(profile, monke
 
     f = jax.jit(jax.grad(lambda a, b, c: jnp.sum(moajax.dot_product_attention(
         a, b, c, mask=mask, score_mod=cap, implementation="pallas_interpret",
-        onf=Preset.of(backward="atomic", residuals="none")) * g), argnums=(0, 1, 2)))
+        onf=Preset.of(backward="atomic", residuals="recompute")) * g), argnums=(0, 1, 2)))
     try:
         for got, want in zip(f(q, k, v), jax.grad(ref, argnums=(0, 1, 2))(q, k, v)):
             assert rel_err(got, want) <= F64
@@ -677,7 +677,7 @@ def test_jvp_where_the_gpu_schedule_splits_the_tangent_over_the_keys(monkeypatch
 
 @pytest.mark.parametrize("profile", ["h200", "delta-a40"])
 def test_a_table_read_hoisted_out_of_a_renamed_walk(monkeypatch, profile):
-    """GQA with residuals "none" and a score_mod reading a relative-position table and a
+    """GQA with residuals "recompute" and a score_mod reading a relative-position table and a
     document id at kv_idx: the default plan's dK kernel recomputes each row's max over the
     keys in a walk of its own (``separate_walks``: s → s_), which read the document id
     hoisted as a stage over s at s_ — refused by name on the default plan ("stage 'max_s'
@@ -698,7 +698,7 @@ def test_a_table_read_hoisted_out_of_a_renamed_walk(monkeypatch, profile):
             mod = lambda s, b, h, i, j: jnp.where(doc[i] == doc[j], s + table[jnp.clip(i - j, -3, 3) + 3],  # noqa: E731
                                                   -jnp.inf)
             out = moajax.dot_product_attention(q, k, v, score_mod=mod, is_causal=True, implementation=impl,
-                                               residuals="none")
+                                               residuals="recompute")
             return jnp.sum(out * g)
         return f
 
@@ -923,7 +923,7 @@ def test_the_seeds_plans_take_a_score_mod_array_at_model_shapes(profile, monkeyp
 
 
 def test_a_whole_axis_is_padded_to_the_block_pallas_reads(monkeypatch):
-    """A per-head temperature s·(1 + 0.1·c[b + 2h]) over 7 keys, residuals "none" on the A100: the
+    """A per-head temperature s·(1 + 0.1·c[b + 2h]) over 7 keys, residuals "recompute" on the A100: the
     forward's keys are an axis no rewrite lifted, read whole in a block of 8, and the input
     was padded to 7 only (an out-of-bounds load on a GPU; in interpret mode a TypeError from
     lax.dynamic_slice). Float64 gradients against XLA's, rel ≤ 1e-12."""
@@ -942,7 +942,7 @@ def test_a_whole_axis_is_padded_to_the_block_pallas_reads(monkeypatch):
         return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, table)
 
     try:
-        for got, want in zip(grads("pallas_interpret", Preset.of(backward="atomic", residuals="none")), grads("xla")):
+        for got, want in zip(grads("pallas_interpret", Preset.of(backward="atomic", residuals="recompute")), grads("xla")):
             assert rel_err(got, want) <= F64
     finally:
         runtime.schedules.cache_clear()

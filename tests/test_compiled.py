@@ -308,7 +308,7 @@ def test_the_forward_saves_row_statistics_the_backward_reads():
     rx = jax.grad(lambda x, w: jnp.sum(rmsnorm.reference(x, w) * x), argnums=(0, 1))(x, w)
     assert all(rel_err(a, b) <= F64 for a, b in zip(gx, rx))
     assert relu2_attention.row_statistics(tuple([relu2_attention.expression(q, k, v, _args([(8, 12)], 1)[0])]))[1] == []
-    with pytest.raises(ValueError, match="residuals must be 'auto', 'save', 'none' or a tuple of labels"):
+    with pytest.raises(ValueError, match="residuals must be 'auto', 'save', 'none', 'recompute' or a tuple of labels"):
         attention(q, k, v, residuals="lse")
 
 
@@ -418,6 +418,123 @@ def test_the_residual_policy_is_a_schedule_choice():
         attention(q, k, v, onf=Preset.of(residuals="none"), residuals="save")
     with pytest.raises(ValueError, match="Preset: residuals must be"):
         Preset.of(residuals="lse")
+
+
+def _kernels_asked(monkeypatch) -> list:
+    """The names of the kernels whose compiled functions are asked for from now on (a spy on
+    ``Kernel.compiled``: a trace asks for each kernel it runs)."""
+    from moajax.kernel import Kernel
+
+    names, compiled = [], Kernel.compiled
+
+    def spy(self, *a, **kw):
+        names.append(self.name)
+        return compiled(self, *a, **kw)
+
+    monkeypatch.setattr(Kernel, "compiled", spy)
+    return names
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_holding_nothing_reruns_the_saving_forward_where_its_flops_pay(impl, monkeypatch):
+    """residuals "none" holds nothing between forward and backward: its pullback holds what
+    "recompute"'s does (the inputs). Attention's backward then reruns the saving forward and
+    runs the adjoint reading what it saved (FlashAttention's backward without a saved
+    log-sum-exp), since the cost model counts fewer flops for the two than for the adjoint
+    recomputing max, ℓ and Δ in its own kernels (``Kernel._rerun_pays``), which "recompute"
+    runs. GQA, causal, query lengths, jitted: both against the float64 reference at 1e-10 (F64).
+    On a CPU RMSNorm's recomputing adjoint counts fewer flops (it recomputes r from x alone), so
+    "none" runs it there; whichever runs, "none" runs what ``_rerun_pays`` chose."""
+    r = np.random.default_rng(21)
+    q, g = (r.standard_normal((2, 12, 4, 8)) for _ in range(2))
+    k, v = (r.standard_normal((2, 16, 2, 8)) for _ in range(2))
+    lengths = np.array([12, 7], np.int32)
+    want = R.mha_variants(q, k, v, is_causal=True, query_seq_lengths=lengths, dout=g)[:3]
+    names = _kernels_asked(monkeypatch)
+    leaves = {}
+    for res in ("none", "recompute", "save"):
+        def f(q, k, v, res=res):
+            return moajax.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                                implementation=impl, residuals=res)
+        names.clear()
+        got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * g), argnums=(0, 1, 2)))(q, k, v)
+        assert all(rel_err(a, b) <= F64 for a, b in zip(got, want)), res
+        ran = set(names)
+        if res != "save":
+            assert any(n.endswith("_adjoint_saved") for n in ran) == (res == "none"), (res, ran)
+            assert any(n.endswith("_saving") for n in ran) == (res == "none"), (res, ran)
+            assert any(n.endswith("_adjoint") for n in ran) == (res == "recompute"), (res, ran)
+        leaves[res] = len(jax.tree_util.tree_leaves(jax.vjp(f, q, k, v)[1]))
+    assert leaves["none"] == leaves["recompute"] < leaves["save"], leaves
+    # the interface ledger: under "none" the backward writes the statistics and reads them back
+    from moajax.kernels.attention import attention
+
+    qs, ks, vs = _args([(8, 4), (12, 4), (12, 6)], 12)
+    rows = {res: [(r.phase, r.array, r.access) for r in attention.interface_ledger(qs, ks, vs, residuals=res)]
+            for res in ("none", "recompute", "save")}
+    assert [r for r in rows["none"] if r[0] == "forward"] == [r for r in rows["recompute"] if r[0] == "forward"]
+    for row in (("backward", "saved0", "write"), ("backward", "saved1", "write"), ("backward", "saved0", "read")):
+        assert row in rows["none"] and row not in rows["recompute"], rows
+    assert ("forward", "saved0", "write") in rows["save"]
+
+    from moajax.kernels.norm import rmsnorm
+
+    x, w, gx = _args([(6, 8), (8,), (6, 8)], 22)
+    pays = rmsnorm._rerun_pays(rmsnorm._key([x, w], {}), {}, impl)
+    assert pays == (impl != "xla")  # (the GPU profile's recomputing plan counts 1.4× the CPU's flops here)
+    names.clear()
+    got = jax.grad(lambda x, w: jnp.sum(rmsnorm(x, w, residuals="none", implementation=impl) * gx),
+                   argnums=(0, 1))(x, w)
+    assert ("rmsnorm_adjoint" in names) != pays and any(n.endswith("_saving") for n in names) == pays, names
+    assert all(rel_err(a, b) <= F64 for a, b in zip(got, R.rmsnorm_backward(x, w, gx)))
+
+
+def test_holding_nothing_reruns_the_saving_forward_under_vmap_and_differentiates_again(monkeypatch):
+    """The rerun saving forward under ``jax.vmap``, one level and two (k and v shared by the
+    outer batch: their cotangents summed over it in the kernel), is vmapped level by level
+    as the adjoint is batched: each gradient against the float64 reference summed by hand,
+    1e-10 (F64). A second derivative (Hessian-vector product) of "none" differentiates the
+    rerun forward and the saved adjoint: against "recompute"'s and a jnp float64 composition."""
+    r = np.random.default_rng(23)
+    q, g = (r.standard_normal((3, 2, 1, 6, 2, 4)) for _ in range(2))  # [outer, inner, B, T, N, H]
+    k, v = (r.standard_normal((2, 1, 9, 2, 4)) for _ in range(2))  # [inner, B, S, N, H]
+
+    def attn(q, k, v):
+        return moajax.dot_product_attention(q, k, v, is_causal=True, residuals="none")
+
+    twice = jax.vmap(jax.vmap(attn), in_axes=(0, None, None))
+    names = _kernels_asked(monkeypatch)
+    got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(twice(q, k, v) * g), argnums=(0, 1, 2)))(q, k, v)
+    assert any("_saving" in n for n in names) and any("_adjoint_saved" in n for n in names), names
+    dq = np.zeros_like(q)
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    for o in range(3):
+        for i in range(2):
+            a, b, c = R.mha_variants(q[o, i], k[i], v[i], is_causal=True, dout=g[o, i])[:3]
+            dq[o, i] = a
+            dk[i] += b
+            dv[i] += c
+    for a, b in zip(got, (dq, dk, dv)):
+        assert rel_err(a, b) <= F64
+    once = jax.vmap(attn, in_axes=(0, None, None))
+    got = jax.grad(lambda q, k, v: jnp.sum(once(q, k, v) * g[:, 0]), argnums=(1,))(q[:, 0], k[0], v[0])[0]
+    want = sum(R.mha_variants(q[o, 0], k[0], v[0], is_causal=True, dout=g[o, 0])[1] for o in range(3))
+    assert rel_err(got, want) <= F64
+
+    q1, k1, v1 = q[0, 0], k[0], v[0]
+
+    def plain(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(4)
+        s = jnp.where(np.tril(np.ones((6, 9), bool)), s, -jnp.inf)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+    def hvp(fn):
+        return jax.jvp(jax.grad(lambda q: jnp.sum(jnp.sin(fn(q, k1, v1)))), (q1,), (v1[:, :6],))[1]
+
+    want = hvp(plain)
+    for res in ("none", "recompute"):
+        got = hvp(lambda q, k, v: moajax.dot_product_attention(q, k, v, is_causal=True, residuals=res))
+        assert rel_err(got, want) <= F64, res
 
 
 def test_value_and_grad_of_a_softmax_kernel_lowers_the_saving_forward_to_pallas():

@@ -461,16 +461,16 @@ DEAD_ROWS = {
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 @pytest.mark.parametrize("case", list(DEAD_ROWS))
 def test_a_forward_leaving_out_dead_rows_changes_no_bit(case, impl):
-    """The forward alone (no statistics saved: inference, and the forward of residuals "none")
+    """The forward alone (no statistics saved: inference, and the forward of residuals "recompute")
     leaves out the programs past a query length (tiles of 2 rows: several lie past each length
-    here): its output, and the gradient under residuals "none", bitwise those of every tile
+    here): its output, and the gradient under residuals "recompute", bitwise those of every tile
     walked (the interior tiles masked in both: ``test_skipping_changes_no_bit…``) and within float64's 1e-12 of the reference, finite (the dead rows' 0 ÷ 0 never
     leaves the select that drops it)."""
     kw = dict(DEAD_ROWS[case])
     q, k, v, g = _qkv()
     runs = []
     for skip in (None, False):
-        onf = Preset.of(tiles=TILES, skip=skip, unmask_interior=False, residuals="none")
+        onf = Preset.of(tiles=TILES, skip=skip, unmask_interior=False, residuals="recompute")
 
         def f(q, k, v, onf=onf):
             return moajax.dot_product_attention(q, k, v, implementation=impl, onf=onf, **kw)
@@ -492,11 +492,11 @@ def test_a_saving_forward_leaving_out_dead_rows_changes_no_gradient_bit(case, im
     ``identities.guard_statistics``), so it too leaves out the programs past a query length
     (``test_a_saving_forward_saves_its_statistics_guarded``): the gradients are bitwise those
     of every tile walked, finite and within float64's 1e-12 of the reference; a second
-    derivative too, within 1e-12 of the one that saves nothing (residuals "none")."""
+    derivative too, within 1e-12 of the one that saves nothing and recomputes in its kernels (residuals "recompute")."""
     kw = dict(DEAD_ROWS[case])
     q, k, v, g = _qkv()
     runs = []
-    for skip, residuals in ((None, "save"), (False, "save"), (None, "none")):
+    for skip, residuals in ((None, "save"), (False, "save"), (None, "recompute")):
         onf = Preset.of(tiles=TILES, skip=skip, unmask_interior=False, residuals=residuals)
 
         def f(q, k, v, onf=onf):
@@ -549,7 +549,7 @@ def test_a_statistic_past_a_length_keeps_its_value_whatever_the_scores_there():
     exp(1000 − 1000) ÷ S reads finite in dV's P × (t < L ? dO : 0) — the closed form, not a
     stand-in (a review found 1 there: P = exp(999) = ∞ in float64, and ∞ × 0 = NaN; in float32
     from an offset of 100). The gradients under "save"
-    are those of "none" to float64's 1e-12, finite, and the saving forward leaves out the
+    are those of "recompute" to float64's 1e-12, finite, and the saving forward leaves out the
     rows past the length."""
     from moajax import moa
     from moajax.kernel import kernel
@@ -571,12 +571,12 @@ def test_a_statistic_past_a_length_keeps_its_value_whatever_the_scores_there():
     assert any(sk.dead for sk in onf.skips)
     for impl in ("xla", "pallas_interpret"):
         grads = {}
-        for residuals in ("save", "none"):
+        for residuals in ("save", "recompute"):
             def loss(x, v, residuals=residuals):
                 return jnp.sum(offset_attention(x, v, lengths, residuals=residuals, implementation=impl,
                                                 onf=tiles) * g)
             grads[residuals] = jax.grad(loss, argnums=(0, 1))(x, v)
-        for a, want in zip(grads["save"], grads["none"]):
+        for a, want in zip(grads["save"], grads["recompute"]):
             assert np.all(np.isfinite(a))
             assert float(np.max(np.abs(np.asarray(a) - want))) <= 1e-12 * max(float(np.max(np.abs(want))), 1.0)
 

@@ -518,7 +518,7 @@ def test_a_vmaps_summed_batch_around_the_keys_is_laid_out_as_a_batch():
 
 
 def test_a_dots_batch_axis_held_whole_is_laid_out_before_the_rows():
-    """The Δ kernel of attention's backward that recomputes it (residuals "none"): Δ[t n] from
+    """The Δ kernel of attention's backward that recomputes it (residuals "recompute"): Δ[t n] from
     S = Σ_h Q[t n h] × K[s n h] and dP = Σ_e dO[t n e] × V[s n e], the heads n held whole, t
     one grid tile, s walked. n is the dots' batch (``Program.dot_batches``: read by both
     factors of each, t and s by one), so on a CPU it is laid out first (``cpu_batches``):
