@@ -459,6 +459,7 @@ class Kernel:
         floats = [_adjoint.differentiable(dt) for _, dt in key[0][0]]
         out_specs = [(o.shape, o.dtype) for o in dnf.outputs]
         chosen: list = []  # (the saving forward or None, the statistics it leaves out), once decided
+        reruns: dict = {}  # the args whose cotangents a backward gives → does "none" rerun the forward
         labels = residuals if isinstance(residuals, tuple) else ()
         if labels:  # named at the call, not first when differentiated (the saving forward is built then)
             import jax
@@ -512,8 +513,12 @@ class Kernel:
             backward without a saved log-sum-exp); else None. Under ``jax.vmap`` the forward is
             vmapped level by level (innermost first, as ``levels``: the outermost batch is each
             array's first axis), so the saved values and outputs have every batch axis."""
-            if residuals != "none" or not self._rerun_pays(key[0], options, implementation,
-                                                           tuple(self.params[i].name for i in wrt)):
+            if residuals != "none":
+                return None
+            if wrt not in reruns:  # (decided once per set of cotangents asked, as ``chosen``)
+                reruns[wrt] = self._rerun_pays(key[0], options, implementation,
+                                               tuple(self.params[i].name for i in wrt))
+            if not reruns[wrt]:
                 return None
             import jax
 
@@ -839,12 +844,13 @@ class Kernel:
         cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (outs if isinstance(outs, tuple) else (outs,))]
         return list(specs) + cts + self._saved_specs(specs, options, labels, unread) + cts
 
-    def interface_ledger(self, *specs, residuals="none", **options) -> list:
+    def interface_ledger(self, *specs, residuals="none", implementation=None, **options) -> list:
         """``cost.interface_ledger`` of this kernel's forward and the backward ``jax.grad`` runs
         under the residual policy ``residuals`` ("none", "recompute", "save" or a tuple of
         labels): the arrays each reads and writes, the saved ones written by the forward and
         read back; under "none" where the backward reruns the saving forward
-        (``_rerun_pays``), that forward's reads and writes are the backward's."""
+        (``_rerun_pays``, for the machine ``implementation`` runs on, as a call's), that
+        forward's reads and writes are the backward's."""
         from moajax import cost, runtime
 
         residuals = runtime.check_residuals(residuals, f"{self.name}.interface_ledger")
@@ -852,7 +858,8 @@ class Kernel:
             raise ValueError(f"{self.name}.interface_ledger: residuals must be chosen ('none', 'recompute', "
                              "'save' or labels)")
         forward = self.dnf(*specs, **options)
-        if residuals == "none" and self._rerun_pays(self._key(specs, options), options):
+        runtime.check_implementation(implementation, f"{self.name}.interface_ledger")
+        if residuals == "none" and self._rerun_pays(self._key(specs, options), options, implementation):
             adj, args = self.saved_adjoint(*specs, **options)
             return cost.interface_ledger(forward, self.saving_forward(*specs, **options).dnf(*specs, **options),
                                          adj.dnf(*args, **options))

@@ -486,6 +486,8 @@ def test_holding_nothing_reruns_the_saving_forward_where_its_flops_pay(impl, mon
     got = jax.grad(lambda x, w: jnp.sum(rmsnorm(x, w, residuals="none", implementation=impl) * gx),
                    argnums=(0, 1))(x, w)
     assert ("rmsnorm_adjoint" in names) != pays and any(n.endswith("_saving") for n in names) == pays, names
+    ledger = {res: rmsnorm.interface_ledger(x, w, residuals=res, implementation=impl) for res in ("none", "recompute")}
+    assert (ledger["none"] != ledger["recompute"]) == pays  # (the ledger of what this implementation runs)
     assert all(rel_err(a, b) <= F64 for a, b in zip(got, R.rmsnorm_backward(x, w, gx)))
 
 
