@@ -116,15 +116,16 @@ _COMPILED: dict = {}
 TILES = moajax.Preset.of(tiles={"t": 2, "s": 2})
 
 
-def _compiled(window, causal):
+def _compiled(window, causal, residuals="auto"):
     """jit(value and grads) per static configuration; the lengths are runtime arguments (a
     length equal to its sequence's pads nothing)."""
-    key = (window, causal)
+    key = (window, causal, residuals)
     if key not in _COMPILED:
         def run(q, k, v, g, ql, kvl):
             kw = dict(is_causal=causal, local_window_size=window, query_seq_lengths=ql, key_value_seq_lengths=kvl)
             # tiles of 2: several per axis, so the loops skip masked tiles (test_masked_tiles.py)
-            att = lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation="xla", onf=TILES, **kw)  # noqa: E731
+            att = lambda q, k, v: moajax.dot_product_attention(q, k, v, implementation="xla", onf=TILES,  # noqa: E731
+                                                               residuals=residuals, **kw)
             out, pullback = jax.vjp(att, q, k, v)  # the forward once: what it computes and saves
             return out, pullback(g)
 
@@ -145,9 +146,11 @@ def _close(a, b, tol):
     window=st.sampled_from([None, 0, 1, (0, 2), (3, 1)]),
     causal=st.booleans(),
     which=st.sampled_from(["none", "q", "kv", "both"]),  # which lengths pad (the others are full)
+    # "auto" saves on this CPU; "none" holds nothing and reruns the saving forward in the backward
+    residuals=st.sampled_from(["auto", "none"]),
     seed=st.integers(0, 2**16),
 )
-def test_random_windows_lengths_and_groupings(shape, window, causal, which, seed):
+def test_random_windows_lengths_and_groupings(shape, window, causal, which, residuals, seed):
     Bh, Th, Sh, Nh, Kh = shape
     r = np.random.default_rng(seed)
     q = r.standard_normal((Bh, Th, Nh, 2))
@@ -157,7 +160,7 @@ def test_random_windows_lengths_and_groupings(shape, window, causal, which, seed
     ql = r.integers(0, Th + 1, Bh).astype(np.int32) if which in ("q", "both") else np.full(Bh, Th, np.int32)
     kvl = r.integers(0, Sh + 1, Bh).astype(np.int32) if which in ("kv", "both") else np.full(Bh, Sh, np.int32)
     kw = dict(is_causal=causal, local_window_size=window, query_seq_lengths=ql, key_value_seq_lengths=kvl)
-    got, grads = _compiled(window, causal)(q, k, v, g, ql, kvl)
+    got, grads = _compiled(window, causal, residuals)(q, k, v, g, ql, kvl)
     assert _close(got, R.mha_variants(q, k, v, **kw), F64)
     for a, b in zip(grads, R.mha_variants(q, k, v, dout=g, **kw)):
         assert _close(a, b, F64)
