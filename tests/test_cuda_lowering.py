@@ -102,6 +102,22 @@ def test_value_and_grad_lowers_for_cuda():
     assert any("_adjoint" in n for n in names)  # the backward: Pallas kernels of the adjoint
 
 
+def test_holding_nothing_lowers_the_rerun_saving_forward_for_cuda():
+    # residuals "none": jax.grad's backward reruns the saving forward (one Pallas kernel) and
+    # runs the two kernels of the adjoint reading what it saved; "recompute"'s backward is the
+    # five kernels of the adjoint recomputing Δ, the max and the sum itself
+    q = jnp.ones((2, 64, 4, 64), jnp.bfloat16)
+
+    def kernels(residuals):
+        f = jax.grad(lambda q, k, v: moajax.dot_product_attention(
+            q, k, v, is_causal=True, residuals=residuals).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        return [k.name for k in triton_kernels(f, q, q, q)]
+
+    none, recompute = kernels("none"), kernels("recompute")
+    assert none[0].endswith("_saving") and all("_adjoint_saved" in n for n in none[1:]) and len(none) == 3, none
+    assert all("_adjoint" in n and "_saved" not in n for n in recompute) and len(recompute) == 5, recompute
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])  # multi-head, and GQA
 def test_the_saving_forward_is_one_online_pass_and_one_pallas_kernel(kv_heads):
     # its statistics are saved in the layout of Out's rows (moajax.identities.Layout), so the
