@@ -11,6 +11,9 @@ bench/results/attention_forward_cpu.md (machine and date on the first lines).
     python scripts/bench_attention.py --sizes 1024 4096 --reps 5
     python scripts/bench_attention.py --grad     # jit(grad), causal and not: bench/results/attention_grad_cpu.md
     python scripts/bench_attention.py --grad --kv-heads 2 --out …   # GQA: 8 query heads over 2 kv heads
+    python scripts/bench_attention.py --grad --residuals --sizes 1024 4096 --out …
+        # also moajax holding nothing between forward and backward: residuals "none" (the saving
+        # forward rerun in the backward) and "recompute" (the backward's kernels recompute)
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ def main():
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default: by size)")
     ap.add_argument("--out", default="", help="default bench/results/attention_{forward,grad}_cpu.md")
     ap.add_argument("--budget-gib", type=float, default=0.0, help="skip compiled temp memory above this (default: 70%% of available RAM)")
+    ap.add_argument("--residuals", action="store_true",
+                    help="--grad: also moajax under residuals 'none' and 'recompute', causal and not")
     args = ap.parse_args()
-    args.sizes = args.sizes or ([1024, 4096, 8192, 16384, 32768] if args.grad else [1024, 4096, 8192, 32768])
+    default_sizes = [1024, 4096, 8192, 16384, 32768] if args.grad else [1024, 4096, 8192, 32768]
+    args.sizes = args.sizes or default_sizes
     args.out = args.out or str(ROOT / "bench" / "results" / f"attention_{'grad' if args.grad else 'forward'}_cpu.md")
 
     import jax
@@ -86,6 +92,11 @@ def main():
         fns = {"moajax": fns["moajax"], "moajax causal": causal["moajax causal"],
                "moajax causal, every tile masked": masked, "moajax owner": owner,
                "jax.nn": fns["jax.nn"], "jax.nn causal": causal["jax.nn causal"]}
+        if args.residuals:  # holding nothing between forward and backward, both ways
+            for res in ("none", "recompute"):
+                fns[f"moajax residuals {res}"] = functools.partial(moajax.dot_product_attention, residuals=res)
+                fns[f"moajax causal residuals {res}"] = functools.partial(moajax.dot_product_attention,
+                                                                         residuals=res, is_causal=True)
         fns = {name: grad_of(f) for name, f in fns.items()}
     impls = {name: jax.jit(f) for name, f in fns.items()}
     # matmul flops: the forward's two (4·T·S·N·H); with --grad also the backward's five
@@ -131,7 +142,9 @@ def main():
             print(f"S={S:6d} {name:14s} best {min(ts):9.4f} s  median {t:9.4f} s  {flops / min(ts) / 1e9:7.1f} GF/s  "
                   f"temp {res[name]['temp'] / 2**20:9.1f} MiB", flush=True)
         for ours, theirs in (("moajax", "jax.nn"), ("moajax causal", "jax.nn causal"), ("moajax owner", "jax.nn"),
-                             ("moajax causal, every tile masked", "jax.nn causal")):
+                             ("moajax causal, every tile masked", "jax.nn causal"),
+                             *((f"moajax{c} residuals {res}", f"jax.nn{c}") for res in ("none", "recompute")
+                               for c in ("", " causal"))):
             if "t" in res.get(ours, {}) and "t" in res.get(theirs, {}):
                 out_m = jax.tree.leaves(runnable[ours](*operands))
                 out_j = jax.tree.leaves(runnable[theirs](*operands))
@@ -146,7 +159,8 @@ def main():
         "",
         machine_line(),
         f"Run: `python scripts/bench_attention.py{' --grad' if args.grad else ''}"
-        f"{f' --kv-heads {K}' if K != N else ''}` — B=1, N={N}{f' (GQA: {K} kv heads)' if K != N else ''}, H={D},"
+        f"{f' --kv-heads {K}' if K != N else ''}{' --residuals' if args.residuals else ''}"
+        f"{' --sizes ' + ' '.join(map(str, args.sizes)) if args.sizes != default_sizes else ''}` — B=1, N={N}{f' (GQA: {K} kv heads)' if K != N else ''}, H={D},"
         " float32, T = S; one process, "
         "compiled once per size; the contenders run in turn, each round starting one later (A B C D, B C D A, …), "
         "best and median of the repetitions after a warm-up.",
