@@ -81,31 +81,20 @@ def one_score_mod_kernel(masked: bool = False):
 
 def machine_line() -> str:
     """The line every committed results file starts with: the machine (with its widest vector
-    ISA: a cloud VM's "AMD EPYC" was an AVX2 part one day and an AVX-512 one the next, 2.5×
-    its GEMM rate), JAX, Python, the date."""
+    ISA, ``machines.vector_isa``), JAX, Python, the date."""
     import datetime
     import os
     import platform
 
     import jax
 
-    from moajax.machines import cpu_model
+    from moajax.machines import cpu_model, vector_isa
 
-    isa = _vector_isa()
+    isa = vector_isa()
     return (f"Machine: {cpu_model()}{f' ({isa})' if isa else ''}, {os.cpu_count()} cores, {platform.system()} "
             f"{platform.machine()}; JAX {jax.__version__}, Python {platform.python_version()}; "
             f"date {datetime.date.today().isoformat()}.")
 
-
-def _vector_isa() -> str:
-    """"AVX-512", "AVX2" or "" (the CPU's flags in /proc/cpuinfo; "" where there are none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")),
-                 set())
-    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
 
 
 def table_lines(head: str, rows) -> list:

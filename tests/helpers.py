@@ -45,6 +45,22 @@ def score_mod_grads_f64(q, k, v, c, g, mod, causal) -> tuple:
     return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, c)
 
 
+def jnp_attention(q, k, v, bias, keep, rows):
+    """softmax(Q Kᵀ/√H + bias, kept) V in float64 jnp, GQA by repeating K and V: differentiable
+    to any order by JAX itself (``references.mha_variants`` is NumPy; jax.nn computes in
+    float32). ``keep``: [B, N, T, S] bool (or broadcastable); ``rows``: [B, T] query rows
+    kept, or None."""
+    import jax.numpy as jnp
+
+    G = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, G, 2), jnp.repeat(v, G, 2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]) + bias
+    s = jnp.where(keep, s, -1e30)  # finite: a row past its query length (zeroed below) keeps no key
+    p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+    out = jnp.einsum("bnts,bsnh->btnh", p / jnp.sum(p, -1, keepdims=True), v)
+    return out if rows is None else out * rows[:, :, None, None]
+
+
 def rng(seed=0):
     return np.random.default_rng(seed)
 

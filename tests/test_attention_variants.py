@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import moajax
 import references as R
-from helpers import rel_err, scaled_err, score_mod_grads_f64, walk_eqns
+from helpers import jnp_attention, rel_err, scaled_err, score_mod_grads_f64, walk_eqns
 
 F64, F32 = 1e-12, 1e-5
 IMPLS = ["xla", "pallas_interpret"]
@@ -179,18 +179,6 @@ def test_check_grads_in_reverse_mode():
     check_grads(lambda q, k, v: moajax.dot_product_attention(q, k, v, **kw), (q, k, v), order=1, modes=("rev",))
 
 
-def _jnp_attention(q, k, v, bias, keep, rows):
-    """softmax(Q Kᵀ/√H + bias, kept) V in float64 jnp, GQA by repeating K and V: differentiable
-    to any order by JAX itself (``R.mha_variants`` is NumPy; jax.nn computes in float32)."""
-    G = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, G, 2), jnp.repeat(v, G, 2)
-    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]) + bias
-    s = jnp.where(keep, s, -1e30)  # finite: a row past its query length (zeroed below) keeps no key
-    p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
-    out = jnp.einsum("bnts,bsnh->btnh", p / jnp.sum(p, -1, keepdims=True), v)
-    return out if rows is None else out * rows[:, :, None, None]
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_second_derivatives_through_the_saved_residuals(impl):
     """The default call saves its row statistics and Out for the backward; a second derivative
@@ -212,7 +200,7 @@ def test_second_derivatives_through_the_saved_residuals(impl):
         return moajax.dot_product_attention(q, k, v, bias, implementation=impl, **kw)
 
     def theirs(q, k, v, bias):
-        return _jnp_attention(q, k, v, bias, keep, rows)
+        return jnp_attention(q, k, v, bias, keep, rows)
 
     def grad_norm(f):  # ½ Σ |∇ sum(sin(f) · g)|², whose gradient needs f's second derivative
         inner = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)) * g), argnums=(0, 1, 2, 3))

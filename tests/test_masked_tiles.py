@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 import moajax
 import references as R
+from helpers import jnp_attention
 from moajax import cost, machines, masked, runtime, schedule
 from moajax import dnf as D
 from moajax.kernels.attention import mha_kernel
@@ -492,11 +493,9 @@ def test_a_saving_forward_leaving_out_dead_rows_changes_no_gradient_bit(case, im
     ``identities.guard_statistics``), so it too leaves out the programs past a query length
     (``test_a_saving_forward_saves_its_statistics_guarded``): the gradients are bitwise those
     of every tile walked, finite and within float64's 1e-12 of the reference; a second
-    derivative too, within 1e-12 of jax's own of the softmax written in jnp (``_jnp_attention``;
+    derivative too, within 1e-12 of jax's own of the softmax written in jnp (``helpers.jnp_attention``;
     until 2026-12-07 of moajax's under residuals "recompute", whose second-order kernels took a
     third of the test's time)."""
-    from test_attention_variants import _jnp_attention
-
     kw = dict(DEAD_ROWS[case])
     q, k, v, g = _qkv()
 
@@ -520,7 +519,7 @@ def test_a_saving_forward_leaving_out_dead_rows_changes_no_gradient_bit(case, im
     keep = np.ones((B, N, T, S), bool) if keep is None else keep
     if kw.get("is_causal"):
         keep = keep & np.tril(np.ones((T, S), bool))
-    plain = lambda q, k, v: _jnp_attention(q, k, v, 0.0, keep, rows)  # noqa: E731
+    plain = lambda q, k, v: jnp_attention(q, k, v, 0.0, keep, rows)  # noqa: E731
     for a, b, want in zip(runs[0][3], runs[1][3], second(plain)(q, k, v)):
         assert np.array_equal(np.asarray(a), np.asarray(b)) and np.all(np.isfinite(a))
         assert float(np.max(np.abs(np.asarray(a) - want))) <= 1e-12 * max(float(np.max(np.abs(want))), 1.0)
