@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
@@ -50,6 +51,12 @@ def cmd_derive(args) -> int:
 def cmd_gpu_report(args) -> int:
     import os
 
+    try:  # (a case's label, before its kernels' names: "grad MHA causal adjoint float32 H=64")
+        only = None if args.only is None else re.compile(args.only).search
+    except re.error as e:
+        print(f"moajax gpu-report: --only is not a regular expression: {e}", file=sys.stderr)
+        return 2
+
     # an offline compile needs no GPU backend: where the CUDA plugin is installed but no CUDA
     # runtime is (a login node, a CPU host), starting its backend fails and its Triton
     # compilation handler is never registered ("no CUDA Triton compilation handler")
@@ -75,25 +82,25 @@ def cmd_gpu_report(args) -> int:
         return 2
     # derived with each GPU's spill check on (gpu_report.gpus): the tilings a GPU runs
     targets = gpu_report.gpus(tuple(args.arch or ()))
-    cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes), targets=targets)
+    two_bytes = tuple(d for d in ("bfloat16", "float32") if d in args.dtypes)
+    cases = gpu_report.default_cases(tuple(args.head_dims), tuple(args.dtypes), targets=targets, only=only)
     cases += gpu_report.backward_cases(tuple(h for h in args.head_dims if h in (64, 128)) or (64,),
-                                       tuple(args.dtypes), targets=targets)
-    cases += gpu_report.model_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), targets=targets)
-    cases += gpu_report.training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), targets=targets)
-    cases += gpu_report.tangent_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes), targets=targets)
-    cases += gpu_report.model_training_cases(tuple(d for d in ("bfloat16", "float32") if d in args.dtypes),
-                                             targets=targets)
-    cases += gpu_report.score_mod_cases(tuple(d for d in ("float32",) if d in args.dtypes), targets=targets)
+                                       tuple(args.dtypes), targets=targets, only=only)
+    for family in (gpu_report.model_cases, gpu_report.training_cases, gpu_report.tangent_cases,
+                   gpu_report.model_training_cases):
+        cases += family(two_bytes, targets=targets, only=only)
+    cases += gpu_report.score_mod_cases(tuple(d for d in ("float32",) if d in args.dtypes), targets=targets, only=only)
     reg = _kernels()
     for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
-        for m in targets:
-            cases.append((f"{name} float32 (example sizes)", m, schedule.derive(reg[name].dnf(), m)))
+        label = f"{name} float32 (example sizes)"
+        for m in targets if only is None or only(label) else ():
+            cases.append((label, m, schedule.derive(reg[name].dnf(), m)))
     header = ("| machine | arch | kernel | tiles (rows×keys) | warps | stages | smem B (ptxas) | smem B (model) "
               "| smem limit B | registers | spill st/ld B | atomics | wgmma / mma.sync | ok |")
     lines = [header, "|" + "---|" * 14]
     rows, bad = report_rows(cases, args.arch)
     lines += rows
-    paths = _two_paths(args, gpu_report)
+    paths = _two_paths(args, gpu_report, only)
     if args.out:
         import datetime
         from pathlib import Path
@@ -161,7 +168,7 @@ def report_rows(cases, archs=()) -> tuple:
     return lines, bad
 
 
-def _two_paths(args, gpu_report) -> list:
+def _two_paths(args, gpu_report, only=None) -> list:
     """The attention ONFs through both GPU paths, side by side: the Pallas kernel (jaxlib's
     Triton) and the ONF's generated Triton source (Triton's own compiler, jax-triton's path).
     Empty without Triton installed (the ``test`` extra brings it)."""
@@ -180,9 +187,10 @@ def _two_paths(args, gpu_report) -> list:
     import dataclasses
 
     def attention_cases(targets):
-        cases = [c for c in gpu_report.default_cases((64,), ("float32",), targets=targets)]
-        cases += [c for c in gpu_report.training_cases(("float32",), targets=targets) if "GQA" not in c[0]]
-        return cases + gpu_report.backward_cases((64,), ("float32",), targets=targets)
+        cases = gpu_report.default_cases((64,), ("float32",), targets=targets, only=only)
+        cases += gpu_report.training_cases(("float32",), targets=targets,
+                                           only=lambda label: "GQA" not in label and (only is None or only(label)))
+        return cases + gpu_report.backward_cases((64,), ("float32",), targets=targets, only=only)
 
     targets = gpu_report.gpus(tuple(args.arch or ()))
     # what implementation="triton" runs: the ONF its spill check derives through the source
@@ -352,6 +360,9 @@ def main(argv=None) -> int:
     g.add_argument("--head-dims", nargs="*", type=_positive_int, default=[64, 72, 128])
     g.add_argument("--dtypes", nargs="*", choices=GPU_REPORT_DTYPES, default=list(GPU_REPORT_DTYPES))
     g.add_argument("--out", default="", help="also write the table (markdown) here")
+    g.add_argument("--only", default=None, metavar="REGEX",
+                   help="only the cases whose label this regular expression matches (re.search), e.g. "
+                        "'grad MHA causal' or '^mha bfloat16'; the others are neither derived nor compiled")
     g.set_defaults(func=cmd_gpu_report)
     m = sub.add_parser("measure", help="time this machine's peak rates and bandwidth; write its profile")
     m.add_argument("--out", default="", help="write the profile here (default: the cache that machines.local() reads)")

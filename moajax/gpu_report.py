@@ -25,9 +25,10 @@ def _targets(targets) -> list:
     return gpus() if targets is None else targets
 
 
-def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", targets=None) -> list:
+def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", targets=None, only=None) -> list:
     """(label, machine, default ONF — or the ONFError saying why none fits) for every
-    configured GPU × dtype × head dim (or other size: ``size`` names it in the label)."""
+    configured GPU × dtype × head dim (or other size: ``size`` names it in the label); where
+    ``only`` (a predicate on the label) says no, no row and nothing derived."""
     import numpy as np
 
     from moajax import schedule
@@ -37,33 +38,39 @@ def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", targ
     for m in _targets(targets):
         for dt in dtypes:
             for h in head_dims:
+                name = f"{label} {dt} {size(h)}"
+                if only is not None and not only(name):
+                    continue
                 try:
                     onf = schedule.derive(dnf_for(np.dtype(dt), h), m)
                 except ONFError as e:  # no default fits this GPU: a finding, reported as such
                     onf = e
-                out.append((f"{label} {dt} {size(h)}", m, onf))
+                out.append((name, m, onf))
     return out
 
 
-def default_cases(head_dims=(64, 72, 128), dtypes=("float16", "bfloat16", "float32", "float64"), targets=None):
-    """The attention forward (jax.nn layout, B=1, T=S=1024, N=8)."""
+def default_cases(head_dims=(64, 72, 128), dtypes=("float16", "bfloat16", "float32", "float64"), targets=None,
+                  only=None):
+    """The attention forward (jax.nn layout, B=1, T=S=1024, N=8). ``only``: a predicate on a
+    case's label (before its kernels' names); the cases it refuses are neither built nor
+    derived — so for every family here."""
     from moajax.kernels.attention import mha_dnf
 
     return _cases("mha", lambda dt, h: mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), dt),
-                  head_dims, dtypes, targets=targets)
+                  head_dims, dtypes, targets=targets, only=only)
 
 
-def backward_cases(head_dims=(64, 128), dtypes=("bfloat16", "float32", "float64"), targets=None):
+def backward_cases(head_dims=(64, 128), dtypes=("bfloat16", "float32", "float64"), targets=None, only=None):
     """The fused forward+backward (one head, T=S=1024): its default ONF scatter-adds dK, dV."""
     import jax
 
     from moajax.kernels import attention_forward_backward
 
     return _cases("fwd+bwd", lambda dt, h: attention_forward_backward.dnf(
-        *[jax.ShapeDtypeStruct((1024, h), dt) for _ in range(4)]), head_dims, dtypes, targets=targets)
+        *[jax.ShapeDtypeStruct((1024, h), dt) for _ in range(4)]), head_dims, dtypes, targets=targets, only=only)
 
 
-def model_cases(dtypes=("bfloat16", "float32"), targets=None):
+def model_cases(dtypes=("bfloat16", "float32"), targets=None, only=None):
     """Kernels other than plain attention at realistic sizes: RMSNorm fused into a matmul and
     the SwiGLU MLP at n=4096, d=1024, f=4096; RMSNorm alone over Llama's widths (d = 4096 and
     8192: rows held whole, fewer than 16 a program); a row log-sum-exp over 4096 × 32768; decode of one
@@ -80,28 +87,28 @@ def model_cases(dtypes=("bfloat16", "float32"), targets=None):
     mlp = "n=4096 d=1024 f=4096"
     return (
         _cases("rmsnorm→matmul", lambda dt, _: rmsnorm_matmul.dnf(S((n, d), dt), S((d,), dt), S((d, f), dt)),
-               (mlp,), dtypes, size=str, targets=targets)
+               (mlp,), dtypes, size=str, targets=targets, only=only)
         + _cases("rmsnorm", lambda dt, d: rmsnorm.dnf(S((n, d), dt), S((d,), dt)), (4096, 8192), dtypes,
-                 size=lambda d: f"n={n} d={d}", targets=targets)
+                 size=lambda d: f"n={n} d={d}", targets=targets, only=only)
         + _cases("swiglu", lambda dt, _: swiglu.dnf(S((n, d), dt), S((d, f), dt), S((d, f), dt), S((f, d), dt)),
-                 (mlp,), dtypes, size=str, targets=targets)
+                 (mlp,), dtypes, size=str, targets=targets, only=only)
         + _cases("logsumexp", lambda dt, _: logsumexp.dnf(S((4096, 32768), dt)), ("4096×32768",), dtypes,
-                 size=str, targets=targets)
+                 size=str, targets=targets, only=only)
         + _cases("decode", lambda dt, _: decode.dnf(S((128,), dt), S((32768, 128), dt), S((32768, 128), dt)),
-                 ("s=32768 H=128",), dtypes, size=str, targets=targets)
+                 ("s=32768 H=128",), dtypes, size=str, targets=targets, only=only)
         + _cases("mha+bias[B N T S]", lambda dt, h: mha_dnf((1, 1024, 8, h), (1, 1024, 8, h), (1, 1024, 8, h), dt,
                                                             bias_shape=(1, 8, 1024, 1024), bias_dtype=dt),
-                 (64,), dtypes, targets=targets)
+                 (64,), dtypes, targets=targets, only=only)
     )
 
 
-def model_training_cases(dtypes=("bfloat16", "float32"), targets=None):
+def model_training_cases(dtypes=("bfloat16", "float32"), targets=None, only=None):
     """What ``jax.grad`` of ``rms_norm`` and ``gated_mlp`` runs on a GPU at the seed's block
     (n = 1024 tokens, d = 64, d_ff = 256) and at realistic sizes (RMSNorm at n = d = 4096, its
     adjoint recomputing r and reading it saved, which the residual policy "auto" picks on a
     GPU there; ``gated_mlp`` at n = 4096, d = 1024, d_ff = 4096, whose owner plan stages U, V,
     G_H): each kernel of the adjoint's plan its own row (the staged first kernel, the weight
-    gradients' split-K parts and their combine)."""
+    gradients' split-K parts and their combine). ``only`` as for ``default_cases``."""
     import jax
     import numpy as np
 
@@ -116,22 +123,41 @@ def model_training_cases(dtypes=("bfloat16", "float32"), targets=None):
                  ("swiglu", swiglu, (4096, 1024, 4096))]
         for name, kern, (n, d, f) in cases:
             specs = [S(n, d), S(d)] if f is None else [S(n, d), S(d, f), S(d, f), S(f, d)]
-            dnfs = [("adjoint", kern.adjoint(*specs).dnf(*specs, S(n, d)))]
+            dnfs = [("adjoint", _once(lambda kern=kern, specs=specs, n=n, d=d, S=S:
+                                      kern.adjoint(*specs).dnf(*specs, S(n, d))))]
             if name == "rmsnorm" and n == 4096:
-                adj, args = kern.saved_adjoint(*specs)
-                dnfs.append(("adjoint reading r", adj.dnf(*args)))
+                dnfs.append(("adjoint reading r", _once(lambda kern=kern, specs=specs: _saved_adjoint_dnf(kern, specs))))
             for what, dnf in dnfs:
                 for m in _targets(targets):
-                    out += _plan_rows(f"grad {name} {what} {dt} n={n} d={d}" + (f" f={f}" if f else ""), dnf, m)
+                    out += _plan_rows(f"grad {name} {what} {dt} n={n} d={d}" + (f" f={f}" if f else ""), dnf, m,
+                                      only)
     return out
 
 
-def _plan_rows(label: str, dnf, machine) -> list:
-    """(label, machine, ONF) per kernel of ``dnf``'s default plan for ``machine`` (each named by
-    its outputs), or one row with the ONFError saying why no plan fits."""
+def _once(build):
+    """``build`` called at most once, when first asked: a case's DNF is built only where a row
+    of it is wanted (``only``)."""
+    import functools
+
+    return functools.cache(build)
+
+
+def _saved_adjoint_dnf(kern, specs, **kw):
+    adj, args = kern.saved_adjoint(*specs, **kw)
+    return adj.dnf(*args, **kw)
+
+
+def _plan_rows(label: str, dnf_for, machine, only=None) -> list:
+    """(label, machine, ONF) per kernel of the default plan for ``machine`` of the DNF that
+    ``dnf_for()`` builds (each named by its outputs), or one row with the ONFError saying why no
+    plan fits; no row, and nothing built or derived, where ``only`` (a predicate on ``label``)
+    says no."""
     from moajax import schedule
     from moajax.onf import ONFError
 
+    if only is not None and not only(label):
+        return []
+    dnf = dnf_for()
     try:
         plan = schedule.derive_plan(dnf, machine)
     except ONFError as e:
@@ -140,13 +166,13 @@ def _plan_rows(label: str, dnf, machine) -> list:
             for onf in (plan if isinstance(plan, tuple) else (plan,))]
 
 
-def training_cases(dtypes=("bfloat16", "float32"), targets=None):
+def training_cases(dtypes=("bfloat16", "float32"), targets=None, only=None):
     """What ``jax.grad`` of ``dot_product_attention`` runs on a GPU (jax.nn layout, B=1,
     T=S=1024, N=8, H=64; multi-head K=8, GQA K=2, and causal multi-head, whose loops skip the
     masked tiles: their bounds are computed in the kernel; and causal multi-head beside a bool
     [t s] mask, a mask on data, whose skips the rows' statistics guard, ``onf.RowGuard``): the
     saving forward (Out with its row max and sum) and the derived adjoint's plan (one fused
-    ONF, or one per output), each ONF its own row."""
+    ONF, or one per output), each ONF its own row. ``only`` as for ``default_cases``."""
     import jax
     import numpy as np
 
@@ -158,17 +184,18 @@ def training_cases(dtypes=("bfloat16", "float32"), targets=None):
         for dt in dtypes:
             S = [jax.ShapeDtypeStruct((1, 1024, n, 64), np.dtype(dt)) for n in (8, kv, kv)]
             S += [jax.ShapeDtypeStruct((1024, 1024), np.bool_)] if mask else []
-            adj, args = kern.saved_adjoint(*S, is_causal=causal)
-            parts = [("saving forward", kern.saving_forward(*S, is_causal=causal).dnf(*S, is_causal=causal)),
-                     ("adjoint", adj.dnf(*args, is_causal=causal))]
+            parts = [("saving forward", _once(lambda kern=kern, S=S, causal=causal:
+                                              kern.saving_forward(*S, is_causal=causal).dnf(*S, is_causal=causal))),
+                     ("adjoint", _once(lambda kern=kern, S=S, causal=causal:
+                                       _saved_adjoint_dnf(kern, S, is_causal=causal)))]
             name = f"{'GQA K=2' if kv != 8 else 'MHA'}{' causal' if causal else ''}{' mask' if mask else ''}"
             for m in _targets(targets):
                 for what, dnf in parts:
-                    out += _plan_rows(f"grad {name} {what} {dt} H=64", dnf, m)
+                    out += _plan_rows(f"grad {name} {what} {dt} H=64", dnf, m, only)
     return out
 
 
-def tangent_cases(dtypes=("bfloat16", "float32"), targets=None):
+def tangent_cases(dtypes=("bfloat16", "float32"), targets=None, only=None):
     """What ``jax.jvp`` runs on a GPU (jax.nn layout, B=1, T=S=1024, N=8, H=64, plain and
     causal): the tangent kernel of ``dot_product_attention`` (derived in the algebra,
     ``Kernel.tangent``), and that of the attention kernel with a differentiable lse
@@ -190,7 +217,7 @@ def tangent_cases(dtypes=("bfloat16", "float32"), targets=None):
         for causal in (False, True):
             for dt in dtypes:  # (dtype by dtype: each dtype's rows over the GPUs together)
                 out += _cases(f"{what}{' causal' if causal else ''} tangent", tangent_dnf(kern, causal), (64,), (dt,),
-                              targets=targets)
+                              targets=targets, only=only)
     return out
 
 
@@ -234,19 +261,20 @@ def score_mod_dnfs(fn, shape, dtype, is_causal: bool = True) -> tuple:
     return kern.dnf(*S, *consts, is_causal=is_causal), adj.dnf(*args, is_causal=is_causal), tuple(consts)
 
 
-def score_mod_cases(dtypes=("float32",), targets=None):
+def score_mod_cases(dtypes=("float32",), targets=None, only=None):
     """``dot_product_attention`` with a ``score_mod`` (``score_mods``; jax.nn layout, B=1 —
     B=2 for the documents, whose table gradient then walks the batch: the loop whose
     accumulator ``rewrites.conditions_out`` keeps small —, T=S=1024, N=8, H=64, causal), its
-    forward and the derived adjoint's plan."""
+    forward and the derived adjoint's plan. ``only`` as for ``default_cases``."""
     out = []
     for dt in dtypes:
         for name, fn in score_mods().items():
             b = 2 if name == "alibi_document" else 1
-            forward, adjoint, _ = score_mod_dnfs(fn, (b, 1024, 8, 64), dt)
+            dnfs = _once(lambda fn=fn, b=b, dt=dt: score_mod_dnfs(fn, (b, 1024, 8, 64), dt))
             for m in _targets(targets):
-                for what, dnf in (("forward", forward), ("adjoint", adjoint)):
-                    out += _plan_rows(f"score_mod {name} causal {what} {dt} H=64{' B=2' if b != 1 else ''}", dnf, m)
+                for i, what in enumerate(("forward", "adjoint")):
+                    label = f"score_mod {name} causal {what} {dt} H=64{' B=2' if b != 1 else ''}"
+                    out += _plan_rows(label, lambda i=i, dnfs=dnfs: dnfs()[i], m, only)
     return out
 
 

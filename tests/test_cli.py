@@ -58,8 +58,9 @@ def test_module_entry_point():
     (["gpu-report", "--arch", "sm_90"], "no GPU profile has arch sm_90; the profiles' archs are"),
     (["gpu-report", "--dtypes", "bogus"], "argument --dtypes: invalid choice: 'bogus'"),
     (["gpu-report", "--head-dims", "0"], "argument --head-dims: 0 is not a positive integer"),
+    (["gpu-report", "--only", "grad (MHA"], "--only is not a regular expression: missing ), unterminated subpattern"),
     (["validate", "--reps", "0"], "argument --reps: 0 is not a positive integer"),
-], ids=["arch", "dtype", "head-dim", "reps"])
+], ids=["arch", "dtype", "head-dim", "only", "reps"])
 def test_bad_cli_arguments_are_refused_before_any_run(argv, said, capsys):
     """A typo'd arch matched no profile and reported 0 kernels with rc 0; a bad dtype or head
     dim, or 0 reps, failed with a traceback (or after the whole run): each is refused up front."""

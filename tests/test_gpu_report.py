@@ -3,6 +3,7 @@ shared memory at head dims ≤ 128, for every dtype. Skips (with the reason) onl
 CUDA plugin or ptxas is truly unavailable."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -73,11 +74,21 @@ def test_default_fused_backward_onf_compiles_with_atomics_and_no_spills(machine,
 
 @needs_compiler
 def test_cli_gpu_report_smoke(capsys):
+    """``moajax gpu-report`` end to end on one arch, over the cases ``--only`` picks (the
+    forward, and the causal training kernels: a saving forward and a two-kernel adjoint): every
+    kernel compiled clean, in both tables (Pallas, and beside it the Triton source where Triton
+    is installed), and no other case in them. The families are compiled case by case in the
+    tests above; the whole report is ``scripts``' and the committed ``gpu_report.md``'s."""
     from moajax.cli import main
 
-    rc = main(["gpu-report", "--arch", "sm_86", "--head-dims", "64", "--dtypes", "bfloat16"])
+    pattern = "^mha |^grad MHA causal (saving forward|adjoint)"
+    rc = main(["gpu-report", "--arch", "sm_86", "--head-dims", "64", "--dtypes", "bfloat16", "--only", pattern])
     out = capsys.readouterr().out
-    assert rc == 0 and "delta-a40" in out and "| yes |" in out
+    rows = [line.split(" | ")[2] for line in out.splitlines() if line.startswith("| delta-a40 | sm_86 | ")]
+    assert rc == 0 and all(re.search(pattern, r) for r in rows), rows
+    assert {"mha bfloat16 H=64", "grad MHA causal saving forward bfloat16 H=64",
+            "grad MHA causal adjoint bfloat16 H=64 d_query"} <= set(rows), rows
+    assert " kernels, 0 with spills" in out
 
 
 @needs_compiler
@@ -111,7 +122,7 @@ def test_gqa_training_kernels_compile_without_spills(machine):
     walked one at a time around the walk of the queries, Δ recomputed from dO and O in
     place — compile with 0 spill bytes. (Before the group's walk was taken one head at a
     time there, dK and dV held the queries whole, did not fit one kernel, and ran as two.)"""
-    cases = [c for c in gpu_report.training_cases(("bfloat16",), targets=[machine]) if "GQA" in c[0]]
+    cases = gpu_report.training_cases(("bfloat16",), targets=[machine], only=lambda label: "GQA" in label)
     assert [c[0].split("bfloat16 H=64")[-1].strip() for c in cases] == ["", "d_query", "d_key_d_value"]
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -147,8 +158,8 @@ def test_causal_training_kernels_with_skipped_tiles_compile_without_spills(machi
     in the kernel from its program id (the masked tiles skipped). Lowering to Triton IR is not
     enough — jnp's integer floor division and a min over a stack of scalars lowered, but did
     not compile — so each is compiled to PTX: 0 spill bytes, and every walk has its skip."""
-    cases = [c for c in gpu_report.training_cases(("float32",), targets=[machine]) if "causal" in c[0]]
-    plain = [c for c in cases if "mask" not in c[0]]
+    plain = gpu_report.training_cases(("float32",), targets=[machine],
+                                      only=lambda label: "causal" in label and "mask" not in label)
     assert [c[0].split("float32 H=64")[-1].strip() for c in plain] == ["", "d_query", "d_key_d_value"]
     # beside a bool mask (a mask on data) the forward's and dV's kept skips are guarded by the
     # rows' statistics: the forward's running max checked after its walk, and a walk of every
@@ -156,7 +167,7 @@ def test_causal_training_kernels_with_skipped_tiles_compile_without_spills(machi
     # steps of 1024 rows. Derived as a GPU derives them, the spill check on: the saving
     # forward's first table tiling spills 4 B on sm_86 and sm_90a (80 registers)
     spill_checked = dataclasses.replace(machine, spill_check=True)
-    masked = [c for c in gpu_report.training_cases(("float32",), targets=[spill_checked]) if "mask" in c[0]]
+    masked = gpu_report.training_cases(("float32",), targets=[spill_checked], only=lambda label: "mask" in label)
     cases = plain + masked
     assert [c[0].split("float32 H=64")[-1].strip() for c in masked] == ["", "d_query", "d_key_d_value"]
     assert isinstance(masked[0][2].skips[0].guard, RowGuard) and masked[0][2].skips[0].kept == (True,)
@@ -201,7 +212,7 @@ def test_the_seeds_block_gradients_compile_without_spills(config):
     TF32 the table's first tiling of dZ spills 28 B; the check takes the next)."""
     with jax.default_matmul_precision(config):
         targets = gpu_report.gpus(("sm_80",))
-        cases = [c for c in gpu_report.model_training_cases(("float32",), targets=targets) if "n=1024 d=64" in c[0]]
+        cases = gpu_report.model_training_cases(("float32",), targets=targets, only=lambda label: "n=1024 d=64" in label)
     assert {c[0].split()[1] for c in cases} == {"rmsnorm", "swiglu"} and len(cases) >= 5
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -215,8 +226,8 @@ def test_score_mod_table_reads_are_gathers_on_the_gpu():
     load in the Pallas kernel, not a one-hot Σ over the table: the causal forward and the
     adjoint's dK-with-dV kernel (the owner plan's: P once per tile) compile for the A100 with
     0 spill bytes."""
-    cases = [c for c in gpu_report.score_mod_cases(("float32",), targets=[machines.load("delta-a100")])
-             if "relpos" in c[0]]
+    cases = gpu_report.score_mod_cases(("float32",), targets=[machines.load("delta-a100")],
+                                       only=lambda label: "relpos" in label)
     wanted = [c for c in cases if c[0].endswith(("forward float32 H=64", "d_key_d_value"))]
     assert len(wanted) == 2, [c[0] for c in cases]
     for label, m, onf in wanted:
@@ -250,11 +261,13 @@ def test_score_mod_table_gradients_fill_the_gpu_without_spills(machine, config):
     checked = dataclasses.replace(machine, spill_check=True)
     with jax.default_matmul_precision(config):
         target = machine if config else checked
-        cases = [c for c in gpu_report.score_mod_cases(("float32",), targets=[target])
-                 if "d_score_mod_const" in c[0] and (target is checked or "alibi_document" not in c[0])]
+        # the documents' adjoint derived as a GPU derives it (checked) under both precisions
+        cases = gpu_report.score_mod_cases(("float32",), targets=[target], only=lambda label: "adjoint" in label and (
+            target is checked or "alibi_document" not in label))
         if target is not checked:
-            cases += [c for c in gpu_report.score_mod_cases(("float32",), targets=[checked])
-                      if "d_score_mod_const" in c[0] and "alibi_document" in c[0]]
+            cases += gpu_report.score_mod_cases(("float32",), targets=[checked],
+                                                only=lambda label: "adjoint" in label and "alibi_document" in label)
+        cases = [c for c in cases if "d_score_mod_const" in c[0]]
     assert {c[0].split()[1] for c in cases} == {"alibi", "relpos", "alibi_document"}
     for label, m, onf in cases:
         assert not isinstance(onf, Exception), (label, onf)
@@ -830,3 +843,20 @@ def test_a_kernel_without_dots_steps_to_fewer_rows_where_16_spill():
     assert first.axis("n").tile == 16 and ptx.spill_bytes(first, "sm_80") > 0
     checked = schedule.derive(dnf, dataclasses.replace(a100, spill_check=True))
     assert checked.axis("n").tile == 8 and ptx.spill_bytes(checked, "sm_80") == 0
+
+
+def test_a_case_only_refuses_is_neither_built_nor_derived(monkeypatch):
+    """``only`` picks cases by label before their DNFs are built: a test or a report asking for
+    some rows derives (and, with the spill check on, compiles) nothing else."""
+    built, derived = [], []
+    real_derive = schedule.derive_plan
+    monkeypatch.setattr(schedule, "derive_plan", lambda dnf, m: derived.append(dnf.name) or real_derive(dnf, m))
+    real_dnfs = gpu_report.score_mod_dnfs
+    monkeypatch.setattr(gpu_report, "score_mod_dnfs", lambda *a, **k: built.append(a[0]) or real_dnfs(*a, **k))
+    h200 = machines.load("h200")
+    assert gpu_report.score_mod_cases(("float32",), targets=[h200], only=lambda label: False) == []
+    assert gpu_report.training_cases(("float32",), targets=[h200], only=lambda label: False) == []
+    assert gpu_report.model_training_cases(("float32",), targets=[h200], only=lambda label: False) == []
+    assert built == [] and derived == []
+    rows = gpu_report.score_mod_cases(("float32",), targets=[h200], only=lambda label: "softcap causal forward" in label)
+    assert [r[0] for r in rows] == ["score_mod softcap causal forward float32 H=64"] and len(built) == len(derived) == 1
