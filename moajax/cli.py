@@ -93,7 +93,7 @@ def cmd_gpu_report(args) -> int:
     reg = _kernels()
     for name in ("attention", "decode", "rmsnorm", "swiglu", "block"):
         label = f"{name} float32 (example sizes)"
-        for m in targets if only is None or only(label) else ():
+        for m in targets if gpu_report.wanted(only, label) else ():
             cases.append((label, m, schedule.derive(reg[name].dnf(), m)))
     header = ("| machine | arch | kernel | tiles (rows×keys) | warps | stages | smem B (ptxas) | smem B (model) "
               "| smem limit B | registers | spill st/ld B | atomics | wgmma / mma.sync | ok |")
@@ -189,7 +189,7 @@ def _two_paths(args, gpu_report, only=None) -> list:
     def attention_cases(targets):
         cases = gpu_report.default_cases((64,), ("float32",), targets=targets, only=only)
         cases += gpu_report.training_cases(("float32",), targets=targets,
-                                           only=lambda label: "GQA" not in label and (only is None or only(label)))
+                                           only=lambda label: "GQA" not in label and gpu_report.wanted(only, label))
         return cases + gpu_report.backward_cases((64,), ("float32",), targets=targets, only=only)
 
     targets = gpu_report.gpus(tuple(args.arch or ()))

@@ -25,6 +25,11 @@ def _targets(targets) -> list:
     return gpus() if targets is None else targets
 
 
+def wanted(only, label: str) -> bool:
+    """Does the predicate ``only`` (None: every case) keep the case labelled ``label``?"""
+    return only is None or bool(only(label))
+
+
 def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", targets=None, only=None) -> list:
     """(label, machine, default ONF — or the ONFError saying why none fits) for every
     configured GPU × dtype × head dim (or other size: ``size`` names it in the label); where
@@ -39,7 +44,7 @@ def _cases(label: str, dnf_for, head_dims, dtypes, size=lambda h: f"H={h}", targ
         for dt in dtypes:
             for h in head_dims:
                 name = f"{label} {dt} {size(h)}"
-                if only is not None and not only(name):
+                if not wanted(only, name):
                     continue
                 try:
                     onf = schedule.derive(dnf_for(np.dtype(dt), h), m)
@@ -143,6 +148,8 @@ def _once(build):
 
 
 def _saved_adjoint_dnf(kern, specs, **kw):
+    """The DNF of ``kern``'s adjoint that reads the saved statistics and outputs (what
+    ``jax.grad`` runs where saving pays), for the primals ``specs``."""
     adj, args = kern.saved_adjoint(*specs, **kw)
     return adj.dnf(*args, **kw)
 
@@ -155,7 +162,7 @@ def _plan_rows(label: str, dnf_for, machine, only=None) -> list:
     from moajax import schedule
     from moajax.onf import ONFError
 
-    if only is not None and not only(label):
+    if not wanted(only, label):
         return []
     dnf = dnf_for()
     try:
@@ -257,8 +264,8 @@ def score_mod_dnfs(fn, shape, dtype, is_causal: bool = True) -> tuple:
     mod = _check_score_mod(fn, np.dtype(dtype))
     kern = mha_kernel(None, None, False, False, False, mod)
     consts = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in mod.consts]
-    adj, args = kern.saved_adjoint(*S, *consts, is_causal=is_causal)
-    return kern.dnf(*S, *consts, is_causal=is_causal), adj.dnf(*args, is_causal=is_causal), tuple(consts)
+    return (kern.dnf(*S, *consts, is_causal=is_causal), _saved_adjoint_dnf(kern, [*S, *consts], is_causal=is_causal),
+            tuple(consts))
 
 
 def score_mod_cases(dtypes=("float32",), targets=None, only=None):
